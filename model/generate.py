@@ -1,0 +1,83 @@
+"""Autoregressive generation over the latent KV cache: one prefill, then one decode step per token.
+
+``stream`` yields after every step so a caller (the recorder) can flush that step's signals before
+the next one; ``generate`` just collects it. Sampling is greedy (temperature 0), temperature, or
+nucleus (top-p), seeded through a private ``torch.Generator``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from .model import Transformer
+
+
+@dataclass
+class Step:
+    """One generation step. ``logits`` [T, V] are the logits at every position the step computed."""
+
+    index: int  # 0 = prefill, n = n-th decode step
+    start_pos: int
+    input_ids: list[int]  # tokens fed in this step
+    logits: torch.Tensor  # [T, V] fp32
+    next_token: int  # sampled from logits[-1]; fed in at the next step (the last one never is)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """Pick the next token from logits [V]."""
+    if not torch.isfinite(logits).all():
+        # a broken model must not crash the sampler: non-finite entries are never chosen
+        logits = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=float("-inf"))
+        if not torch.isfinite(logits).any():
+            return 0
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < top_p  # always keeps the first
+        sorted_p = sorted_p * keep
+        choice = torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=generator)
+        return int(order[choice])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def stream(model: Transformer, prompt: Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
+           top_p: float = 1.0, seed: int = 0, eos_id: int | None = None) -> Iterator[Step]:
+    """Yield the prefill step, then each decode step. The model's cache is set up and cleared here."""
+    prompt = list(prompt)
+    if not prompt:
+        raise ValueError("empty prompt: at least one token is needed")
+    total = len(prompt) + max_new_tokens
+    if total > model.args.max_seq_len:
+        raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"max_seq_len {model.args.max_seq_len}")
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    model.setup_cache(1, total)
+    try:
+        with torch.inference_mode():
+            ids, pos = prompt, 0
+            for index in range(max_new_tokens):
+                logits = model(torch.tensor([ids], device=device), start_pos=pos)[0]  # [T, V]
+                nxt = sample(logits[-1].cpu(), temperature, top_p, gen)
+                yield Step(index, pos, ids, logits, nxt)
+                pos += len(ids)
+                ids = [nxt]
+                if eos_id is not None and nxt == eos_id:
+                    return
+    finally:
+        model.clear_cache()
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt: Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0, eos_id: int | None = None) -> list[int]:
+    """Return the generated tokens (prompt excluded)."""
+    out = []
+    for step in stream(model, prompt, max_new_tokens, temperature, top_p, seed, eos_id):
+        if step.next_token >= 0:
+            out.append(step.next_token)
+    return out
