@@ -1,0 +1,112 @@
+"""Probes: pure functions of captured tensors -> small columnar records (dicts of numpy arrays).
+
+No model access, no I/O: each function takes tensors that a hook saw and returns what the store keeps,
+so every signal is testable on random tensors. Everything is reduced here, inside the hook, so nothing
+O(T^2) outlives a block of attention rows.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+
+def token_confidence(logits: torch.Tensor, next_ids: torch.Tensor, k: int = 5) -> dict[str, np.ndarray]:
+    """Confidence of each produced token under the distribution that produced it.
+
+    Args:
+        logits: [T, V] logits; row t is the distribution for the token at t+1.
+        next_ids: [T] the tokens actually produced (teacher-forced for the prompt).
+        k: number of top alternatives kept.
+    Returns: prob, logprob, confidence (max prob), entropy (nats), rank (1 = argmax), topk_ids, topk_probs.
+    Non-finite logits give NaN signals and rank -1, never an exception.
+    """
+    logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)  # [T, V]
+    p = logp.exp()
+    chosen = logp.gather(1, next_ids.long()[:, None])[:, 0]  # [T]
+    entropy = -torch.special.xlogy(p, p).sum(-1)
+    finite = torch.isfinite(logits).all(-1)
+    rank = (logits > logits.gather(1, next_ids.long()[:, None])).sum(-1) + 1
+    rank = torch.where(finite, rank, torch.full_like(rank, -1))
+    top_p, top_i = p.topk(min(k, p.size(-1)), dim=-1)
+    return {
+        "prob": chosen.exp().numpy().astype(np.float64),
+        "logprob": chosen.numpy().astype(np.float64),
+        "confidence": p.max(-1).values.numpy().astype(np.float64),
+        "entropy": entropy.numpy().astype(np.float64),
+        "rank": rank.numpy().astype(np.int32),
+        "topk_ids": top_i.numpy().astype(np.int32),
+        "topk_probs": top_p.numpy().astype(np.float64),
+    }
+
+
+def attention_stats(probs: torch.Tensor, q_start: int) -> dict[str, np.ndarray]:
+    """Per query row x head statistics of causal attention probabilities.
+
+    Args:
+        probs: [Tc, H, S] attention probabilities of queries q_start..q_start+Tc-1 over keys 0..S-1
+            (keys after a query are zero).
+        q_start: absolute position of the first query row.
+    Returns: pos [Tc], entropy / norm_entropy / max_weight / sink_weight [Tc, H]. norm_entropy is
+        entropy / log(number of visible keys), NaN where only one key is visible.
+    """
+    probs = probs.float()
+    entropy = -torch.special.xlogy(probs, probs).sum(-1)  # [Tc, H]
+    pos = torch.arange(q_start, q_start + probs.size(0))
+    n_keys = (pos + 1).float()[:, None]
+    norm = torch.where(n_keys > 1, entropy / torch.log(n_keys.clamp(min=2)), torch.full_like(entropy, float("nan")))
+    return {
+        "pos": pos.numpy().astype(np.int32),
+        "entropy": entropy.numpy().astype(np.float64),
+        "norm_entropy": norm.numpy().astype(np.float64),
+        "max_weight": probs.amax(-1).numpy().astype(np.float64),
+        "sink_weight": probs[..., 0].numpy().astype(np.float64),
+    }
+
+
+def attention_received(probs: torch.Tensor) -> torch.Tensor:
+    """Attention each key received from a block of queries, summed over heads and queries. [Tc,H,S] -> [S]."""
+    return probs.float().sum(dim=(0, 1))
+
+
+def routing_records(indices: torch.Tensor, weights: torch.Tensor, scores: torch.Tensor,
+                    bias: torch.Tensor) -> dict[str, np.ndarray]:
+    """Routing slots of each token, by decreasing gate weight.
+
+    Args:
+        indices, weights: [N, K] the gate's chosen experts and mixing weights.
+        scores: [N, E] raw scores (after sigmoid/softmax); bias: [E] selection bias.
+    Returns: slot, expert, weight, score [N, K] and margin [N]: the lowest chosen selection score
+        (score + bias) minus the best unchosen one, over all experts (negative where group-limited
+        routing overrode a better expert).
+    """
+    order = weights.float().argsort(dim=-1, descending=True)
+    idx = indices.gather(1, order)
+    w = weights.float().gather(1, order)
+    sel = scores.float() + bias.float()
+    chosen = torch.zeros_like(sel, dtype=torch.bool).scatter_(1, indices, True)
+    last_chosen = sel.masked_fill(~chosen, float("inf")).amin(-1)
+    best_other = sel.masked_fill(chosen, float("-inf")).amax(-1)
+    n, k = idx.shape
+    return {
+        "slot": np.broadcast_to(np.arange(k, dtype=np.int32), (n, k)).copy(),
+        "expert": idx.numpy().astype(np.int32),
+        "weight": w.numpy().astype(np.float64),
+        "score": scores.float().gather(1, idx).numpy().astype(np.float64),
+        "margin": (last_chosen - best_other).numpy().astype(np.float64),
+    }
+
+
+def kv_token_norms(latent: torch.Tensor, rope: torch.Tensor) -> dict[str, np.ndarray]:
+    """L2 norms of cached latents [S, C] and rope keys [S, R]."""
+    return {
+        "latent_norm": latent.float().norm(dim=-1).numpy().astype(np.float64),
+        "rope_norm": rope.float().norm(dim=-1).numpy().astype(np.float64),
+    }
+
+
+def entropy_bound(n: int) -> float:
+    """Upper bound of a distribution's entropy over n outcomes (nats)."""
+    return math.log(n)

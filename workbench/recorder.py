@@ -1,0 +1,283 @@
+"""The recorder: runs generation with probes attached and streams each step's signals into the store.
+
+Hooks reduce tensors on the fly (probes/), the recorder turns one step's reductions into polars
+frames, and a background ``Writer`` commits them as one transaction per step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import polars as pl
+import torch
+
+from model import MoE, Transformer, file_sha256, load_checkpoint, load_tokenizer, state_sha256, stream
+from probes import attach
+from probes.signals import (attention_received, attention_stats, kv_token_norms, routing_records,
+                            token_confidence)
+
+from .store import Store, Writer
+
+PROBES = ("tokens", "attention", "routing", "kv", "steps")
+MAX_PROMPT_CHARS = 200_000
+
+
+def _layer_of(name: str) -> int:
+    return int(name.split(".")[1])
+
+
+@dataclass
+class _StepBuffers:
+    attention: list[dict] = field(default_factory=list)
+    routing: dict[int, dict] = field(default_factory=lambda: defaultdict(dict))
+
+
+class Recorder:
+    """Hooks for one model; ``collect`` after each step returns that step's frames."""
+
+    def __init__(self, model: Transformer, run_id: str, probes: Iterable[str] = PROBES, topk: int = 5):
+        self.model, self.run_id, self.topk = model, run_id, topk
+        self.probes = set(probes)
+        unknown = self.probes - set(PROBES)
+        if unknown:
+            raise ValueError(f"unknown probes {sorted(unknown)}; choose from {PROBES}")
+        self.buf = _StepBuffers()
+        self.received: dict[int, torch.Tensor] = {}
+        self.moe_layers = [i for i, l in enumerate(model.layers) if isinstance(l.ffn, MoE)]
+
+    def hooks(self) -> dict[str, Callable]:
+        h: dict[str, Callable] = {}
+        if "attention" in self.probes or "kv" in self.probes:
+            h["layers.*.attn.hook_attn_probs"] = self._on_probs
+        if "routing" in self.probes and self.moe_layers:
+            h["layers.*.ffn.gate.hook_scores"] = self._keep("scores")
+            h["layers.*.ffn.gate.hook_indices"] = self._keep("indices")
+            h["layers.*.ffn.gate.hook_weights"] = self._keep("weights")
+        return h
+
+    def _on_probs(self, probs: torch.Tensor, name: str, q_start: int, **_) -> None:
+        layer = _layer_of(name)
+        p = probs[0].detach()  # [Tc, H, S], batch 1
+        if "attention" in self.probes:
+            self.buf.attention.append({"layer": layer, **attention_stats(p, q_start)})
+        if "kv" in self.probes:
+            got = attention_received(p)
+            acc = self.received.get(layer)
+            if acc is None or acc.numel() < got.numel():
+                grown = torch.zeros(max(got.numel(), 1))
+                if acc is not None:
+                    grown[: acc.numel()] = acc
+                acc = grown
+            acc[: got.numel()] += got
+            self.received[layer] = acc
+
+    def _keep(self, key: str) -> Callable:
+        def fn(t: torch.Tensor, name: str, **_) -> None:
+            self.buf.routing[_layer_of(name)][key] = t.detach()
+        return fn
+
+    def collect(self, step_index: int, start_pos: int, n_fed: int, tokens_frame: pl.DataFrame | None,
+                wall_ms: float, final: bool) -> dict[str, pl.DataFrame]:
+        rid = self.run_id
+        out: dict[str, pl.DataFrame] = {}
+        if tokens_frame is not None:
+            out["tokens"] = tokens_frame
+        if self.buf.attention:
+            frames = []
+            for rec in self.buf.attention:
+                tc, h = rec["entropy"].shape
+                frames.append(pl.DataFrame({
+                    "pos": np.repeat(rec["pos"], h), "layer": np.full(tc * h, rec["layer"], np.int32),
+                    "head": np.tile(np.arange(h, dtype=np.int32), tc),
+                    "entropy": rec["entropy"].ravel(), "norm_entropy": rec["norm_entropy"].ravel(),
+                    "max_weight": rec["max_weight"].ravel(), "sink_weight": rec["sink_weight"].ravel(),
+                }))
+            out["attention"] = pl.concat(frames).with_columns(pl.lit(rid).alias("run_id")) \
+                .with_columns(pl.col("norm_entropy").fill_nan(None))
+        if self.buf.routing:
+            frames = []
+            for layer, d in sorted(self.buf.routing.items()):
+                if not {"scores", "indices", "weights"} <= d.keys():
+                    continue
+                gate = self.model.layers[layer].ffn.gate
+                r = routing_records(d["indices"], d["weights"], d["scores"], gate.bias.detach())
+                n, k = r["expert"].shape
+                pos = np.arange(start_pos, start_pos + n, dtype=np.int32)
+                frames.append(pl.DataFrame({
+                    "pos": np.repeat(pos, k), "layer": np.full(n * k, layer, np.int32), "slot": r["slot"].ravel(),
+                    "expert": r["expert"].ravel(), "weight": r["weight"].ravel(), "score": r["score"].ravel(),
+                    "margin": np.repeat(r["margin"], k),
+                }))
+            if frames:
+                out["routing"] = pl.concat(frames).with_columns(pl.lit(rid).alias("run_id"))
+        if "kv" in self.probes:
+            rows, tok_frames = [], []
+            for i, layer in enumerate(self.model.layers):
+                cache = layer.attn.cache
+                if cache is None:
+                    continue
+                rows.append((i, cache.length, cache.length * cache.bytes_per_token()))
+                if final or step_index == 0:
+                    norms = kv_token_norms(cache.kv[0, : cache.length], cache.pe[0, : cache.length])
+                    recv = self.received.get(i, torch.zeros(cache.length))
+                    recv = torch.nn.functional.pad(recv, (0, max(0, cache.length - recv.numel())))[: cache.length]
+                    tok_frames.append(pl.DataFrame({
+                        "layer": np.full(cache.length, i, np.int32), "pos": np.arange(cache.length, dtype=np.int32),
+                        **norms, "attn_received": recv.numpy().astype(np.float64),
+                    }))
+            out["kv"] = pl.DataFrame(rows, schema=["layer", "cached_tokens", "bytes"], orient="row").with_columns(
+                pl.lit(rid).alias("run_id"), pl.lit(step_index).alias("step"))
+            if tok_frames:
+                out["kv_tokens"] = pl.concat(tok_frames).with_columns(pl.lit(rid).alias("run_id"),
+                                                                      pl.lit(step_index).alias("step"))
+        if "steps" in self.probes:
+            out["steps"] = pl.DataFrame({"run_id": [rid], "step": [step_index],
+                                         "kind": ["prefill" if step_index == 0 else "decode"],
+                                         "n_tokens": [n_fed], "wall_ms": [wall_ms]})
+        self.buf = _StepBuffers()
+        return out
+
+
+def token_frame(run_id: str, step: int, positions: list[int], token_ids: list[int], texts: list[str],
+                is_prompt: list[bool], logits: torch.Tensor | None, k: int) -> pl.DataFrame:
+    """Token rows; ``logits`` [n, V] are the distributions that produced them (None: position 0)."""
+    n = len(positions)
+    cols: dict = {"run_id": [run_id] * n, "pos": positions, "step": [step] * n, "token_id": token_ids,
+                  "text": texts, "is_prompt": is_prompt}
+    schema = {"prob": pl.Float64, "logprob": pl.Float64, "confidence": pl.Float64, "entropy": pl.Float64,
+              "rank": pl.Int32, "topk_ids": pl.List(pl.Int32), "topk_probs": pl.List(pl.Float64)}
+    if logits is None:
+        df = pl.DataFrame(cols)
+        return df.with_columns([pl.lit(None, dtype=t).alias(c) for c, t in schema.items()])
+    sig = token_confidence(logits, torch.tensor(token_ids), k)
+    for c in ("prob", "logprob", "confidence", "entropy", "rank"):
+        cols[c] = sig[c]
+    cols["topk_ids"] = [list(r) for r in sig["topk_ids"]]
+    cols["topk_probs"] = [list(r) for r in sig["topk_probs"]]
+    # NaN stays NaN (not NULL): the anomaly detectors look for non-finite values
+    return pl.DataFrame(cols).with_columns([pl.col(c).cast(t) for c, t in schema.items()])
+
+
+def resolve_model(model, dtype: torch.dtype | None = None, device: str = "cpu"):
+    """(module, label, sha256) for None (bundled demo), a checkpoint path, or a loaded module."""
+    if model is None or isinstance(model, (str, Path)):
+        path = Path(model) if model else None
+        mod = load_checkpoint(path, dtype=dtype or torch.float32, device=device)
+        return mod, str(mod.checkpoint_path), file_sha256(mod.checkpoint_path)
+    if dtype is not None:
+        model = model.to(dtype)
+    label = getattr(model, "checkpoint_path", None) or type(model).__name__
+    sha = file_sha256(label) if getattr(model, "checkpoint_path", None) and dtype is None else state_sha256(model)
+    return model, str(label), sha
+
+
+def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_tokens: int = 64,
+           temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, db=None, dtype: str | None = None,
+           probes: Iterable[str] = PROBES, topk: int = 5, progress: bool = False,
+           on_token: Callable[[int, str], None] | None = None, parent_run_id: str | None = None,
+           run_id: str | None = None):
+    """Generate from ``prompt`` with probes attached and store every signal; returns the ``Run``.
+
+    Args:
+        prompt: text (encoded with ``tokenizer``) or token ids.
+        model: None (bundled demo), a checkpoint folder (ours or Hugging Face DeepseekV3), or a module.
+        tokenizer: a ``tokenizers.Tokenizer``, a path, or None (the checkpoint's, else the bundled one).
+        db: database path or ``Store`` (default ``$WORKBENCH_DB`` or ``data/workbench.duckdb``).
+        dtype: "float32" / "bfloat16" to run the model in that dtype.
+        on_token: called as ``on_token(pos, text)`` for each generated token (live streaming).
+    """
+    from .run import Run
+
+    if isinstance(prompt, str) and not prompt.strip():
+        raise ValueError("empty prompt: type some text to record")
+    if isinstance(prompt, str) and len(prompt) > MAX_PROMPT_CHARS:
+        raise ValueError(f"prompt of {len(prompt)} characters is over the {MAX_PROMPT_CHARS} limit")
+    store = db if isinstance(db, Store) else Store(db)
+    torch_dtype = {None: None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                   "bf16": torch.bfloat16, "float16": torch.float16}[dtype]
+    module, label, sha = resolve_model(model, torch_dtype)
+    if tokenizer is None or isinstance(tokenizer, (str, Path)):
+        ckpt = getattr(module, "checkpoint_path", None)
+        tok_path = tokenizer or (Path(ckpt) / "tokenizer.json" if ckpt and (Path(ckpt) / "tokenizer.json").exists()
+                                 else None)
+        tokenizer = load_tokenizer(tok_path)
+    ids = list(prompt) if not isinstance(prompt, str) else tokenizer.encode(prompt).ids
+    if not ids:
+        raise ValueError("the prompt encodes to no tokens")
+    limit = module.args.max_seq_len
+    if len(ids) + max_new_tokens > limit:
+        raise ValueError(f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds the model's "
+                         f"context of {limit} tokens")
+    run_id = run_id or uuid.uuid4().hex[:12]
+    p = next(module.parameters())
+    params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "topk": topk,
+              "probes": sorted(set(probes)), "prompt_ids": ids}
+    store.append({"runs": pl.DataFrame({
+        "run_id": [run_id], "created_at": [datetime.now(timezone.utc).replace(tzinfo=None)], "status": ["running"],
+        "model": [label], "config": [json.dumps(module.args.to_dict())], "checkpoint_sha256": [sha],
+        "dtype": [str(p.dtype).removeprefix("torch.")], "device": [str(p.device)],
+        "prompt": [prompt if isinstance(prompt, str) else tokenizer.decode(ids)], "params": [json.dumps(params)],
+        "seed": [seed], "parent_run_id": [parent_run_id], "n_prompt_tokens": [len(ids)], "n_tokens": [len(ids)],
+        "pid": [os.getpid()],
+    })})
+    rec = Recorder(module, run_id, probes, topk)
+    writer = Writer(store)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    texts = [tokenizer.decode([i]) for i in ids]
+    n_tokens = len(ids)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=max_new_tokens, desc=f"record {run_id}", unit="tok", file=__import__("sys").stderr)
+    status, error = "complete", None
+    try:
+        with attach(module, rec.hooks()):
+            it = stream(module, ids, max_new_tokens, temperature, top_p, seed, eos)
+            t0 = time.perf_counter()
+            for step in it:
+                wall_ms = (time.perf_counter() - t0) * 1e3
+                n = len(step.input_ids)
+                new_pos = step.start_pos + n
+                new_text = tokenizer.decode([step.next_token])
+                frames = []
+                if step.index == 0 and "tokens" in rec.probes:
+                    frames.append(token_frame(run_id, 0, [0], ids[:1], texts[:1], [True], None, topk))
+                    if n > 1:
+                        frames.append(token_frame(run_id, 0, list(range(1, n)), ids[1:], texts[1:], [True] * (n - 1),
+                                                  step.logits[:-1].cpu(), topk))
+                if "tokens" in rec.probes:
+                    frames.append(token_frame(run_id, step.index, [new_pos], [step.next_token], [new_text], [False],
+                                              step.logits[-1:].cpu(), topk))
+                final = new_pos + 1 >= len(ids) + max_new_tokens or step.next_token == eos
+                batch = rec.collect(step.index, step.start_pos, n, pl.concat(frames) if frames else None,
+                                    wall_ms, final)
+                n_tokens = new_pos + 1
+                writer.put(batch)
+                if on_token:
+                    on_token(new_pos, new_text)
+                if bar:
+                    bar.update(1)
+                t0 = time.perf_counter()
+    except KeyboardInterrupt:
+        status, error = "interrupted", "KeyboardInterrupt"
+        raise
+    except BaseException as e:
+        status, error = "failed", f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        if bar:
+            bar.close()
+        try:
+            writer.close()
+        finally:
+            store.update_run(run_id, status=status, error=error, n_tokens=n_tokens,
+                             finished_at=datetime.now(timezone.utc).replace(tzinfo=None))
+    return Run(store, run_id, model=module, tokenizer=tokenizer)

@@ -1,0 +1,219 @@
+"""The DuckDB store: opening (with schema checks), appending Arrow/polars batches, a background writer.
+
+One DuckDB connection per database file per process, shared through cursors, so the Gradio app can
+read a run while the recorder in the same process is writing it. Each step's batch is committed as
+one transaction: a process killed mid-run leaves every finished step readable; the next open marks a
+run whose recording process is gone as ``interrupted``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import polars as pl
+
+from .schema import SCHEMA_VERSION, TABLES, columns, ddl
+
+REPO_DATA = Path(__file__).resolve().parent.parent / "data"
+
+
+class StoreError(RuntimeError):
+    """A database that cannot be used: corrupt, locked by another process, or from a newer version."""
+
+
+def default_db() -> Path:
+    """``$WORKBENCH_DB`` if set, else ``data/workbench.duckdb`` in the repository."""
+    return Path(os.environ.get("WORKBENCH_DB") or REPO_DATA / "workbench.duckdb")
+
+
+_CONNECTIONS: dict[str, duckdb.DuckDBPyConnection] = {}
+_LOCK = threading.RLock()
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Store:
+    """A workbench database file. ``Store(path).sql(query, params)`` returns a polars frame."""
+
+    def __init__(self, path: str | Path | None = None):
+        self.path = Path(path) if path else default_db()
+        key = str(self.path.resolve())
+        with _LOCK:
+            con = _CONNECTIONS.get(key)
+            if con is None:
+                con = self._connect()
+                _CONNECTIONS[key] = con
+        self._con = con
+
+    def _connect(self) -> duckdb.DuckDBPyConnection:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            con = duckdb.connect(str(self.path))
+        except duckdb.IOException as e:
+            msg = str(e)
+            if "lock" in msg.lower():
+                raise StoreError(f"{self.path} is in use by another process (DuckDB allows one writer "
+                                 f"process); close it there or use another --db. ({msg.splitlines()[0]})") from None
+            raise StoreError(f"cannot open {self.path}: not a readable DuckDB database ({msg.splitlines()[0]})") from None
+        except duckdb.Error as e:
+            raise StoreError(f"cannot open {self.path}: {str(e).splitlines()[0]}") from None
+        try:
+            existing = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables "
+                                                  "WHERE table_schema = 'main'").fetchall()}
+            if "meta" in existing:
+                row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+                version = int(row[0]) if row else 0
+                if version > SCHEMA_VERSION:
+                    con.close()
+                    raise StoreError(f"{self.path} has schema_version {version}, newer than this workbench "
+                                     f"understands ({SCHEMA_VERSION}); upgrade moe-workbench to read it")
+            elif existing and not existing & set(TABLES):
+                con.close()
+                raise StoreError(f"{self.path} is a DuckDB file but not a workbench database "
+                                 f"(tables: {', '.join(sorted(existing)[:5])})")
+            con.execute(ddl())
+            con.execute("INSERT INTO meta VALUES ('schema_version', ?) ON CONFLICT DO NOTHING", [str(SCHEMA_VERSION)])
+            self._mark_interrupted(con)
+        except StoreError:
+            raise
+        except duckdb.Error as e:
+            raise StoreError(f"cannot use {self.path}: {str(e).splitlines()[0]}") from None
+        return con
+
+    @staticmethod
+    def _mark_interrupted(con: duckdb.DuckDBPyConnection) -> None:
+        for run_id, pid in con.execute("SELECT run_id, pid FROM runs WHERE status = 'running'").fetchall():
+            if not _pid_alive(pid) or pid != os.getpid():
+                con.execute("UPDATE runs SET status = 'interrupted' WHERE run_id = ?", [run_id])
+
+    def cursor(self) -> duckdb.DuckDBPyConnection:
+        return self._con.cursor()
+
+    def sql(self, query: str, params: list | dict | None = None) -> pl.DataFrame:
+        """Run a query on a fresh cursor and return a polars frame."""
+        cur = self.cursor()
+        try:
+            return pl.from_arrow(cur.execute(query, params or []).to_arrow_table())
+        finally:
+            cur.close()
+
+    def execute(self, query: str, params: list | dict | None = None) -> list[tuple]:
+        cur = self.cursor()
+        try:
+            res = cur.execute(query, params or [])
+            try:
+                return res.fetchall()
+            except duckdb.Error:
+                return []
+        finally:
+            cur.close()
+
+    def append(self, batches: dict[str, pl.DataFrame], cur: duckdb.DuckDBPyConnection | None = None) -> None:
+        """Insert several tables' rows in one transaction (columns matched by name)."""
+        own = cur is None
+        cur = cur or self.cursor()
+        try:
+            cur.execute("BEGIN")
+            for table, df in batches.items():
+                if df is None or df.height == 0:
+                    continue
+                cols = [c for c in columns(table) if c in df.columns]
+                cur.register("_batch", df.select(cols).to_arrow())
+                cur.execute(f"INSERT INTO {table} ({', '.join(cols)}) SELECT {', '.join(cols)} FROM _batch")
+                cur.unregister("_batch")
+            cur.execute("COMMIT")
+        except BaseException:
+            try:
+                cur.execute("ROLLBACK")
+            except duckdb.Error:
+                pass
+            raise
+        finally:
+            if own:
+                cur.close()
+
+    def replace(self, table: str, run_id: str, df: pl.DataFrame, where: str = "", params: list | None = None) -> None:
+        """Delete a run's rows of a derived table (optionally narrowed) and insert ``df`` atomically."""
+        cur = self.cursor()
+        try:
+            cur.execute("BEGIN")
+            cur.execute(f"DELETE FROM {table} WHERE run_id = ? {where}", [run_id, *(params or [])])
+            if df.height:
+                cols = [c for c in columns(table) if c in df.columns]
+                cur.register("_batch", df.select(cols).to_arrow())
+                cur.execute(f"INSERT INTO {table} ({', '.join(cols)}) SELECT {', '.join(cols)} FROM _batch")
+                cur.unregister("_batch")
+            cur.execute("COMMIT")
+        except BaseException:
+            try:
+                cur.execute("ROLLBACK")
+            except duckdb.Error:
+                pass
+            raise
+        finally:
+            cur.close()
+
+    def update_run(self, run_id: str, **fields: Any) -> None:
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        vals = [json.dumps(v) if isinstance(v, (dict, list)) else v for v in fields.values()]
+        self.execute(f"UPDATE runs SET {sets} WHERE run_id = ?", [*vals, run_id])
+
+    def close(self) -> None:
+        """Close the shared connection for this file (checkpoints the WAL into the file)."""
+        with _LOCK:
+            con = _CONNECTIONS.pop(str(self.path.resolve()), None)
+        if con is not None:
+            con.close()
+
+
+class Writer:
+    """Background thread that commits queued per-step batches, so decoding never waits on the disk."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.queue: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="workbench-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        cur = self.store.cursor()
+        while True:
+            item = self.queue.get()
+            if item is None:
+                break
+            if self.error is None:
+                try:
+                    self.store.append(item, cur)
+                except BaseException as e:  # keep draining; report at close
+                    self.error = e
+        cur.close()
+
+    def put(self, batches: dict[str, pl.DataFrame]) -> None:
+        if self.error is not None:
+            raise StoreError(f"writing to {self.store.path} failed: {self.error}")
+        self.queue.put(batches)
+
+    def close(self) -> None:
+        """Wait until everything queued is committed."""
+        self.queue.put(None)
+        self._thread.join()
+        if self.error is not None:
+            raise StoreError(f"writing to {self.store.path} failed: {self.error}")
