@@ -110,7 +110,7 @@ class Store:
         """Run a query on a fresh cursor and return a polars frame."""
         cur = self.cursor()
         try:
-            return pl.from_arrow(cur.execute(query, params or []).to_arrow_table())
+            return cur.sql(query, params=params or None).pl()
         finally:
             cur.close()
 

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Install (into .venv) and run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh --test
+export GRADIO_ANALYTICS_ENABLED=False
+exec .venv/bin/python -m pytest -q "$@"

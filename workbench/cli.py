@@ -1,0 +1,123 @@
+"""``workbench`` command line: one parser, each command's body in ``workbench/commands/<name>.py``.
+
+Every command takes ``--db PATH`` (default ``$WORKBENCH_DB`` or ``data/workbench.duckdb``). Errors a
+user can fix (unknown run id, bad database, empty prompt) print one line to stderr and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+
+def _db(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", default=None, help="DuckDB file (default: $WORKBENCH_DB or data/workbench.duckdb)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="workbench", description="MoE observability workbench")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("record", help="generate with probes attached and store every signal")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from a file")
+    p.add_argument("--model", default=None, help="checkpoint folder (ours or Hugging Face); default: bundled demo")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the checkpoint's or the bundled one)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="run the model in this dtype")
+    p.add_argument("--json", action="store_true", help="print a JSON object (with run_id) as the last line")
+    _db(p)
+
+    p = sub.add_parser("runs", help="list recorded runs")
+    p.add_argument("--json", action="store_true")
+    _db(p)
+
+    p = sub.add_parser("demo", help="record the sample prompts with the demo model, then open the UI")
+    p.add_argument("--no-ui", action="store_true", help="record only")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=7860)
+    _db(p)
+
+    p = sub.add_parser("ui", help="open the Gradio workbench")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--auth", default=None, help="USER:PASS")
+    _db(p)
+
+    p = sub.add_parser("train", help="train the demo model from scratch (reproduces data/demo)")
+    p.add_argument("--out", default="data/demo")
+    p.add_argument("--preset", default="demo")
+    p.add_argument("--steps", type=int, default=900)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--balance-rate", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+    _db(p)
+
+    p = sub.add_parser("eval", help="recompute the model card's numbers on the validation files")
+    p.add_argument("--model", default=None)
+    p.add_argument("--max-tokens", type=int, default=None, help="cap on validation tokens (default: all)")
+    p.add_argument("--json", action="store_true")
+    _db(p)
+
+    p = sub.add_parser("explain", help="root cause of the token at POS in a run")
+    p.add_argument("run_id")
+    p.add_argument("pos", type=int)
+    p.add_argument("--steps", type=int, default=32, help="integration steps")
+    p.add_argument("--mode", default="auto", choices=["auto", "frozen", "plain"])
+    p.add_argument("--json", action="store_true")
+    _db(p)
+
+    p = sub.add_parser("anomalies", help="detect and list a run's anomalies")
+    p.add_argument("run_id")
+    p.add_argument("--json", action="store_true")
+    _db(p)
+
+    p = sub.add_parser("replay", help="re-run a recorded run and compare")
+    p.add_argument("run_id")
+    p.add_argument("--json", action="store_true")
+    _db(p)
+
+    p = sub.add_parser("diff", help="compare two runs")
+    p.add_argument("run_a")
+    p.add_argument("run_b")
+    p.add_argument("--json", action="store_true")
+    _db(p)
+
+    p = sub.add_parser("report", help="export an anomaly report")
+    p.add_argument("run_id")
+    p.add_argument("--out", default=None)
+    p.add_argument("--format", default="html", choices=["html", "json", "md"])
+    _db(p)
+
+    p = sub.add_parser("export", help="export runs as Hive-partitioned Parquet")
+    p.add_argument("--parquet", required=True, metavar="DIR")
+    p.add_argument("--run", dest="run_id", default=None, help="only this run")
+    _db(p)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .query import RunNotFound
+    from .store import StoreError
+
+    mod = importlib.import_module(f"workbench.commands.{args.command}")
+    try:
+        return int(mod.main(args) or 0)
+    except (RunNotFound, StoreError, ValueError, FileNotFoundError) as e:
+        print(f"workbench {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"workbench {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,11 @@
+"""workbench train: reproduce the bundled demo checkpoint from scratch (resumes if interrupted)."""
+from __future__ import annotations
+
+
+def main(args) -> int:
+    from model.train import train
+
+    out = train(args.out, preset=args.preset, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
+                balance_rate=args.balance_rate, seed=args.seed)
+    print(f"checkpoint written to {out}")
+    return 0
