@@ -116,8 +116,10 @@ def coactivation(store: Store, run_id: str, layer: int) -> pl.DataFrame:
 
 def load_along_run(store: Store, run_id: str, layer: int, window: int = 16) -> pl.DataFrame:
     """Per expert, its share of slots in consecutive windows of positions."""
-    return store.sql("""SELECT pos // ? * ? AS window_start, expert, count(*) AS slots,
-                               count(*) / sum(count(*)) OVER (PARTITION BY pos // ?) AS share
-                        FROM routing WHERE run_id = ? AND layer = ?
-                        GROUP BY pos // ?, expert ORDER BY window_start, expert""",
-                     [window, window, window, run_id, layer, window])
+    # the window is computed once in a subquery: a parameter repeated in GROUP BY would not match the SELECT
+    return store.sql("""SELECT window_start, expert, count(*) AS slots,
+                               count(*) / sum(count(*)) OVER (PARTITION BY window_start) AS share
+                        FROM (SELECT pos // $w * $w AS window_start, expert FROM routing
+                              WHERE run_id = $run AND layer = $layer)
+                        GROUP BY window_start, expert ORDER BY window_start, expert""",
+                     {"w": window, "run": run_id, "layer": layer})

@@ -1,0 +1,411 @@
+"""Plotly figures of a run, shared by the Gradio app, the notebook (``Run.fig_*``) and the reports.
+
+Every function is pure: ``fig_<name>(store, run_id, ...) -> go.Figure``, built only from
+``workbench.query`` frames. ``Run`` exposes each one as ``run.fig_<name>(...)``.
+
+Token text is untrusted (a model can emit ``<img src=x onerror=...>``) and plotly renders hover text,
+labels and ticks as a subset of HTML, so every piece of token text goes through ``token_label``.
+
+Views that follow the replay slider take ``step``: only what had been recorded by the end of that
+generation step (0 = the prefill) is drawn.
+"""
+from __future__ import annotations
+
+import html
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import plotly.graph_objects as go
+import polars as pl
+
+from . import query
+from .store import Store
+
+CONFIDENCE_SCALE = "RdYlGn"  # red = unsure, green = confident; also used by the app's token strip
+ENTROPY_SCALE = "Viridis"
+WEIGHT_SCALE = "Blues"
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+def token_label(text: str | None, limit: int = 24) -> str:
+    """Token text made safe and visible for plotly: HTML-escaped, whitespace shown, long text cut."""
+    if text is None:
+        return ""
+    t = text.replace("\n", "\u21b5").replace("\t", "\u2192").replace("\r", "\u240d")
+    if t.strip() == "":
+        t = t.replace(" ", "\u00b7")  # a lone space would be an invisible tick
+    if len(t) > limit:
+        t = t[: limit - 1] + "\u2026"
+    return html.escape(t, quote=True)
+
+
+def _empty(title: str) -> go.Figure:
+    fig = go.Figure()
+    fig.update_layout(title=html.escape(title), xaxis={"visible": False}, yaxis={"visible": False},
+                      annotations=[{"text": html.escape(title), "showarrow": False, "xref": "paper",
+                                    "yref": "paper", "x": 0.5, "y": 0.5}], height=260)
+    return fig
+
+
+def _layout(fig: go.Figure, title: str, height: int = 380, **kw) -> go.Figure:
+    fig.update_layout(title=title, height=height, margin={"l": 60, "r": 20, "t": 50, "b": 50},
+                      template="plotly_white", **kw)
+    return fig
+
+
+def _config(store: Store, run_id: str) -> dict:
+    return json.loads(query.run_row(store, run_id)["config"] or "{}")
+
+
+def _max_pos_at(store: Store, run_id: str, step: int | None) -> int | None:
+    """Last position recorded by the end of ``step`` (None: no limit)."""
+    if step is None:
+        return None
+    t = query.tokens(store, run_id).filter(pl.col("step") <= step)
+    return int(t["pos"].max()) if t.height else -1
+
+
+def _check_pos(tokens: pl.DataFrame, pos: int) -> dict:
+    row = tokens.filter(pl.col("pos") == pos)
+    if row.height == 0:
+        n = tokens.height
+        raise ValueError(f"no token at position {pos}; this run has positions 0..{n - 1}" if n else
+                         "this run has no tokens recorded")
+    return row.row(0, named=True)
+
+
+@lru_cache(maxsize=8)
+def _tokenizer_for(model_path: str):
+    from model import load_tokenizer
+    p = Path(model_path) / "tokenizer.json"
+    return load_tokenizer(p if p.exists() else None)
+
+
+def _decode(store: Store, run_id: str, ids: list[int], tokens: pl.DataFrame) -> list[str]:
+    """Text of token ids: the run's tokenizer if it can be found, else texts seen in the run, else ``#id``."""
+    try:
+        tok = _tokenizer_for(str(query.run_row(store, run_id)["model"]))
+        return [tok.decode([int(i)]) for i in ids]
+    except Exception:  # no tokenizer here (e.g. a run recorded elsewhere): fall back, never fail a figure
+        seen = dict(zip(tokens["token_id"].to_list(), tokens["text"].to_list()))
+        return [seen.get(int(i), f"#{int(i)}") for i in ids]
+
+
+def _tick_axis(positions: list[int], texts: list[str], max_ticks: int = 60) -> dict:
+    """Numeric axis ticked with token text (numeric, so repeated tokens stay separate)."""
+    stride = max(1, -(-len(positions) // max_ticks))
+    return {"tickmode": "array", "tickvals": positions[::stride],
+            "ticktext": [f"{token_label(t, 10)}" for t in texts[::stride]], "tickangle": -60}
+
+
+# -- tokens --------------------------------------------------------------------------------------
+
+def fig_tokens(store: Store, run_id: str, step: int | None = None) -> go.Figure:
+    """Confidence (max prob of the predicting distribution) per position; prompt tokens faded."""
+    t = query.tokens(store, run_id)
+    if step is not None:
+        t = t.filter(pl.col("step") <= step)
+    t = t.filter(pl.col("pos") > 0)
+    if t.height == 0:
+        return _empty("no predicted tokens recorded yet")
+    hover = [f"pos {p}: {token_label(x, 40)}<br>confidence {c:.3f}<br>prob {pr:.3f}, rank {r}"
+             for p, x, c, pr, r in zip(t["pos"], t["text"], t["confidence"].fill_null(float("nan")),
+                                       t["prob"].fill_null(float("nan")), t["rank"])]
+    fig = go.Figure(go.Bar(
+        x=t["pos"].to_list(), y=t["confidence"].to_list(), hovertext=hover, hoverinfo="text",
+        marker={"color": t["confidence"].to_list(), "colorscale": CONFIDENCE_SCALE, "cmin": 0, "cmax": 1,
+                "opacity": [0.45 if p else 1.0 for p in t["is_prompt"]],
+                "colorbar": {"title": "conf."}}, name="confidence"))
+    fig.add_trace(go.Scatter(x=t["pos"].to_list(), y=t["prob"].to_list(), mode="markers", name="p(token)",
+                             marker={"color": "black", "size": 4}, hoverinfo="skip"))
+    _layout(fig, "Token confidence per position (faded: prompt)", yaxis={"range": [0, 1], "title": "probability"},
+            xaxis={"title": "position", **_tick_axis(t["pos"].to_list(), t["text"].to_list())})
+    return fig
+
+
+def fig_topk(store: Store, run_id: str, pos: int, tokenizer=None) -> go.Figure:
+    """The top-k alternatives at ``pos`` (the distribution that produced its token), produced one marked."""
+    t = query.tokens(store, run_id)
+    row = _check_pos(t, pos)
+    if row["topk_ids"] is None:
+        return _empty(f"position {pos} has no prediction (the first token)")
+    ids, probs = list(row["topk_ids"]), list(row["topk_probs"])
+    texts = [tokenizer.decode([i]) for i in ids] if tokenizer is not None else _decode(store, run_id, ids, t)
+    chosen = [i == row["token_id"] for i in ids]
+    labels = [f"{k + 1}. {token_label(x, 20)}" for k, x in enumerate(texts)]
+    fig = go.Figure(go.Bar(
+        x=probs[::-1], y=labels[::-1], orientation="h",
+        marker={"color": ["#2a9d8f" if c else "#9aa5b1" for c in chosen[::-1]]},
+        hovertext=[f"{token_label(x, 60)} (id {i}): {p:.4f}" for x, i, p in zip(texts[::-1], ids[::-1], probs[::-1])],
+        hoverinfo="text"))
+    extra = "" if any(chosen) else f"; produced token (rank {row['rank']}, p={row['prob']:.4f}) not in top-{len(ids)}"
+    _layout(fig, f"Top-{len(ids)} at pos {pos}: produced {token_label(row['text'], 30)}{extra}",
+            height=300, xaxis={"title": "probability", "range": [0, max(probs + [1e-9]) * 1.1]})
+    return fig
+
+
+# -- attention -----------------------------------------------------------------------------------
+
+def _heatmap(z: pl.DataFrame, row: str, col: str, val: str, n_rows: int | None = None,
+             n_cols: int | None = None, fill: float | None = None) -> tuple[list, list, list]:
+    """Dense (rows x cols) matrix of ``val`` from long rows; missing cells are ``fill``."""
+    rows = list(range(n_rows)) if n_rows is not None else sorted(set(z[row].to_list()))
+    cols = list(range(n_cols)) if n_cols is not None else sorted(set(z[col].to_list()))
+    ri, ci = {r: i for i, r in enumerate(rows)}, {c: i for i, c in enumerate(cols)}
+    m = [[fill] * len(cols) for _ in rows]
+    for r, c, v in zip(z[row].to_list(), z[col].to_list(), z[val].to_list()):
+        if r in ri and c in ci:
+            m[ri[r]][ci[c]] = v
+    return m, rows, cols
+
+
+def fig_token_heads(store: Store, run_id: str, pos: int) -> go.Figure:
+    """Attention entropy (nats) per layer x head for the query at ``pos``."""
+    h = query.token_heads(store, run_id, pos)
+    if h.height == 0:
+        return _empty(f"no attention rows at position {pos}")
+    z, layers, heads = _heatmap(h, "layer", "head", "entropy")
+    mw, _, _ = _heatmap(h, "layer", "head", "max_weight")
+    fig = go.Figure(go.Heatmap(z=z, x=heads, y=layers, colorscale=ENTROPY_SCALE, colorbar={"title": "nats"},
+                               customdata=mw, hovertemplate="layer %{y}, head %{x}<br>entropy %{z:.3f}"
+                               "<br>max weight %{customdata:.3f}<extra></extra>"))
+    _layout(fig, f"Attention entropy at pos {pos} (layer x head)", height=320,
+            xaxis={"title": "head", "dtick": 1}, yaxis={"title": "layer", "dtick": 1, "autorange": "reversed"})
+    return fig
+
+
+def fig_head_entropy(store: Store, run_id: str, step: int | None = None) -> go.Figure:
+    """Mean attention entropy per layer x head over the run (or up to ``step``)."""
+    if step is None:
+        h = query.head_entropy(store, run_id)
+    else:
+        last = _max_pos_at(store, run_id, step)
+        h = (query.attention(store, run_id).filter((pl.col("pos") > 0) & (pl.col("pos") <= last))
+             .group_by("layer", "head").agg(pl.col("entropy").mean()).sort("layer", "head"))
+    if h.height == 0:
+        return _empty("no attention rows recorded")
+    z, layers, heads = _heatmap(h, "layer", "head", "entropy")
+    fig = go.Figure(go.Heatmap(z=z, x=heads, y=layers, colorscale=ENTROPY_SCALE, colorbar={"title": "nats"},
+                               hovertemplate="layer %{y}, head %{x}<br>mean entropy %{z:.3f}<extra></extra>"))
+    _layout(fig, "Mean attention entropy (layer x head)", height=320,
+            xaxis={"title": "head", "dtick": 1}, yaxis={"title": "layer", "dtick": 1, "autorange": "reversed"})
+    return fig
+
+
+def fig_entropy_along(store: Store, run_id: str, heads: list[tuple[int, int]] | None = None,
+                      normalised: bool = False, step: int | None = None) -> go.Figure:
+    """Attention entropy along positions for chosen ``(layer, head)`` pairs (default: the 4 most diffuse)."""
+    a = query.attention(store, run_id)
+    last = _max_pos_at(store, run_id, step)
+    if last is not None:
+        a = a.filter(pl.col("pos") <= last)
+    if a.height == 0:
+        return _empty("no attention rows recorded")
+    if not heads:
+        top = (a.filter(pl.col("pos") > 0).group_by("layer", "head").agg(pl.col("entropy").mean())
+               .sort("entropy", descending=True).head(4))
+        heads = list(zip(top["layer"].to_list(), top["head"].to_list()))
+    col = "norm_entropy" if normalised else "entropy"
+    t = query.tokens(store, run_id)
+    text = dict(zip(t["pos"].to_list(), t["text"].to_list()))
+    fig = go.Figure()
+    for layer, head in heads:
+        s = a.filter((pl.col("layer") == layer) & (pl.col("head") == head)).sort("pos")
+        if s.height == 0:
+            raise ValueError(f"no attention rows for layer {layer}, head {head}")
+        fig.add_trace(go.Scatter(
+            x=s["pos"].to_list(), y=s[col].to_list(), mode="lines+markers", name=f"L{layer}H{head}",
+            hovertext=[f"L{layer}H{head} pos {p}: {token_label(text.get(p), 30)}<br>{col} {v:.3f}"
+                       if v is not None else f"pos {p}" for p, v in zip(s["pos"], s[col])], hoverinfo="text"))
+    _layout(fig, "Attention entropy along the run" + (" (normalised)" if normalised else ""),
+            xaxis={"title": "position"}, yaxis={"title": "normalised entropy" if normalised else "nats"})
+    return fig
+
+
+# -- experts -------------------------------------------------------------------------------------
+
+def fig_token_routing(store: Store, run_id: str, pos: int) -> go.Figure:
+    """Gate weight per MoE layer x expert for the token at ``pos`` (blank: not chosen)."""
+    r = query.token_routing(store, run_id, pos)
+    if r.height == 0:
+        return _empty(f"no routing rows at position {pos} (dense model or dense layers only)")
+    n_exp = _config(store, run_id).get("n_routed_experts") or int(r["expert"].max()) + 1
+    z, layers, experts = _heatmap(r, "layer", "expert", "weight", n_cols=n_exp)
+    margins = dict(zip(r["layer"].to_list(), r["margin"].to_list()))
+    fig = go.Figure(go.Heatmap(
+        z=z, x=experts, y=[f"L{l}" for l in layers], colorscale=WEIGHT_SCALE, colorbar={"title": "weight"},
+        hoverongaps=False, customdata=[[margins.get(l)] * len(experts) for l in layers],
+        hovertemplate="%{y}, expert %{x}<br>weight %{z:.3f}<br>margin %{customdata:.3g}<extra></extra>"))
+    _layout(fig, f"Routing at pos {pos} (layer x expert)", height=300,
+            xaxis={"title": "expert", "dtick": 1}, yaxis={"title": "MoE layer", "autorange": "reversed"})
+    return fig
+
+
+def _routing_until(store: Store, run_id: str, step: int | None) -> pl.DataFrame | None:
+    if step is None:
+        return None
+    return query.routing(store, run_id).filter(pl.col("pos") <= _max_pos_at(store, run_id, step))
+
+
+def fig_expert_load(store: Store, run_id: str, step: int | None = None) -> go.Figure:
+    """Share of routed slots per expert per MoE layer (each row sums to 1); uniform = 1/E."""
+    r = _routing_until(store, run_id, step)
+    if r is None:
+        load = query.expert_load(store, run_id)
+    else:
+        load = (r.group_by("layer", "expert").agg(pl.len().alias("slots"))
+                .with_columns((pl.col("slots") / pl.col("slots").sum().over("layer")).alias("share")))
+    if load.height == 0:
+        return _empty("no routing rows (dense model)")
+    n_exp = _config(store, run_id).get("n_routed_experts") or int(load["expert"].max()) + 1
+    z, layers, experts = _heatmap(load, "layer", "expert", "share", n_cols=n_exp, fill=0.0)
+    fig = go.Figure(go.Heatmap(z=z, x=experts, y=[f"L{l}" for l in layers], colorscale="YlOrRd",
+                               colorbar={"title": "share"}, zmin=0,
+                               hovertemplate="%{y}, expert %{x}<br>share %{z:.3f}<extra></extra>"))
+    _layout(fig, f"Expert load (share of routed slots; uniform = {1 / n_exp:.3f})", height=320,
+            xaxis={"title": "expert", "dtick": 1}, yaxis={"title": "MoE layer", "autorange": "reversed"})
+    return fig
+
+
+def _first_moe_layer(store: Store, run_id: str) -> int | None:
+    load = query.expert_load(store, run_id)
+    return int(load["layer"].min()) if load.height else None
+
+
+def fig_coactivation(store: Store, run_id: str, layer: int | None = None) -> go.Figure:
+    """How often two experts are chosen for the same token in ``layer`` (default: the first MoE layer)."""
+    layer = _first_moe_layer(store, run_id) if layer is None else layer
+    if layer is None:
+        return _empty("no routing rows (dense model)")
+    c = query.coactivation(store, run_id, layer)
+    if c.height == 0:
+        return _empty(f"no co-activations in layer {layer} (not a MoE layer, or top-1 routing)")
+    n_exp = _config(store, run_id).get("n_routed_experts") or int(max(c["a"].max(), c["b"].max())) + 1
+    z, rows, cols = _heatmap(c, "a", "b", "count", n_rows=n_exp, n_cols=n_exp, fill=0)
+    fig = go.Figure(go.Heatmap(z=z, x=cols, y=rows, colorscale="Purples", colorbar={"title": "tokens"},
+                               hovertemplate="experts %{y} & %{x}: %{z} tokens<extra></extra>"))
+    _layout(fig, f"Expert co-activation, layer {layer}", height=420,
+            xaxis={"title": "expert", "dtick": 1}, yaxis={"title": "expert", "dtick": 1, "autorange": "reversed"})
+    return fig
+
+
+def fig_load_along(store: Store, run_id: str, layer: int | None = None, window: int = 16) -> go.Figure:
+    """Each expert's share of slots in consecutive windows of ``window`` positions, in ``layer``."""
+    layer = _first_moe_layer(store, run_id) if layer is None else layer
+    if layer is None:
+        return _empty("no routing rows (dense model)")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    d = query.load_along_run(store, run_id, layer, window)
+    if d.height == 0:
+        return _empty(f"no routing rows in layer {layer}")
+    n_exp = _config(store, run_id).get("n_routed_experts") or int(d["expert"].max()) + 1
+    z, experts, starts = _heatmap(d, "expert", "window_start", "share", n_rows=n_exp, fill=0.0)
+    fig = go.Figure(go.Heatmap(z=z, x=starts, y=experts, colorscale="YlOrRd", zmin=0, colorbar={"title": "share"},
+                               hovertemplate="positions %{x}+, expert %{y}<br>share %{z:.3f}<extra></extra>"))
+    _layout(fig, f"Expert load along the run, layer {layer} (windows of {window} positions)", height=380,
+            xaxis={"title": "window start (position)"}, yaxis={"title": "expert", "dtick": 1})
+    return fig
+
+
+# -- KV cache ------------------------------------------------------------------------------------
+
+def fig_kv_bytes(store: Store, run_id: str, step: int | None = None) -> go.Figure:
+    """Bytes held in each layer's latent KV cache after every step (stacked: the total)."""
+    kv = query.kv(store, run_id)
+    if step is not None:
+        kv = kv.filter(pl.col("step") <= step)
+    if kv.height == 0:
+        return _empty("no KV cache rows recorded")
+    fig = go.Figure()
+    for layer in sorted(set(kv["layer"].to_list())):
+        s = kv.filter(pl.col("layer") == layer).sort("step")
+        fig.add_trace(go.Scatter(x=s["step"].to_list(), y=s["bytes"].to_list(), name=f"layer {layer}",
+                                 stackgroup="kv", mode="lines", customdata=s["cached_tokens"].to_list(),
+                                 hovertemplate=f"layer {layer}" + ", step %{x}<br>%{y} bytes, "
+                                 "%{customdata} tokens<extra></extra>"))
+    _layout(fig, "KV cache bytes per layer over steps (stacked)", xaxis={"title": "step (0 = prefill)"},
+            yaxis={"title": "bytes"})
+    return fig
+
+
+def fig_kv_received(store: Store, run_id: str, layer: int | None = None) -> go.Figure:
+    """Attention each cached token has received (summed over heads and queries), at the last recorded step.
+
+    ``layer`` None: a layer x position heat map; else one layer's bars.
+    """
+    kt = query.kv_tokens(store, run_id)
+    if kt.height == 0:
+        return _empty("no per-token KV rows recorded")
+    last = kt.filter(pl.col("step") == kt["step"].max())
+    t = query.tokens(store, run_id)
+    text = dict(zip(t["pos"].to_list(), t["text"].to_list()))
+    if layer is not None:
+        s = last.filter(pl.col("layer") == layer).sort("pos")
+        if s.height == 0:
+            raise ValueError(f"no KV rows for layer {layer}; layers: {sorted(set(last['layer'].to_list()))}")
+        fig = go.Figure(go.Bar(x=s["pos"].to_list(), y=s["attn_received"].to_list(), hoverinfo="text",
+                               hovertext=[f"pos {p}: {token_label(text.get(p), 30)}<br>received {v:.3f}"
+                                          for p, v in zip(s["pos"], s["attn_received"])]))
+        _layout(fig, f"Attention received per cached token, layer {layer} (step {last['step'][0]})",
+                xaxis={"title": "cached position", **_tick_axis(s["pos"].to_list(), [text.get(p) for p in s["pos"]])},
+                yaxis={"title": "attention received"})
+        return fig
+    z, layers, positions = _heatmap(last, "layer", "pos", "attn_received")
+    hover = [[f"layer {l}, pos {p}: {token_label(text.get(p), 30)}" for p in positions] for l in layers]
+    fig = go.Figure(go.Heatmap(z=z, x=positions, y=layers, colorscale="Magma", colorbar={"title": "received"},
+                               customdata=hover, hovertemplate="%{customdata}<br>received %{z:.3f}<extra></extra>"))
+    _layout(fig, f"Attention received per cached token (step {last['step'][0]})", height=360,
+            xaxis={"title": "cached position", **_tick_axis(positions, [text.get(p) for p in positions])},
+            yaxis={"title": "layer", "dtick": 1, "autorange": "reversed"})
+    return fig
+
+
+# -- root cause ----------------------------------------------------------------------------------
+
+def fig_attribution(store: Store, run_id: str, pos: int) -> go.Figure:
+    """Integrated-Gradients score of every earlier token for the token at ``pos`` (from ``attributions``)."""
+    a = query.attributions(store, run_id, pos)
+    tok = a.filter(pl.col("kind") == "token") if a.height else a
+    if tok.height == 0:
+        return _empty(f"no attribution stored for position {pos}: run root cause on it first")
+    tok = tok.sort("source_pos")
+    t = query.tokens(store, run_id)
+    text = dict(zip(t["pos"].to_list(), t["text"].to_list()))
+    xs, scores = tok["source_pos"].to_list(), tok["score"].to_list()
+    lim = max((abs(s) for s in scores if s is not None), default=1.0) or 1.0
+    method = tok["method"][0]
+    hover = [[f"pos {p}: {token_label(text.get(p), 40)}<br>score {s:.4g}" for p, s in zip(xs, scores)]]
+    fig = go.Figure(go.Heatmap(z=[scores], x=xs, y=[token_label(text.get(pos), 12)], colorscale="RdBu",
+                               zmid=0, zmin=-lim, zmax=lim, customdata=hover, colorbar={"title": "score"},
+                               hovertemplate="%{customdata}<extra></extra>"))
+    delta = tok["delta"].drop_nulls()
+    extra = f", delta {delta[0]:.2g}" if delta.len() else ""
+    _layout(fig, f"Attribution over the context for pos {pos} ({html.escape(str(method))}{extra})", height=240,
+            xaxis={"title": "source position", **_tick_axis(xs, [text.get(p) for p in xs])})
+    return fig
+
+
+def fig_components(store: Store, run_id: str, pos: int, top: int = 15) -> go.Figure:
+    """The top-ranked heads and experts (ablation effects) for the token at ``pos``."""
+    a = query.attributions(store, run_id, pos)
+    c = a.filter(pl.col("kind") != "token").sort("rank").head(top) if a.height else a
+    if c.height == 0:
+        return _empty(f"no component ranking stored for position {pos}")
+    def name(r: dict) -> str:
+        if r["kind"] == "head":
+            return f"L{r['layer']} head {r['head']}"
+        if r["kind"] == "expert":
+            return f"L{r['layer']} expert {r['expert']}"
+        return f"L{r['layer']} {r['kind']}"
+    rows = list(c.iter_rows(named=True))
+    fig = go.Figure(go.Bar(x=[r["score"] for r in rows][::-1], y=[html.escape(name(r)) for r in rows][::-1],
+                           orientation="h", marker={"color": "#e76f51"}))
+    _layout(fig, f"Components ranked for pos {pos} (effect of ablating each)", height=360,
+            xaxis={"title": "score"})
+    return fig
+
+
+__all__ = [n for n in dir() if n.startswith("fig_")] + ["token_label", "CONFIDENCE_SCALE"]
