@@ -168,6 +168,11 @@ def token_frame(run_id: str, step: int, positions: list[int], token_ids: list[in
 
 def resolve_model(model, dtype: torch.dtype | None = None, device: str = "cpu"):
     """(module, label, sha256) for None (bundled demo), a checkpoint path, or a loaded module."""
+    if isinstance(model, (str, Path)):
+        from .hf import is_foreign_folder, load_hf
+        if is_foreign_folder(model):  # a dense Hugging Face model runs through transformers (workbench/hf.py)
+            mod = load_hf(model, dtype=dtype, device=device)
+            return mod, str(mod.checkpoint_path), file_sha256(mod.checkpoint_path)
     if model is None or isinstance(model, (str, Path)):
         path = Path(model) if model else None
         mod = load_checkpoint(path, dtype=dtype or torch.float32, device=device)
@@ -228,7 +233,9 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
         "seed": [seed], "parent_run_id": [parent_run_id], "n_prompt_tokens": [len(ids)], "n_tokens": [len(ids)],
         "pid": [os.getpid()],
     })})
-    rec = Recorder(module, run_id, probes, topk)
+    # a transformers-run model brings its own recorder and stream (workbench/hf.py)
+    rec = module.make_recorder(run_id, probes, topk) if hasattr(module, "make_recorder") else \
+        Recorder(module, run_id, probes, topk)
     writer = Writer(store)
     eos = tokenizer.token_to_id("<|endoftext|>")
     texts = [tokenizer.decode([i]) for i in ids]
@@ -240,7 +247,8 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
     status, error = "complete", None
     try:
         with attach(module, rec.hooks()):
-            it = stream(module, ids, max_new_tokens, temperature, top_p, seed, eos)
+            it = (module.stream if hasattr(module, "stream") else
+                  lambda *a: stream(module, *a))(ids, max_new_tokens, temperature, top_p, seed, eos)
             t0 = time.perf_counter()
             for step in it:
                 wall_ms = (time.perf_counter() - t0) * 1e3

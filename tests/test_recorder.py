@@ -1,0 +1,126 @@
+"""workbench.record and `workbench record`: inputs checked, runs stored, readable while recording."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+
+import workbench
+from model import ModelArgs, Transformer, save_checkpoint
+from model.tokenizer import DEFAULT_TOKENIZER
+from workbench.recorder import MAX_PROMPT_CHARS, PROBES
+from workbench.store import Store
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny(vocab: int = 256) -> Transformer:
+    args = replace(ModelArgs.preset("tiny"), vocab_size=vocab)
+    return Transformer(args).init_weights(seed=1, std=0.1).eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny checkpoint folder (ours) holding the bundled tokenizer (vocab 4096)."""
+    folder = tmp_path_factory.mktemp("ckpt")
+    save_checkpoint(tiny(4096), folder)
+    shutil.copy(DEFAULT_TOKENIZER, folder / "tokenizer.json")
+    return folder
+
+
+def test_bad_prompts_are_value_errors(tmp_path, checkpoint):
+    db = tmp_path / "w.duckdb"
+    with pytest.raises(ValueError, match="empty prompt"):
+        workbench.record("   ", model=checkpoint, db=db)
+    with pytest.raises(ValueError, match="over the"):
+        workbench.record("x" * (MAX_PROMPT_CHARS + 1), model=checkpoint, db=db)
+    with pytest.raises(ValueError, match="exceeds"):
+        workbench.record("hello " * 100, model=checkpoint, max_new_tokens=200, db=db)  # tiny context is 256
+    with pytest.raises(ValueError, match="unknown probes"):
+        workbench.record([1, 2], model=tiny(), probes=["tokens", "vibes"], db=db)
+    assert workbench.open(db).runs().height == 0 or workbench.open(db).runs()["status"].to_list() != ["complete"]
+
+
+def test_record_from_checkpoint_folder(tmp_path, checkpoint):
+    run = workbench.record("def add(a, b):", model=checkpoint, max_new_tokens=5, db=tmp_path / "w.duckdb")
+    info = run.refresh().info
+    assert info["status"] == "complete"
+    assert info["model"] == str(checkpoint)
+    assert len(info["checkpoint_sha256"]) == 64
+    tok = run.tokens()
+    assert tok.filter(pl.col("is_prompt"))["text"].str.join("").item() == "def add(a, b):"
+    assert tok.height == info["n_tokens"] == info["n_prompt_tokens"] + 5
+
+
+def test_probe_subsets(tmp_path):
+    """probes= decides which tables get rows; tokens are always consistent with the full recording."""
+    model, db = tiny(), Store(tmp_path / "w.duckdb")
+    full = workbench.record([1, 2, 3, 4], model=model, max_new_tokens=3, db=db)
+    for probe in PROBES:
+        run = workbench.record([1, 2, 3, 4], model=model, max_new_tokens=3, db=db, probes=[probe])
+        heights = {"tokens": run.tokens().height, "attention": run.attention().height,
+                   "routing": run.routing().height, "kv": run.kv().height, "steps": run.steps().height}
+        assert {k for k, v in heights.items() if v} == {probe}
+        if probe == "tokens":
+            assert run.tokens()["token_id"].to_list() == full.tokens()["token_id"].to_list()
+
+
+def test_readers_see_steps_while_recording(tmp_path):
+    """In-process: during on_token, a reader sees the rows of the steps before it."""
+    store = Store(tmp_path / "w.duckdb")
+    seen = []
+
+    def on_token(pos, text):
+        # the writer commits asynchronously; step n-1's rows must be there by the time step n+1 runs
+        seen.append((pos, store.sql("SELECT count(DISTINCT step) AS n FROM steps")["n"][0],
+                     store.sql("SELECT status FROM runs")["status"][0]))
+
+    run = workbench.record([1, 2, 3], model=tiny(), max_new_tokens=6, db=store, on_token=on_token)
+    assert [s[2] for s in seen] == ["running"] * 6
+    counts = [s[1] for s in seen]
+    assert counts == sorted(counts) and counts[-1] >= 1
+    assert run.status == "complete" and run.steps().height == 6
+
+
+def test_failure_marks_run_failed(tmp_path):
+    store = Store(tmp_path / "w.duckdb")
+
+    def boom(pos, text):
+        raise RuntimeError("stop here")
+
+    with pytest.raises(RuntimeError):
+        workbench.record([1, 2, 3], model=tiny(), max_new_tokens=4, db=store, on_token=boom)
+    r = store.sql("SELECT status, error FROM runs")
+    assert r["status"][0] == "failed" and "stop here" in r["error"][0]
+    assert store.sql("SELECT count(*) AS n FROM steps")["n"][0] == 1  # the finished step is kept
+
+
+def test_cli_record_json(tmp_path, checkpoint):
+    db = tmp_path / "cli.duckdb"
+    cmd = [sys.executable, "-m", "workbench.cli", "record", "--prompt", "import os\n", "--model", str(checkpoint),
+           "--max-new-tokens", "4", "--db", str(db), "--json"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    run = workbench.open(db).run(out["run_id"])
+    assert run.status == "complete" == out["status"]
+    assert out["tokens"] == run.tokens().height
+    # bad input: one line on stderr, exit 2, no traceback
+    r = subprocess.run([*cmd[:5], "  ", *cmd[6:]], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2 and "empty prompt" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bfloat16_run(tmp_path):
+    run = workbench.record([1, 2, 3], model=tiny(), max_new_tokens=2, db=tmp_path / "w.duckdb", dtype="bfloat16")
+    assert run.info["dtype"] == "bfloat16"
+    kv = run.kv()
+    a = ModelArgs.preset("tiny")
+    assert (kv["bytes"] == kv["cached_tokens"] * (a.kv_lora_rank + a.qk_rope_head_dim) * 2).all()
+    assert torch.isfinite(torch.tensor(run.attention()["entropy"].to_numpy())).all()

@@ -1,0 +1,176 @@
+"""The DuckDB store: round trips, crash safety, version and corruption checks, clear errors."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import datetime
+from pathlib import Path
+
+import duckdb
+import polars as pl
+import pytest
+
+import workbench
+from workbench.query import RunNotFound
+from workbench.schema import SCHEMA_VERSION, TABLES, columns
+from workbench.store import Store, StoreError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_round_trip_every_signal_table(tmp_path):
+    """Frames appended come back equal, column by column, with their types."""
+    store = Store(tmp_path / "w.duckdb")
+    frames = {
+        "runs": pl.DataFrame({"run_id": ["r1"], "created_at": [datetime(2026, 1, 2, 3, 4, 5)], "status": ["complete"],
+                              "model": ["m"], "config": ["{}"], "seed": [7], "n_prompt_tokens": [2]}),
+        "tokens": pl.DataFrame({"run_id": ["r1", "r1"], "pos": [0, 1], "step": [0, 0], "token_id": [3, 4],
+                                "text": ["<b>&", "é\n"], "is_prompt": [True, False], "prob": [None, 0.25],
+                                "logprob": [None, -1.386], "confidence": [None, 0.5], "entropy": [None, 1.1],
+                                "rank": [None, 2], "topk_ids": [None, [9, 4]], "topk_probs": [None, [0.5, 0.25]]},
+                               schema_overrides={"pos": pl.Int32, "step": pl.Int32, "token_id": pl.Int32,
+                                                 "rank": pl.Int32, "topk_ids": pl.List(pl.Int32)}),
+        "attention": pl.DataFrame({"run_id": ["r1"] * 2, "pos": [1, 1], "layer": [0, 0], "head": [0, 1],
+                                   "entropy": [0.5, 0.6], "norm_entropy": [0.7, None], "max_weight": [0.9, 0.8],
+                                   "sink_weight": [0.1, 0.2]},
+                                  schema_overrides={"pos": pl.Int32, "layer": pl.Int32, "head": pl.Int32}),
+        "routing": pl.DataFrame({"run_id": ["r1"], "pos": [1], "layer": [1], "slot": [0], "expert": [5],
+                                 "weight": [0.6], "score": [0.7], "margin": [-0.01]},
+                                schema_overrides={c: pl.Int32 for c in ("pos", "layer", "slot", "expert")}),
+        "kv": pl.DataFrame({"run_id": ["r1"], "step": [0], "layer": [0], "cached_tokens": [2], "bytes": [320]},
+                           schema_overrides={"step": pl.Int32, "layer": pl.Int32, "cached_tokens": pl.Int32}),
+        "kv_tokens": pl.DataFrame({"run_id": ["r1"], "step": [0], "layer": [0], "pos": [0], "latent_norm": [1.5],
+                                   "rope_norm": [0.5], "attn_received": [4.0]},
+                                  schema_overrides={"step": pl.Int32, "layer": pl.Int32, "pos": pl.Int32}),
+        "steps": pl.DataFrame({"run_id": ["r1"], "step": [0], "kind": ["prefill"], "n_tokens": [2],
+                               "wall_ms": [1.25]}, schema_overrides={"step": pl.Int32, "n_tokens": pl.Int32}),
+    }
+    store.append(frames)
+    for table, df in frames.items():
+        got = store.sql(f"SELECT {', '.join(df.columns)} FROM {table} ORDER BY ALL")
+        assert got.equals(df.sort(df.columns)), table
+    # every column of the schema exists in the database, in the documented order
+    for table in TABLES:
+        cols = store.sql(f"SELECT * FROM {table} LIMIT 0").columns
+        assert cols == columns(table), table
+    assert store.sql("SELECT value FROM meta WHERE key = 'schema_version'")["value"][0] == str(SCHEMA_VERSION)
+
+
+def test_append_is_atomic(tmp_path):
+    """A batch with one bad table leaves none of its tables written."""
+    store = Store(tmp_path / "w.duckdb")
+    good = pl.DataFrame({"run_id": ["r"], "step": [0], "kind": ["prefill"], "n_tokens": [1], "wall_ms": [1.0]})
+    bad = pl.DataFrame({"run_id": ["r"], "pos": ["not a number"]})
+    with pytest.raises(Exception):
+        store.append({"steps": good, "tokens": bad})
+    assert store.sql("SELECT count(*) AS n FROM steps")["n"][0] == 0
+
+
+def test_newer_schema_version_is_refused(tmp_path):
+    path = tmp_path / "future.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE meta (key VARCHAR PRIMARY KEY, value VARCHAR)")
+    con.execute("INSERT INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION + 1)])
+    con.close()
+    with pytest.raises(StoreError, match=r"schema_version \d+, newer than this workbench"):
+        Store(path)
+
+
+def test_corrupt_file_is_store_error(tmp_path):
+    path = tmp_path / "junk.duckdb"
+    path.write_bytes(os.urandom(64 * 1024))
+    with pytest.raises(StoreError, match="junk.duckdb"):
+        Store(path)
+
+
+def test_foreign_duckdb_is_refused(tmp_path):
+    path = tmp_path / "other.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE sales (x INT)")
+    con.close()
+    with pytest.raises(StoreError, match="not a workbench database"):
+        Store(path)
+
+
+def test_unknown_run_is_run_not_found(tmp_path):
+    wb = workbench.open(tmp_path / "w.duckdb")
+    with pytest.raises(RunNotFound, match="no run 'nope'"):
+        wb.run("nope")
+    with pytest.raises(RunNotFound):
+        wb.latest()
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    path = tmp_path / "junk.duckdb"
+    path.write_bytes(os.urandom(4096))
+    r = subprocess.run([sys.executable, "-m", "workbench.cli", "runs", "--db", str(path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+
+
+CHILD = textwrap.dedent("""
+    import sys, time, torch
+    import workbench
+    from model import ModelArgs, Transformer
+    from workbench.store import Store
+
+    db = sys.argv[1]
+    model = Transformer(ModelArgs.preset("tiny")).init_weights(seed=1, std=0.1).eval()
+    store = Store(db)
+
+    def on_token(pos, text):
+        # a reader in the same process sees the steps committed so far, while the recording goes on
+        n = store.sql("SELECT count(*) AS n FROM steps")["n"][0]
+        print(f"token {pos} steps {n}", flush=True)
+        if pos >= 12:  # after four steps, wait until they are all committed, then hang: the parent kills us
+            while store.sql("SELECT count(*) AS n FROM steps")["n"][0] < 4:
+                time.sleep(0.02)
+            print("ready", flush=True)
+            time.sleep(600)
+
+    workbench.record(list(range(1, 10)), model=model, max_new_tokens=40, db=store, on_token=on_token)
+""")
+
+
+def test_sigkill_mid_run_keeps_finished_steps(tmp_path):
+    db = tmp_path / "w.duckdb"
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(script), str(db)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    lines = []
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.strip())
+            if line.strip() == "ready":
+                break
+        assert lines and lines[-1] == "ready", (lines, proc.stderr.read() if proc.poll() is not None else "")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    # the in-process reader saw earlier steps while recording went on
+    seen = [int(ln.split()[-1]) for ln in lines if ln.startswith("token")]
+    assert seen == sorted(seen) and seen[-1] >= 3
+    store = Store(db)
+    runs = store.sql("SELECT run_id, status FROM runs")
+    assert runs.height == 1 and runs["status"][0] == "interrupted"
+    run = workbench.open(store).run(runs["run_id"][0])
+    steps = run.steps()
+    assert steps["step"].to_list()[:4] == [0, 1, 2, 3]
+    assert run.status == "interrupted"
+    tok = run.tokens()
+    assert tok["pos"].to_list() == list(range(tok.height))  # no gaps: whole steps only
+    assert tok.height >= 9 + 4
+    n_steps = steps.height
+    assert run.kv()["step"].max() == n_steps - 1
+    assert run.attention()["pos"].max() == 9 + n_steps - 2  # the prompt and each fed token
