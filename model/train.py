@@ -106,8 +106,11 @@ def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
 def train(out: str | Path = "data/demo", preset: str = "demo", steps: int = 1200, batch: int = 8,
           seq_len: int = 512, lr: float = 3e-3, warmup: int = 50, balance_rate: float = 1e-3, seed: int = 0,
           save_every: int = 50, vocab_size: int = 4096, threads: int | None = None,
-          progress: bool = True) -> Path:
-    """Train (or resume) and write the checkpoint + tokenizer to ``out``. Returns ``out``."""
+          progress: bool = True, files: list[Path] | None = None) -> Path:
+    """Train (or resume) and write the checkpoint + tokenizer to ``out``. Returns ``out``.
+
+    ``files`` replaces the stdlib training split (smoke tests train on a few small files).
+    """
     from tqdm import tqdm
 
     if threads:
@@ -116,7 +119,7 @@ def train(out: str | Path = "data/demo", preset: str = "demo", steps: int = 1200
     out.mkdir(parents=True, exist_ok=True)
     state_dir = out / "train_state"
     torch.manual_seed(seed)
-    train_files, val_files = corpus_files()
+    train_files = list(files) if files is not None else corpus_files()[0]
     tok_path = out / "tokenizer.json"
     if tok_path.exists() and (state_dir / "state.json").exists():
         from tokenizers import Tokenizer

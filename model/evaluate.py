@@ -1,0 +1,236 @@
+"""Recompute the model card's numbers on the validation files of the stdlib split.
+
+What is measured (``evaluate()``), all on the same validation text:
+
+- **bits per byte of the model**: the validation files are tokenized and joined into one stream
+  ``[EOT] file1 [EOT] file2 ... [EOT]``; the stream is cut into non-overlapping windows of ``seq_len``
+  (512, the training context) predicted tokens (no stride: a token's context is what precedes it in
+  its window, at least its previous token). The summed negative log-likelihood in bits of every
+  non-EOT target token, divided by the UTF-8 bytes of those tokens (exactly the bytes of the files'
+  text when nothing is capped). EOT targets are separators, not text: they are left out of both the
+  bits and the bytes, for every method alike.
+- **bits per byte of a token-bigram baseline**: counts of (previous token, token) pairs on the
+  training files' tokens, Dirichlet-smoothed toward an add-one unigram:
+  ``P(b | a) = (c(a, b) + k * P1(b)) / (c(a) + k)``. ``k`` is chosen on training data only: fitted
+  on 9 of every 10 training files, scored on the 10th, best of a fixed grid; then refitted on all.
+- **bits per byte of gzip -9**: 8 * len(deflate level 9 of the scored bytes) / len(scored bytes)
+  (Python's ``gzip`` module: the same DEFLATE at level 9 as ``gzip -9``).
+- **expert load** per MoE layer on the validation windows: the share of routed slots (token x top-k)
+  that each expert receives, counted on ``layers.*.ffn.gate.hook_indices``, and the smallest share
+  relative to the uniform 1 / n_routed_experts.
+- **sample**: the greedy continuation (48 tokens) of ``def fibonacci(n):``.
+"""
+from __future__ import annotations
+
+import gzip
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
+from .generate import generate
+from .model import MoE, Transformer
+from .tokenizer import load_tokenizer
+from .train import EOT, corpus_files, encode_files
+
+SAMPLE_PROMPT = "def fibonacci(n):"
+K_GRID = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: the alphabet the ``ByteLevel`` pre-tokenizer maps bytes to."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def token_bytes(tok) -> list[bytes]:
+    """The raw bytes each token id stands for (special tokens: ``b""``, they are not text)."""
+    dec = _byte_decoder()
+    special = {t.content for t in tok.get_added_tokens_decoder().values()}
+    out = []
+    for i in range(tok.get_vocab_size()):
+        s = tok.id_to_token(i)
+        out.append(b"" if s is None or s in special else bytes(dec[c] for c in s))
+    return out
+
+
+class Bigram:
+    """Token-bigram language model, Dirichlet-smoothed toward an add-one unigram (see module docstring)."""
+
+    def __init__(self, ids: torch.Tensor, vocab: int, k: float = 1.0):
+        ids = ids.long()
+        self.vocab, self.k = vocab, k
+        self.pairs = torch.bincount(ids[:-1] * vocab + ids[1:], minlength=vocab * vocab).view(vocab, vocab).float()
+        self.ctx = self.pairs.sum(1)  # c(a): how often a is followed by anything
+        uni = torch.bincount(ids, minlength=vocab).double()
+        self.unigram = ((uni + 1) / (uni.sum() + vocab)).float()
+
+    def nll_bits(self, prev: torch.Tensor, nxt: torch.Tensor, k: float | None = None) -> torch.Tensor:
+        """-log2 P(nxt | prev) per pair."""
+        k = self.k if k is None else k
+        prev, nxt = prev.long(), nxt.long()
+        p = (self.pairs[prev, nxt].double() + k * self.unigram[nxt].double()) / (self.ctx[prev].double() + k)
+        return -torch.log2(p)
+
+    @classmethod
+    def fit(cls, tok, files: list[Path], grid: tuple[float, ...] = K_GRID) -> "Bigram":
+        """Pick k on a held-out tenth of ``files`` (every 10th file), then fit on all of them."""
+        held = files[9::10]
+        rest = [f for i, f in enumerate(files) if i % 10 != 9]
+        vocab = tok.get_vocab_size()
+        eot = tok.token_to_id(EOT)
+        fit_ids, held_raw = encode_files(tok, rest), encode_files(tok, held)
+        held_ids = torch.cat([torch.tensor([eot], dtype=held_raw.dtype), held_raw]).long()
+        keep = held_ids[1:] != eot
+        probe = cls(fit_ids, vocab)
+        scores = {k: probe.nll_bits(held_ids[:-1][keep], held_ids[1:][keep], k).mean().item() for k in grid}
+        del probe
+        best = min(scores, key=scores.get)
+        return cls(torch.cat([fit_ids, held_raw]), vocab, k=best)
+
+
+def _windows(stream: torch.Tensor, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Non-overlapping (inputs, targets) windows covering every target of ``stream[1:]``."""
+    n = stream.numel() - 1
+    return [(stream[s: min(s + seq_len, n)], stream[s + 1: min(s + seq_len, n) + 1]) for s in range(0, n, seq_len)]
+
+
+def model_nll_bits(model: Transformer, stream: torch.Tensor, seq_len: int = 512, batch: int = 8
+                   ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Per-target NLL in bits for ``stream[1:]`` and the routed-slot counts per MoE layer.
+
+    Returns:
+        (bits [len(stream) - 1], {layer index: counts [E]}).
+    """
+    from probes.hooks import attach
+
+    counts: dict[int, torch.Tensor] = {}
+    n_experts = model.args.n_routed_experts
+
+    def count(idx: torch.Tensor, name: str, **_) -> None:
+        layer = int(name.split(".")[1])
+        counts[layer] = counts.get(layer, 0) + torch.bincount(idx.flatten().cpu(), minlength=n_experts)
+
+    device = next(model.parameters()).device
+    wins = _windows(stream.long(), seq_len)
+    full = [w for w in wins if w[0].numel() == seq_len]
+    groups = [full[i: i + batch] for i in range(0, len(full), batch)] + [[w] for w in wins if w[0].numel() < seq_len]
+    bits = []
+    has_moe = any(isinstance(layer.ffn, MoE) for layer in model.layers)
+    with torch.inference_mode(), attach(model, {"layers.*.ffn.gate.hook_indices": count} if has_moe else {}):
+        for g in groups:
+            x = torch.stack([w[0] for w in g]).to(device)
+            y = torch.stack([w[1] for w in g]).to(device)
+            logits = model(x)
+            nll = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none") / math.log(2)
+            bits.append(nll.cpu())
+    # groups keep the windows in order (full ones first, then at most one partial at the end)
+    return torch.cat(bits), counts
+
+
+def evaluate(model: Transformer | str | Path | None = None, tokenizer=None, max_tokens: int | None = None,
+             seq_len: int = 512, batch: int = 8, sample_tokens: int = 48) -> dict:
+    """The model card's numbers on the validation files (see the module docstring for definitions).
+
+    Args:
+        model: a loaded ``Transformer``, a checkpoint folder, or None for the bundled demo checkpoint.
+        tokenizer: a ``tokenizers.Tokenizer``; default: the checkpoint folder's, else the bundled one.
+        max_tokens: score only the first N validation target tokens (None: all of them).
+        seq_len: window length in tokens (the training context).
+    Returns:
+        a JSON-ready dict: ``bits_per_byte`` {model, bigram, gzip}, ``expert_load`` (per MoE layer),
+        ``sample``, and the counts behind them.
+    """
+    t0 = time.time()
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"--max-tokens must be a positive number of tokens, got {max_tokens}")
+    if not isinstance(model, torch.nn.Module):
+        folder = Path(model) if model else DEFAULT_CHECKPOINT
+        model = load_checkpoint(folder)
+        if tokenizer is None and (folder / "tokenizer.json").exists():
+            tokenizer = load_tokenizer(folder)
+    tok = tokenizer or load_tokenizer()
+    if tok.get_vocab_size() != model.args.vocab_size:
+        raise ValueError(f"tokenizer vocabulary ({tok.get_vocab_size()}) does not match the model's "
+                         f"({model.args.vocab_size})")
+    model.eval()
+    train_files, val_files = corpus_files()
+    eot = tok.token_to_id(EOT)
+    stream = torch.cat([torch.tensor([eot], dtype=torch.int32), encode_files(tok, val_files)]).long()
+    capped = max_tokens is not None and max_tokens < stream.numel() - 1
+    if capped:
+        stream = stream[: max_tokens + 1]
+    prev, target = stream[:-1], stream[1:]
+    text = target != eot  # EOT targets are separators, not text: scored by no method
+
+    nbytes = token_bytes(tok)
+    scored = b"".join(nbytes[i] for i in target[text].tolist())
+    n_bytes = len(scored)
+
+    t_model = time.time()
+    bits, counts = model_nll_bits(model, stream, seq_len=seq_len, batch=batch)
+    t_model = time.time() - t_model
+    model_bits = bits[text].double().sum().item()
+
+    bigram = Bigram.fit(tok, train_files)
+    bigram_bits = bigram.nll_bits(prev[text], target[text]).sum().item()
+    gzip_bits = 8 * len(gzip.compress(scored, compresslevel=9, mtime=0))
+
+    uniform = 1 / model.args.n_routed_experts
+    load = []
+    for layer in sorted(counts):
+        c = counts[layer].double()
+        share = (c / c.sum()).tolist()
+        load.append({"layer": layer, "slots": int(c.sum()), "share": share,
+                     "min_share_vs_uniform": min(share) / uniform, "max_share_vs_uniform": max(share) / uniform})
+
+    prompt_ids = tok.encode(SAMPLE_PROMPT).ids
+    out_ids = generate(model, prompt_ids, max_new_tokens=sample_tokens, temperature=0.0)
+    n_tok = int(text.sum())
+    return {
+        "checkpoint": getattr(model, "checkpoint_path", None),
+        "validation_files": len(val_files),
+        "training_files": len(train_files),
+        "tokens_scored": n_tok,
+        "bytes_scored": n_bytes,
+        "max_tokens": max_tokens,
+        "capped": capped,
+        "window": seq_len,
+        "stride": seq_len,
+        "bits_per_byte": {"model": model_bits / n_bytes, "bigram": bigram_bits / n_bytes,
+                          "gzip": gzip_bits / n_bytes},
+        "bits_per_token": {"model": model_bits / n_tok, "bigram": bigram_bits / n_tok},
+        "bigram_k": bigram.k,
+        "expert_load": load,
+        "min_share_vs_uniform": min((x["min_share_vs_uniform"] for x in load), default=None),
+        "sample": {"prompt": SAMPLE_PROMPT, "continuation": tok.decode(out_ids), "tokens": len(out_ids)},
+        "model_seconds": round(t_model, 1),
+        "wall_s": round(time.time() - t0, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m model.evaluate [--model PATH] [--max-tokens N]``: print the result as JSON."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--max-tokens", type=int, default=None)
+    a = ap.parse_args(argv)
+    print(json.dumps(evaluate(a.model, max_tokens=a.max_tokens), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""workbench eval: recompute the model card's numbers (bits per byte, expert load, sample) on validation."""
+from __future__ import annotations
+
+import json
+
+
+def main(args) -> int:
+    from model.evaluate import evaluate
+
+    r = evaluate(args.model, max_tokens=args.max_tokens)
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console()
+    cap = f", capped at {r['max_tokens']}" if r["capped"] else ""
+    t = Table(title=f"bits per byte on {r['validation_files']} validation files "
+                    f"({r['tokens_scored']} tokens, {r['bytes_scored']} bytes{cap})")
+    for c in ("method", "bits/byte", "bits/token"):
+        t.add_column(c, justify="right" if c != "method" else "left")
+    bpt = r["bits_per_token"]
+    for name, label in (("model", f"model ({r['window']}-token windows)"),
+                        ("bigram", f"token bigram (k={r['bigram_k']:g})"), ("gzip", "gzip -9")):
+        t.add_row(escape(label), f"{r['bits_per_byte'][name]:.3f}", f"{bpt[name]:.3f}" if name in bpt else "")
+    console.print(t)
+
+    if r["expert_load"]:
+        n = len(r["expert_load"][0]["share"])
+        t = Table(title=f"routed-slot share per expert, x uniform (1/{n})")
+        t.add_column("layer", justify="right")
+        for j in range(n):
+            t.add_column(str(j), justify="right")
+        t.add_column("min", justify="right")
+        for row in r["expert_load"]:
+            t.add_row(str(row["layer"]), *(f"{s * n:.2f}" for s in row["share"]), f"{row['min_share_vs_uniform']:.2f}")
+        console.print(t)
+
+    s = r["sample"]
+    console.print(f"[bold]greedy continuation ({s['tokens']} tokens)[/bold]")
+    console.print(escape(s["prompt"] + s["continuation"]), highlight=False)
+    console.print(f"[dim]{r['wall_s']} s[/dim]")
+    return 0
