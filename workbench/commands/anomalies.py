@@ -1,0 +1,31 @@
+"""workbench anomalies RUN_ID: detect (or read the stored) anomalies of a run and list them."""
+from __future__ import annotations
+
+import json
+import math
+
+
+def main(args) -> int:
+    from workbench.run import Workbench
+
+    run = Workbench(args.db).run(args.run_id)
+    df = run.anomalies()
+    if args.json:
+        rows = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
+                for r in df.iter_rows(named=True)]
+        print(json.dumps({"run_id": run.run_id, "anomalies": rows}))
+        return 0
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    colour = {"critical": "bold red", "warning": "yellow", "info": "dim"}
+    t = Table(title=escape(f"anomalies of run {run.run_id}: {df.height}"))
+    for c in ("severity", "kind", "pos", "layer", "head", "expert", "score", "explanation"):
+        t.add_column(c)
+    for r in df.iter_rows(named=True):
+        cells = [escape("" if r[c] is None else (f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c])))
+                 for c in ("severity", "kind", "pos", "layer", "head", "expert", "score", "explanation")]
+        t.add_row(*cells, style=colour.get(r["severity"], ""))
+    Console().print(t)
+    return 0

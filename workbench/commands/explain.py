@@ -1,0 +1,57 @@
+"""workbench explain RUN_ID POS: root cause of one token (source tokens by IG, heads and experts by ablation)."""
+from __future__ import annotations
+
+import json
+import math
+
+
+def _num(v):
+    return None if v is None or (isinstance(v, float) and not math.isfinite(v)) else v
+
+
+def main(args) -> int:
+    from workbench.run import Workbench
+
+    run = Workbench(args.db).run(args.run_id)
+    df = run.root_cause(args.pos, steps=args.steps, mode=args.mode)
+    tokens = run.tokens()
+    texts = dict(zip(tokens["pos"].to_list(), tokens["text"].to_list()))
+    target = tokens.filter(tokens["pos"] == args.pos).row(0, named=True)
+    ig = df.filter(df["kind"] == "token")
+    method = ig["method"][0] if ig.height else None
+    delta = ig["delta"][0] if ig.height else None
+    if args.json:
+        rows = [{k: _num(v) for k, v in r.items()} | ({"source_text": texts.get(r["source_pos"])}
+                                                      if r["source_pos"] is not None else {})
+                for r in df.iter_rows(named=True)]
+        print(json.dumps({"run_id": run.run_id, "pos": args.pos, "token": target["text"],
+                          "logprob": _num(target["logprob"]), "method": method, "delta": _num(delta),
+                          "ig_total": _num(float(ig["score"].sum())) if ig.height else None, "causes": rows}))
+        return 0
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    lp = target["logprob"]
+    title = (f"why {target['text']!r} at {args.pos} (logprob {lp:.3f})" if lp is not None
+             else f"why {target['text']!r} at {args.pos}")
+    t = Table(title=escape(title))
+    for c in ("rank", "kind", "where", "score (nats)", "method"):
+        t.add_column(c)
+    for r in df.head(15).iter_rows(named=True):
+        if r["kind"] == "token":
+            where = f"pos {r['source_pos']} {texts.get(r['source_pos'], '')!r}"
+        elif r["kind"] == "head":
+            where = f"layer {r['layer']} head {r['head']}"
+        elif r["kind"] == "expert":
+            where = f"layer {r['layer']} expert {r['expert']}"
+        else:
+            where = f"layer {r['layer']} shared experts"
+        score = "nan" if r["score"] is None or not math.isfinite(r["score"]) else f"{r['score']:+.4f}"
+        t.add_row(*(escape(str(v)) for v in (r["rank"], r["kind"], where, score, r["method"])))
+    con = Console()
+    con.print(t)
+    if ig.height:
+        con.print(escape(f"token attributions: {method}, {args.steps} steps, sum {ig['score'].sum():+.4f} nats, "
+                         f"convergence delta {delta:+.2e}"))
+    return 0
