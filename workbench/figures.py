@@ -67,6 +67,13 @@ def _max_pos_at(store: Store, run_id: str, step: int | None) -> int | None:
     return int(t["pos"].max()) if t.height else -1
 
 
+def _max_fed_pos_at(store: Store, run_id: str, step: int | None) -> int | None:
+    """Last position fed to the model by the end of ``step``: attention and routing rows exist up to it
+    (the token a step produces is fed, and gets its rows, only at the next step)."""
+    last = _max_pos_at(store, run_id, step)
+    return None if last is None else last - 1
+
+
 def _check_pos(tokens: pl.DataFrame, pos: int) -> dict:
     row = tokens.filter(pl.col("pos") == pos)
     if row.height == 0:
@@ -140,8 +147,8 @@ def fig_topk(store: Store, run_id: str, pos: int, tokenizer=None) -> go.Figure:
         marker={"color": ["#2a9d8f" if c else "#9aa5b1" for c in chosen[::-1]]},
         hovertext=[f"{token_label(x, 60)} (id {i}): {p:.4f}" for x, i, p in zip(texts[::-1], ids[::-1], probs[::-1])],
         hoverinfo="text"))
-    extra = "" if any(chosen) else f"; produced token (rank {row['rank']}, p={row['prob']:.4f}) not in top-{len(ids)}"
-    _layout(fig, f"Top-{len(ids)} at pos {pos}: produced {token_label(row['text'], 30)}{extra}",
+    _layout(fig, f"Top-{len(ids)} at pos {pos}; produced {token_label(row['text'], 16)} "
+                 f"(rank {row['rank']}, p={row['prob']:.3g})",
             height=300, xaxis={"title": "probability", "range": [0, max(probs + [1e-9]) * 1.1]})
     return fig
 
@@ -181,7 +188,7 @@ def fig_head_entropy(store: Store, run_id: str, step: int | None = None) -> go.F
     if step is None:
         h = query.head_entropy(store, run_id)
     else:
-        last = _max_pos_at(store, run_id, step)
+        last = _max_fed_pos_at(store, run_id, step)
         h = (query.attention(store, run_id).filter((pl.col("pos") > 0) & (pl.col("pos") <= last))
              .group_by("layer", "head").agg(pl.col("entropy").mean()).sort("layer", "head"))
     if h.height == 0:
@@ -198,7 +205,7 @@ def fig_entropy_along(store: Store, run_id: str, heads: list[tuple[int, int]] | 
                       normalised: bool = False, step: int | None = None) -> go.Figure:
     """Attention entropy along positions for chosen ``(layer, head)`` pairs (default: the 4 most diffuse)."""
     a = query.attention(store, run_id)
-    last = _max_pos_at(store, run_id, step)
+    last = _max_fed_pos_at(store, run_id, step)
     if last is not None:
         a = a.filter(pl.col("pos") <= last)
     if a.height == 0:
@@ -246,7 +253,7 @@ def fig_token_routing(store: Store, run_id: str, pos: int) -> go.Figure:
 def _routing_until(store: Store, run_id: str, step: int | None) -> pl.DataFrame | None:
     if step is None:
         return None
-    return query.routing(store, run_id).filter(pl.col("pos") <= _max_pos_at(store, run_id, step))
+    return query.routing(store, run_id).filter(pl.col("pos") <= _max_fed_pos_at(store, run_id, step))
 
 
 def fig_expert_load(store: Store, run_id: str, step: int | None = None) -> go.Figure:

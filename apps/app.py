@@ -1,0 +1,545 @@
+"""The Gradio workbench: layout and event wiring only.
+
+Every number on screen comes from ``workbench.query`` frames, ``workbench.figures`` (plotly) or a
+``workbench.Run``; this file holds no SQL and no analysis. Token text is untrusted and only ever
+reaches the page through components that render text (HighlightedText, Dataframe with ``str``
+columns, JSON) or escaped HTML, never as markup.
+
+    python -m apps.app --db data/workbench.duckdb      # or: workbench ui
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported
+
+import json
+import queue
+import tempfile
+import threading
+import uuid
+from pathlib import Path
+
+import gradio as gr
+import polars as pl
+
+from workbench import figures, query
+from workbench.run import Run
+from workbench.store import Store
+
+# confidence buckets of the token strip (label -> colour); the legend explains them
+BUCKETS = [("< 0.2", "#e63946", 0.2), ("0.2-0.5", "#f4a261", 0.5), ("0.5-0.8", "#e9c46a", 0.8),
+           ("≥ 0.8", "#8ac926", 1.01)]
+COLOR_MAP = {label: color for label, color, _ in BUCKETS} | {"no prediction": "#adb5bd"}
+RECORD_COLOR_MAP = COLOR_MAP | {"recording": "#a2d2ff"}  # streamed, not yet committed
+RUN_COLUMNS = ["run_id", "status", "created_at", "model", "prompt", "n_tokens", "n_anomalies"]
+DEFAULT_SQL = "SELECT run_id, status, n_tokens, prompt FROM runs ORDER BY created_at DESC"
+
+CSS = """
+#token-strip .token { cursor: pointer; }
+.wb-message { font-size: 0.95em; }
+"""
+
+
+# -- pure helpers (presentation only) ------------------------------------------------------------
+
+def bucket(confidence: float | None) -> str:
+    """Strip category of a confidence value."""
+    if confidence is None or confidence != confidence:  # None or NaN
+        return "no prediction"
+    for label, _, upper in BUCKETS:
+        if confidence < upper:
+            return label
+    return BUCKETS[-1][0]
+
+
+def strip_value(tokens: pl.DataFrame) -> list[tuple[str, str]]:
+    """HighlightedText value: one (text, confidence bucket) per token, in position order."""
+    return [(t if t else "\u2205", bucket(c)) for t, c in zip(tokens["text"].to_list(), tokens["confidence"].to_list())]
+
+
+def _short_model(path: str | None) -> str:
+    return Path(path).name if path and ("/" in path or "\\" in path) else (path or "")
+
+
+def runs_table(store: Store) -> pl.DataFrame:
+    """The Runs tab's table: selected columns of ``query.runs``, prompt shortened."""
+    df = query.runs(store)
+    if df.height == 0:
+        return pl.DataFrame({c: [] for c in RUN_COLUMNS}, schema={c: pl.String for c in RUN_COLUMNS})
+    return df.select(
+        "run_id", "status", pl.col("created_at").cast(pl.String).str.slice(0, 19),
+        pl.col("model").map_elements(_short_model, return_dtype=pl.String),
+        pl.col("prompt").str.replace_all("\n", " \u21b5 ").str.slice(0, 80), "n_tokens", "n_anomalies")
+
+
+def run_choices(store: Store) -> list[tuple[str, str]]:
+    """(label, run_id) for the run picker; the label is shown as plain text by the dropdown."""
+    df = query.runs(store)
+    return [(f"{r['run_id']} · {r['status']} · {r['n_tokens']} tok · {(r['prompt'] or '')[:40]!r}", r["run_id"])
+            for r in df.iter_rows(named=True)]
+
+
+def _fail(where: str, e: BaseException) -> str:
+    """A one-line, escaped message for a failed optional feature."""
+    import html
+    if isinstance(e, ImportError):
+        return f"⚠️ {where} is not available in this installation yet ({html.escape(str(e))})."
+    return f"⚠️ {where} failed: {html.escape(type(e).__name__)}: {html.escape(str(e).splitlines()[0] if str(e) else '')}"
+
+
+# -- the app -------------------------------------------------------------------------------------
+
+def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) -> gr.Blocks:
+    """The workbench as a ``gr.Blocks`` app over the database ``db``.
+
+    Args:
+        db: database path or ``Store`` (default ``$WORKBENCH_DB`` or ``data/workbench.duckdb``).
+        model: a module (or checkpoint folder) the Record tab uses by default; None: the bundled demo.
+        tokenizer: its tokenizer (None: the checkpoint's or the bundled one).
+    """
+    store = db if isinstance(db, Store) else Store(db)
+    live: dict[str, Run] = {}  # runs recorded in this app keep their module, so root cause uses it
+    model_sha: list[str] = []
+
+    def get_run(run_id: str) -> Run:
+        if not run_id:
+            raise gr.Error("choose a run first (Runs tab or the run picker)")
+        if run_id in live:
+            return live[run_id]
+        try:
+            run = Run(store, run_id)
+        except query.RunNotFound as e:
+            raise gr.Error(str(e)) from None
+        if model is not None and not isinstance(model, (str, Path)):
+            if not model_sha:
+                from model import state_sha256
+                model_sha.append(state_sha256(model))
+            if run.info["checkpoint_sha256"] == model_sha[0]:
+                run = Run(store, run_id, model=model, tokenizer=tokenizer)
+        return run
+
+    # -- callbacks: each returns component values; data come from query / figures / Run --------------
+
+    def refresh_runs(current: str | None):
+        choices = run_choices(store)
+        ids = [v for _, v in choices]
+        value = current if current in ids else (ids[0] if ids else None)
+        return runs_table(store), gr.Dropdown(choices=choices, value=value)
+
+    def pick_from_table(evt: gr.SelectData, table: pl.DataFrame | None):
+        row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
+        rid = evt.row_value[0] if getattr(evt, "row_value", None) else None
+        if rid is None and table is not None:
+            rid = table["run_id"][row]
+        return gr.Dropdown(value=rid), gr.Tabs(selected="runview")
+
+    def load_run(run_id: str | None):
+        """Everything in the Run view that depends on the run only."""
+        if not run_id:
+            return [], gr.Number(value=0), "Choose a run.", None, None, gr.Slider(maximum=1, value=0)
+        run = get_run(run_id)
+        t = run.tokens()
+        n = t.height
+        pos = min(int(run.info["n_prompt_tokens"] or 1), max(n - 1, 0))
+        s = run.summary()
+        head = (f"**{s['run_id']}** · {s['status']} · {s['prompt_tokens']} prompt + {s['generated_tokens']} "
+                f"generated tokens · mean confidence "
+                f"{s['mean_confidence']:.3f}" if s["mean_confidence"] is not None else f"**{s['run_id']}** · {s['status']}")
+        try:
+            from workbench.replay import step_range
+            last_step = step_range(store, run_id)[1]
+        except Exception:
+            last_step = int(t["step"].max()) if n else 0
+        return (strip_value(t), gr.Number(value=pos, maximum=max(n - 1, 0)), head,
+                run.fig_tokens(), json.dumps(s, indent=1),
+                gr.Slider(minimum=0, maximum=max(last_step, 1), value=last_step, step=1))
+
+    def token_views(run_id: str | None, pos: float | None):
+        if not run_id or pos is None:
+            return "", None, None, None, None
+        run = get_run(run_id)
+        pos = int(pos)
+        t = run.tokens()
+        if not 0 <= pos < t.height:
+            raise gr.Error(f"position {pos} is outside this run (0..{t.height - 1})")
+        row = t.row(pos, named=True)
+        r4 = lambda x: None if x is None else round(x, 4)  # noqa: E731 - display rounding only
+        info = [{"pos": pos, "token": row["text"], "token_id": row["token_id"], "prompt": row["is_prompt"],
+                 "prob": r4(row["prob"]), "confidence": r4(row["confidence"]), "entropy": r4(row["entropy"]),
+                 "rank": row["rank"]}]
+        return (pl.DataFrame(info), run.fig_topk(pos), run.fig_token_heads(pos), run.fig_token_routing(pos),
+                run.fig_attribution(pos))
+
+    def pick_token(evt: gr.SelectData):
+        return evt.index if isinstance(evt.index, int) else evt.index[0]
+
+    def explain(run_id: str | None, pos: float | None, steps: float, progress=gr.Progress()):
+        if not run_id or pos is None:
+            return "Choose a run and a token first.", None, None, None
+        run = get_run(run_id)
+        pos = int(pos)
+        progress(0.05, desc=f"root cause of the token at {pos}: integrated gradients + ablations")
+        try:
+            ranked = run.root_cause(pos, steps=int(steps))
+        except Exception as e:  # root cause is optional and model-dependent: say why, keep the app alive
+            return _fail("Root cause", e), None, None, None
+        progress(1.0, desc="done")
+        methods = ", ".join(sorted(set(ranked["method"].drop_nulls().to_list()))) if ranked.height else ""
+        return (f"Root cause of pos {pos}: {ranked.height} ranked causes ({methods}).", run.fig_attribution(pos),
+                run.fig_components(pos), ranked.head(30))
+
+    def attention_views(run_id: str | None, heads: list[str] | None, normalised: bool):
+        if not run_id:
+            return None, None, gr.CheckboxGroup(choices=[])
+        run = get_run(run_id)
+        cfg = run.config
+        choices = [f"L{l}H{h}" for l in range(cfg.get("n_layers", 0)) for h in range(cfg.get("n_heads", 0))]
+        chosen = [c for c in (heads or []) if c in choices]
+        pairs = [tuple(int(x) for x in c[1:].split("H")) for c in chosen]
+        return (run.fig_head_entropy(), run.fig_entropy_along(heads=pairs or None, normalised=normalised),
+                gr.CheckboxGroup(choices=choices, value=chosen))
+
+    def expert_views(run_id: str | None, layer: int | None, window: float):
+        if not run_id:
+            return None, None, None, gr.Dropdown(choices=[])
+        run = get_run(run_id)
+        layers = sorted(set(run.expert_load()["layer"].to_list()))
+        layer = layer if layer in layers else (layers[0] if layers else None)
+        return (run.fig_expert_load(), run.fig_coactivation(layer), run.fig_load_along(layer, int(window)),
+                gr.Dropdown(choices=layers, value=layer))
+
+    def kv_views(run_id: str | None, layer: str):
+        if not run_id:
+            return None, None
+        run = get_run(run_id)
+        return run.fig_kv_bytes(), run.fig_kv_received(None if layer in (None, "", "all") else int(layer))
+
+    def anomaly_table(run_id: str | None, recompute: bool = False):
+        if not run_id:
+            return None, "Choose a run."
+        try:
+            df = get_run(run_id).anomalies(recompute=recompute)
+        except Exception as e:
+            return None, _fail("Anomaly detection", e)
+        return df, f"{df.height} anomalies (click a row to jump to its token)."
+
+    def pick_anomaly(evt: gr.SelectData, df: pl.DataFrame | None):
+        row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
+        if df is None or "pos" not in df.columns or row >= df.height or df["pos"][row] is None:
+            return gr.Number(), gr.Tabs()
+        return gr.Number(value=int(df["pos"][row])), gr.Tabs(selected="runview")
+
+    def compare(a: str | None, b: str | None):
+        if not a or not b:
+            return None, "Choose two runs.", None, None, None, None
+        try:
+            from workbench.diff import diff_runs
+            d = diff_runs(store, a, b)
+        except Exception as e:
+            return None, _fail("Comparison", e), None, None, None, None
+        figs = d.figures() if hasattr(d, "figures") else {}
+        f = list(figs.values()) + [None] * 4
+        return d.summary, "", f[0], f[1], f[2], f[3]
+
+    def replay(run_id: str | None, step: float):
+        if not run_id:
+            return [], "", None, None, None, None
+        run = get_run(run_id)
+        t = int(step)
+        try:
+            st = run.at_step(t)
+            toks = st.tokens
+            info = (f"step {st.step}/{st.last_step} ({st.kind}) · newest fed pos {st.newest_pos} · produced pos "
+                    f"{st.produced_pos} · KV {st.cached_tokens} tokens, {st.kv_bytes} bytes"
+                    + (f" · {st.wall_ms:.1f} ms" if st.wall_ms is not None else ""))
+        except Exception as e:
+            toks = run.tokens().filter(pl.col("step") <= t)
+            info = _fail("Replay state", e)
+        return (strip_value(toks), info, run.fig_tokens(step=t), run.fig_head_entropy(step=t),
+                run.fig_expert_load(step=t), run.fig_kv_bytes(step=t))
+
+    def _last_step(run_id: str | None) -> int:
+        if not run_id:
+            return 0
+        t = query.tokens(store, run_id)
+        return int(t["step"].max()) if t.height else 0
+
+    def replay_tick(run_id: str | None, step: float, maximum_hint: float):
+        nxt = int(step) + 1
+        if nxt > int(maximum_hint):
+            return gr.Slider(), gr.Timer(active=False)
+        return gr.Slider(value=nxt), gr.Timer()
+
+    def sql(text: str):
+        from workbench.sqlsafe import SqlError, run_readonly
+        try:
+            r = run_readonly(store, text)
+        except SqlError as e:
+            return None, f"⚠️ {e}"
+        note = " (cut at the row limit)" if r.truncated else ""
+        return r.frame, f"{r.frame.height} rows in {r.elapsed_ms:.0f} ms{note}"
+
+    def export_report(run_id: str | None):
+        if not run_id:
+            return gr.File(visible=False), "Choose a run first."
+        out = Path(tempfile.mkdtemp(prefix="workbench-report-")) / f"report-{run_id}.html"
+        try:
+            path = get_run(run_id).report(out, "html")
+        except Exception as e:
+            return gr.File(visible=False), _fail("Report export", e)
+        return gr.File(value=str(path), visible=True), f"Report written: {Path(path).name}"
+
+    def record_stream(prompt: str, max_new_tokens: float, temperature: float, top_p: float, seed: float,
+                      checkpoint: str, progress=gr.Progress()):
+        """Record in a thread; yield the tokens committed so far, coloured by confidence, as they land."""
+        from workbench.recorder import record
+
+        if not prompt or not prompt.strip():
+            raise gr.Error("empty prompt: type some text to record")
+        rid = uuid.uuid4().hex[:12]
+        events: queue.Queue = queue.Queue()
+        result: dict = {}
+        use_model = checkpoint.strip() or model
+
+        def work() -> None:
+            try:
+                result["run"] = record(prompt, model=use_model, tokenizer=None if checkpoint.strip() else tokenizer,
+                                       max_new_tokens=int(max_new_tokens), temperature=float(temperature),
+                                       top_p=float(top_p), seed=int(seed), db=store, run_id=rid,
+                                       on_token=lambda pos, text: events.put((pos, text)))
+            except BaseException as e:  # shown to the user below
+                result["error"] = e
+            finally:
+                events.put(None)
+
+        threading.Thread(target=work, name=f"record-{rid}", daemon=True).start()
+        pending: list[tuple[int, str]] = []
+        total = int(max_new_tokens)
+        while True:
+            item = events.get()
+            done = item is None
+            if not done:
+                pending.append(item)
+                while not events.empty():  # drain bursts so the page is not flooded with updates
+                    nxt = events.get()
+                    if nxt is None:
+                        done = True
+                        break
+                    pending.append(nxt)
+            try:
+                t = query.tokens(store, rid)
+            except Exception:
+                t = None
+            shown = strip_value(t) if t is not None and t.height else []
+            committed = t.height if t is not None else 0
+            shown += [(text, "recording") for pos, text in pending if pos >= committed]
+            progress(min(len(pending) / max(total, 1), 1.0), desc=f"recording {rid}")
+            status = f"Recording **{rid}**: {len(pending)}/{total} tokens"
+            if done:
+                break
+            yield shown, status, rid
+        if "error" in result:
+            e = result["error"]
+            yield shown, _fail("Recording", e), rid if query.runs(store).filter(pl.col("run_id") == rid).height else ""
+            return
+        live[rid] = result["run"]
+        t = query.tokens(store, rid)
+        yield strip_value(t), f"Recorded **{rid}**: {t.height} tokens ({query.run_row(store, rid)['status']}).", rid
+
+    def read_tokens(run_id: str):
+        """API: a run's tokens (pos, text, confidence, ...) as a table."""
+        t = get_run(run_id).tokens()
+        return t.select("pos", "token_id", "text", "is_prompt", "prob", "confidence", "entropy", "rank")
+
+    # -- layout ------------------------------------------------------------------------------------
+
+    with gr.Blocks(title="MoE workbench", analytics_enabled=False) as app:
+        gr.Markdown("## MoE observability workbench\nDeepSeek-V3-style MoE runs recorded into "
+                    f"`{store.path.name}`: confidence, attention entropy, routing, KV cache, root cause.")
+        with gr.Row():
+            run_pick = gr.Dropdown(label="Run", choices=run_choices(store), value=None, scale=4,
+                                   elem_id="run-picker", allow_custom_value=True)
+            refresh_btn = gr.Button("↻ Refresh", scale=0, min_width=100)
+            report_btn = gr.Button("Export report", scale=0, min_width=140, elem_id="export-report")
+            report_file = gr.File(label="Report", scale=2, visible=False, interactive=False, height=80)
+        report_msg = gr.Markdown(elem_classes=["wb-message"])
+
+        with gr.Tabs(selected="runs") as tabs:
+            with gr.Tab("Runs", id="runs"):
+                runs_df = gr.Dataframe(value=runs_table(store), interactive=False, label="Recorded runs "
+                                       "(click a row to open it)", elem_id="runs-table", wrap=True)
+
+            with gr.Tab("Record", id="record"):
+                with gr.Row():
+                    with gr.Column(scale=2):
+                        rec_prompt = gr.Textbox(label="Prompt", lines=6, value="def fibonacci(n):\n",
+                                                elem_id="record-prompt")
+                        rec_ckpt = gr.Textbox(label="Checkpoint folder (empty: the app's model)", value="")
+                    with gr.Column(scale=1):
+                        rec_max = gr.Slider(1, 512, value=48, step=1, label="max new tokens")
+                        rec_temp = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)")
+                        rec_top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top-p")
+                        rec_seed = gr.Number(value=0, precision=0, label="seed")
+                        rec_btn = gr.Button("Record", variant="primary", elem_id="record-button")
+                rec_status = gr.Markdown(elem_classes=["wb-message"])
+                rec_strip = gr.HighlightedText(label="Tokens (colour: confidence)", color_map=RECORD_COLOR_MAP,
+                                               show_legend=True, show_inline_category=False, elem_id="record-strip")
+                rec_id = gr.Textbox(label="Run id", interactive=False)
+
+            with gr.Tab("Run view", id="runview"):
+                run_head = gr.Markdown()
+                strip = gr.HighlightedText(label="Tokens: colour = confidence of the prediction; click one",
+                                           color_map=COLOR_MAP, show_legend=True, show_inline_category=False,
+                                           elem_id="token-strip", interactive=False)
+                pos = gr.Number(value=0, precision=0, minimum=0, label="Token position (or click a token above)",
+                                elem_id="token-pos")
+                tok_info = gr.Dataframe(label="Token", interactive=False, elem_id="token-info")
+                with gr.Row():
+                    topk_plot = gr.Plot(label="Top-k alternatives", elem_id="topk-plot")
+                    heads_plot = gr.Plot(label="Attention entropy, layer x head", elem_id="heads-plot")
+                with gr.Row():
+                    route_plot = gr.Plot(label="Routing, layer x expert", elem_id="routing-plot")
+                    attr_plot = gr.Plot(label="Attribution over the context", elem_id="attr-plot")
+                with gr.Row():
+                    rc_steps = gr.Slider(4, 64, value=16, step=4, label="IG steps")
+                    rc_btn = gr.Button("Explain this token (root cause)", elem_id="explain-button")
+                rc_msg = gr.Markdown(elem_classes=["wb-message"])
+                with gr.Row():
+                    comp_plot = gr.Plot(label="Components")
+                    rc_table = gr.Dataframe(label="Ranked causes", interactive=False)
+                with gr.Accordion("Run overview", open=False):
+                    conf_plot = gr.Plot(label="Confidence along the run")
+                    summary_json = gr.Code(label="Summary", language="json")
+
+            with gr.Tab("Attention", id="attention"):
+                head_plot = gr.Plot(label="Mean entropy, layer x head")
+                heads_pick = gr.CheckboxGroup(label="Heads to follow along the run (none: the 4 most diffuse)")
+                norm_box = gr.Checkbox(label="normalised entropy (/ log keys)", value=False)
+                along_plot = gr.Plot(label="Entropy along positions")
+
+            with gr.Tab("Experts", id="experts"):
+                load_plot = gr.Plot(label="Load per expert per layer")
+                with gr.Row():
+                    exp_layer = gr.Dropdown(label="MoE layer", choices=[])
+                    exp_window = gr.Slider(2, 128, value=16, step=2, label="window (positions)")
+                with gr.Row():
+                    coact_plot = gr.Plot(label="Co-activation")
+                    along_load_plot = gr.Plot(label="Load along the run")
+
+            with gr.Tab("KV cache", id="kv"):
+                kv_plot = gr.Plot(label="Bytes per layer over steps")
+                kv_layer = gr.Textbox(label="Layer for attention received (empty: all layers)", value="")
+                kv_recv_plot = gr.Plot(label="Attention received per cached token")
+
+            with gr.Tab("Anomalies", id="anomalies"):
+                with gr.Row():
+                    anom_btn = gr.Button("Detect / refresh")
+                    anom_re = gr.Checkbox(label="recompute", value=False)
+                anom_msg = gr.Markdown(elem_classes=["wb-message"])
+                anom_df = gr.Dataframe(interactive=False, label="Anomalies (click to jump to the token)", wrap=True)
+
+            with gr.Tab("Compare", id="compare"):
+                with gr.Row():
+                    cmp_a = gr.Dropdown(label="Run A", choices=run_choices(store))
+                    cmp_b = gr.Dropdown(label="Run B", choices=run_choices(store))
+                    cmp_btn = gr.Button("Compare")
+                cmp_msg = gr.Markdown(elem_classes=["wb-message"])
+                cmp_json = gr.JSON(label="Summary")
+                with gr.Row():
+                    cmp_f1, cmp_f2 = gr.Plot(), gr.Plot()
+                with gr.Row():
+                    cmp_f3, cmp_f4 = gr.Plot(), gr.Plot()
+
+            with gr.Tab("Replay", id="replay"):
+                with gr.Row():
+                    step = gr.Slider(0, 1, value=0, step=1, label="Step (0 = prefill)", elem_id="replay-step",
+                                     scale=4)
+                    play = gr.Button("▶ Play", scale=0, min_width=90)
+                    pause = gr.Button("⏸ Pause", scale=0, min_width=90)
+                timer = gr.Timer(0.8, active=False)
+                rep_info = gr.Markdown(elem_classes=["wb-message"])
+                rep_strip = gr.HighlightedText(label="Tokens so far", color_map=COLOR_MAP, show_legend=True,
+                                               show_inline_category=False)
+                with gr.Row():
+                    rep_conf, rep_heads = gr.Plot(), gr.Plot()
+                with gr.Row():
+                    rep_load, rep_kv = gr.Plot(), gr.Plot()
+
+            with gr.Tab("SQL", id="sql"):
+                gr.Markdown("Read-only SQL over the store: one SELECT over the workbench tables; no writes, "
+                            "no file or network access; 1000 rows and 5 s at most.")
+                sql_text = gr.Code(value=DEFAULT_SQL, language="sql", label="Query", interactive=True,
+                                   elem_id="sql-text")
+                sql_btn = gr.Button("Run query", elem_id="sql-run")
+                sql_msg = gr.Markdown(elem_classes=["wb-message"])
+                sql_out = gr.Dataframe(interactive=False, label="Rows", wrap=True)
+
+        # -- wiring ----------------------------------------------------------------------------------
+        refresh_btn.click(refresh_runs, run_pick, [runs_df, run_pick], api_name=False)
+        runs_df.select(pick_from_table, runs_df, [run_pick, tabs], api_name=False)
+        run_outputs = [strip, pos, run_head, conf_plot, summary_json, step]
+        tok_outputs = [tok_info, topk_plot, heads_plot, route_plot, attr_plot]
+        (run_pick.change(load_run, run_pick, run_outputs, api_name=False)
+         .then(token_views, [run_pick, pos], tok_outputs, api_name=False)
+         .then(attention_views, [run_pick, heads_pick, norm_box], [head_plot, along_plot, heads_pick], api_name=False)
+         .then(expert_views, [run_pick, exp_layer, exp_window], [load_plot, coact_plot, along_load_plot, exp_layer],
+               api_name=False)
+         .then(kv_views, [run_pick, kv_layer], [kv_plot, kv_recv_plot], api_name=False)
+         .then(lambda r: r, run_pick, cmp_a, api_name=False))
+        pos.change(token_views, [run_pick, pos], tok_outputs, api_name=False, trigger_mode="always_last")
+        strip.select(pick_token, None, pos, api_name=False)
+        rc_btn.click(explain, [run_pick, pos, rc_steps], [rc_msg, attr_plot, comp_plot, rc_table], api_name="explain")
+        heads_pick.input(attention_views, [run_pick, heads_pick, norm_box], [head_plot, along_plot, heads_pick],
+                         api_name=False)
+        norm_box.change(attention_views, [run_pick, heads_pick, norm_box], [head_plot, along_plot, heads_pick],
+                        api_name=False)
+        for c in (exp_layer, exp_window):
+            c.input(expert_views, [run_pick, exp_layer, exp_window], [load_plot, coact_plot, along_load_plot, exp_layer],
+                    api_name=False)
+        kv_layer.submit(kv_views, [run_pick, kv_layer], [kv_plot, kv_recv_plot], api_name=False)
+        anom_btn.click(anomaly_table, [run_pick, anom_re], [anom_df, anom_msg], api_name=False)
+        anom_df.select(pick_anomaly, anom_df, [pos, tabs], api_name=False)
+        cmp_btn.click(compare, [cmp_a, cmp_b], [cmp_json, cmp_msg, cmp_f1, cmp_f2, cmp_f3, cmp_f4], api_name=False)
+        step.change(replay, [run_pick, step], [rep_strip, rep_info, rep_conf, rep_heads, rep_load, rep_kv],
+                    api_name=False, trigger_mode="always_last")
+        play.click(lambda: gr.Timer(active=True), None, timer, api_name=False)
+        pause.click(lambda: gr.Timer(active=False), None, timer, api_name=False)
+        timer.tick(lambda r, s: replay_tick(r, s, _last_step(r)), [run_pick, step], [step, timer], api_name=False)
+        sql_btn.click(sql, sql_text, [sql_out, sql_msg], api_name="sql")
+        report_btn.click(export_report, run_pick, [report_file, report_msg], api_name=False)
+        (rec_btn.click(record_stream, [rec_prompt, rec_max, rec_temp, rec_top_p, rec_seed, rec_ckpt],
+                       [rec_strip, rec_status, rec_id], api_name="record")
+         .then(refresh_runs, run_pick, [runs_df, run_pick], api_name=False))
+        # API only: read a run back (gradio_client)
+        api_run = gr.Textbox(visible=False)
+        api_tokens = gr.Dataframe(visible=False)
+        api_run.submit(read_tokens, api_run, api_tokens, api_name="tokens")
+        app.load(refresh_runs, run_pick, [runs_df, run_pick], api_name=False)
+
+    return app
+
+
+def launch(db: str | Path | Store | None = None, host: str = "127.0.0.1", port: int | None = 7860,
+           auth: str | None = None, **kw) -> None:
+    """Serve the app (blocking). ``auth`` is ``USER:PASS``."""
+    creds = None
+    if auth:
+        user, sep, password = auth.partition(":")
+        if not sep or not user or not password:
+            raise ValueError("--auth must be USER:PASS (both non-empty)")
+        creds = (user, password)
+    app = build_app(db)
+    app.queue(default_concurrency_limit=2).launch(server_name=host, server_port=port, auth=creds, css=CSS,
+                                                  footer_links=["api"], **kw)
+
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(description="MoE workbench UI")
+    ap.add_argument("--db", default=None)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=7860)
+    ap.add_argument("--auth", default=None)
+    a = ap.parse_args()
+    launch(a.db, a.host, a.port, a.auth)
