@@ -9,6 +9,7 @@ no dead experts, and a greedy ``def fibonacci(n):`` continuation that compiles a
 from __future__ import annotations
 
 import ast
+import json
 import math
 
 import pytest
@@ -124,3 +125,21 @@ def test_fibonacci_is_python(result):
     assert fn is not None and fn.args.args[0].arg == "n", code
     assert len(fn.body) >= 2 or not isinstance(fn.body[0], ast.Pass), code
     assert code.count("\n") >= 3, code  # more than a def and a single line
+
+
+def test_eval_cli_errors_and_escaping(tmp_path, capsys, monkeypatch):
+    from workbench import cli
+
+    assert cli.main(["eval", "--model", str(tmp_path / "absent")]) == 2
+    assert "not a checkpoint folder" in capsys.readouterr().err
+    fake = {"validation_files": 1, "tokens_scored": 10, "bytes_scored": 30, "capped": False, "max_tokens": None,
+            "window": 512, "bigram_k": 1.0, "wall_s": 0.1,
+            "bits_per_byte": {"model": 1.0, "bigram": 2.0, "gzip": 3.0}, "bits_per_token": {"model": 3, "bigram": 6},
+            "expert_load": [{"layer": 1, "share": [0.5, 0.5], "min_share_vs_uniform": 1.0}],
+            "sample": {"prompt": "def fibonacci(n):", "continuation": "\n    x = a[bold]b[/bold]\n", "tokens": 9}}
+    monkeypatch.setattr("model.evaluate.evaluate", lambda *a, **k: fake)
+    assert cli.main(["eval"]) == 0
+    out = capsys.readouterr().out
+    assert "x = a[bold]b[/bold]" in out  # token text is shown as text, never as rich markup
+    assert cli.main(["eval", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == fake

@@ -28,14 +28,16 @@ def main(args) -> int:
     console.print(t)
 
     if r["expert_load"]:
-        n = len(r["expert_load"][0]["share"])
-        t = Table(title=f"routed-slot share per expert, x uniform (1/{n})")
-        t.add_column("layer", justify="right")
+        # experts as rows, MoE layers as columns: fits an 80-column terminal
+        loads = r["expert_load"]
+        n = len(loads[0]["share"])
+        t = Table(title=f"routed-slot share per expert, as a multiple of uniform (1/{n})")
+        t.add_column("expert", justify="right")
+        for row in loads:
+            t.add_column(f"layer {row['layer']}", justify="right")
         for j in range(n):
-            t.add_column(str(j), justify="right")
-        t.add_column("min", justify="right")
-        for row in r["expert_load"]:
-            t.add_row(str(row["layer"]), *(f"{s * n:.2f}" for s in row["share"]), f"{row['min_share_vs_uniform']:.2f}")
+            t.add_row(str(j), *(f"{row['share'][j] * n:.2f}" for row in loads))
+        t.add_row("min", *(f"{row['min_share_vs_uniform']:.2f}" for row in loads), style="bold")
         console.print(t)
 
     s = r["sample"]
