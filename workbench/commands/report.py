@@ -1,0 +1,12 @@
+"""workbench report: write a run's anomaly report (self-contained HTML, JSON or Markdown)."""
+from __future__ import annotations
+
+
+def main(args) -> int:
+    from workbench.report import write_report
+    from workbench.run import Workbench
+
+    run = Workbench(args.db).run(args.run_id)
+    path = write_report(run, args.out, args.format)
+    print(path)
+    return 0

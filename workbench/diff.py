@@ -1,0 +1,191 @@
+"""Comparison of two recorded runs, aligned by position: tokens, confidence, head entropy, routing.
+
+Made for the same prompt under fp32 vs bf16, an edited prompt, and a replay against its original.
+Positions are compared where both runs have them; after the first differing token the two runs see
+different contexts, so later deltas say how far apart they drifted, not why.
+"""
+from __future__ import annotations
+
+import html
+import json
+import math
+from dataclasses import dataclass, field
+
+import polars as pl
+
+from . import query
+from .replay import first_divergence
+from .store import Store
+
+
+def _f(x) -> float | None:
+    """A plain float for summaries (None for NULL / NaN / inf, so the summary is valid JSON)."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _abs_stats(s: pl.Series) -> tuple[float | None, float | None]:
+    s = s.cast(pl.Float64).fill_nan(None).drop_nulls().abs()
+    return (_f(s.mean()), _f(s.max())) if s.len() else (None, None)
+
+
+@dataclass
+class RunDiff:
+    """Two runs compared. ``summary`` is a JSON-ready dict; the frames are polars.
+
+    Attributes:
+        tokens: per position: both tokens, ``same_token``, confidence / logprob / entropy of each
+            and their change (b - a).
+        heads: per layer x head: mean entropy of each run over shared positions and the change,
+            plus the largest per-position change.
+        routing: per MoE layer: slots compared, share whose expert differs (slot by slot) and share
+            whose expert is not in the other run's selection for that token at all.
+    """
+
+    a: str
+    b: str
+    summary: dict
+    tokens: pl.DataFrame
+    heads: pl.DataFrame
+    routing: pl.DataFrame
+    _labels: dict = field(default_factory=dict, repr=False)
+
+    def figures(self) -> dict:
+        """Plotly figures: ``confidence`` (both runs along positions), ``delta`` (change in logprob and
+        confidence), ``heads`` (layer x head change in mean entropy), ``routing`` (share changed per layer)."""
+        import plotly.graph_objects as go
+
+        t = self.tokens
+        first = self.summary.get("first_divergence_pos")
+        # plotly reads a subset of HTML in hover text: escape token text so it shows literally
+        ha = [html.escape(x or "") for x in t["text_a"].fill_null("").to_list()]
+        hb = [html.escape(x or "") for x in t["text_b"].fill_null("").to_list()]
+        conf = go.Figure([
+            go.Scatter(x=t["pos"].to_list(), y=t["confidence_a"].to_list(), name=f"A {self.a}", mode="lines+markers",
+                       text=ha, hovertemplate="pos %{x}<br>%{text}<br>confidence %{y:.3f}<extra>A</extra>"),
+            go.Scatter(x=t["pos"].to_list(), y=t["confidence_b"].to_list(), name=f"B {self.b}", mode="lines+markers",
+                       text=hb, hovertemplate="pos %{x}<br>%{text}<br>confidence %{y:.3f}<extra>B</extra>"),
+        ])
+        if first is not None:
+            conf.add_vline(x=first, line_dash="dash", line_color="red", annotation_text="first divergence")
+        conf.update_layout(title="Confidence along the sequence", xaxis_title="position", yaxis_title="confidence")
+        delta = go.Figure([
+            go.Bar(x=t["pos"].to_list(), y=t["d_logprob"].to_list(), name="Δ logprob (B - A)"),
+            go.Bar(x=t["pos"].to_list(), y=t["d_confidence"].to_list(), name="Δ confidence (B - A)"),
+        ])
+        delta.update_layout(title="Per-position change", xaxis_title="position", barmode="group")
+        h = self.heads
+        layers = sorted(set(h["layer"].to_list()))
+        heads = sorted(set(h["head"].to_list()))
+        grid = {(r["layer"], r["head"]): r["d_entropy"] for r in h.iter_rows(named=True)}
+        z = [[grid.get((l, hd)) for hd in heads] for l in layers]
+        lim = max([abs(v) for row in z for v in row if v is not None] + [1e-12])
+        heat = go.Figure(go.Heatmap(z=z, x=heads, y=layers, colorscale="RdBu_r", zmin=-lim, zmax=lim,
+                                    colorbar={"title": "Δ entropy"},
+                                    hovertemplate="layer %{y} head %{x}<br>Δ entropy %{z:.4f}<extra></extra>"))
+        heat.update_layout(title="Change in mean attention entropy (B - A)", xaxis_title="head", yaxis_title="layer")
+        r = self.routing
+        rout = go.Figure([go.Bar(x=r["layer"].to_list(), y=r["changed_share"].to_list(), name="slot differs"),
+                          go.Bar(x=r["layer"].to_list(), y=r["set_changed_share"].to_list(), name="not in B's set")])
+        rout.update_layout(title="Routing changes per MoE layer", xaxis_title="layer", yaxis_title="share of slots",
+                           yaxis_range=[0, 1], barmode="group")
+        return {"confidence": conf, "delta": delta, "heads": heat, "routing": rout}
+
+    def to_json(self) -> str:
+        return json.dumps(self.summary)
+
+    def __repr__(self) -> str:
+        s = self.summary
+        return (f"RunDiff({self.a} vs {self.b}: first divergence at {s['first_divergence_pos']}, "
+                f"{s['token_diff_share']:.1%} tokens differ)")
+
+
+def _token_frame(store: Store, a: str, b: str) -> pl.DataFrame:
+    cols = "pos, token_id, text, is_prompt, confidence, logprob, entropy"
+    ta = store.sql(f"SELECT {cols} FROM tokens WHERE run_id = ? ORDER BY pos", [a])
+    tb = store.sql(f"SELECT {cols} FROM tokens WHERE run_id = ? ORDER BY pos", [b])
+    j = ta.join(tb, on="pos", how="full", coalesce=True, suffix="_b")
+    j = j.rename({c: f"{c}_a" for c in ("token_id", "text", "is_prompt", "confidence", "logprob", "entropy")})
+    return j.sort("pos").with_columns(
+        (pl.col("token_id_a") == pl.col("token_id_b")).fill_null(False).alias("same_token"),
+        (pl.col("confidence_b") - pl.col("confidence_a")).alias("d_confidence"),
+        (pl.col("logprob_b") - pl.col("logprob_a")).alias("d_logprob"),
+        (pl.col("entropy_b") - pl.col("entropy_a")).alias("d_entropy"),
+    ).select("pos", "token_id_a", "token_id_b", "text_a", "text_b", "same_token", "is_prompt_a", "is_prompt_b",
+             "confidence_a", "confidence_b", "d_confidence", "logprob_a", "logprob_b", "d_logprob",
+             "entropy_a", "entropy_b", "d_entropy")
+
+
+def _heads_frame(store: Store, a: str, b: str) -> pl.DataFrame:
+    # positions both runs have; pos 0 attends to itself only (entropy 0), so it adds nothing
+    return store.sql("""
+        SELECT x.layer, x.head, avg(x.entropy) AS entropy_a, avg(y.entropy) AS entropy_b,
+               avg(y.entropy - x.entropy) AS d_entropy, max(abs(y.entropy - x.entropy)) AS max_abs_d_entropy,
+               count(*) AS positions
+        FROM attention x JOIN attention y ON x.pos = y.pos AND x.layer = y.layer AND x.head = y.head
+        WHERE x.run_id = ? AND y.run_id = ? AND x.pos > 0
+        GROUP BY x.layer, x.head ORDER BY x.layer, x.head""", [a, b])
+
+
+def _routing_frame(store: Store, a: str, b: str) -> pl.DataFrame:
+    return store.sql("""
+        SELECT x.layer, count(DISTINCT x.pos) AS positions, count(*) AS slots,
+               count(*) FILTER (WHERE x.expert <> y.expert) AS changed_slots,
+               count(*) FILTER (WHERE x.expert <> y.expert) / count(*) AS changed_share,
+               count(*) FILTER (WHERE NOT EXISTS (
+                   SELECT 1 FROM routing z WHERE z.run_id = y.run_id AND z.pos = x.pos AND z.layer = x.layer
+                                             AND z.expert = x.expert)) / count(*) AS set_changed_share
+        FROM routing x JOIN routing y ON x.pos = y.pos AND x.layer = y.layer AND x.slot = y.slot
+        WHERE x.run_id = ? AND y.run_id = ?
+        GROUP BY x.layer ORDER BY x.layer""", [a, b])
+
+
+def diff_runs(store: Store, a: str, b: str, tol: float = 1e-4) -> RunDiff:
+    """Compare run ``b`` against run ``a``, aligned by position.
+
+    Args:
+        tol: tolerance for ``first_signal_divergence`` (the earliest signal, token or not, that differs).
+    Returns: a ``RunDiff``; ``summary["first_divergence_pos"]`` is the first position whose token
+        differs (or that only one run has), None when the token sequences are identical.
+    Raises:
+        RunNotFound: either id unknown.
+    """
+    ia, ib = query.run_row(store, a), query.run_row(store, b)
+    tokens = _token_frame(store, a, b)
+    both = tokens.filter(pl.col("token_id_a").is_not_null() & pl.col("token_id_b").is_not_null())
+    differ = tokens.filter(~pl.col("same_token"))
+    first = int(differ["pos"][0]) if differ.height else None
+    heads = _heads_frame(store, a, b)
+    routing = _routing_frame(store, a, b)
+    d_conf = _abs_stats(both["d_confidence"])
+    d_lp = _abs_stats(both["d_logprob"])
+    d_h = _abs_stats(heads["d_entropy"]) if heads.height else (None, None)
+    pa = json.loads(ia["params"] or "{}").get("prompt_ids")
+    pb = json.loads(ib["params"] or "{}").get("prompt_ids")
+    n_slots = int(routing["slots"].sum()) if routing.height else 0
+    row = differ.row(0, named=True) if differ.height else None
+    summary = {
+        "run_a": a, "run_b": b, "dtype_a": ia["dtype"], "dtype_b": ib["dtype"],
+        "same_checkpoint": ia["checkpoint_sha256"] == ib["checkpoint_sha256"],
+        "same_prompt": pa == pb if pa is not None and pb is not None else ia["prompt"] == ib["prompt"],
+        "n_tokens_a": int(tokens["token_id_a"].is_not_null().sum()),
+        "n_tokens_b": int(tokens["token_id_b"].is_not_null().sum()),
+        "n_compared": both.height,
+        "first_divergence_pos": first,
+        "first_divergence_tokens": None if row is None else {"a": row["text_a"], "b": row["text_b"],
+                                                            "token_id_a": row["token_id_a"],
+                                                            "token_id_b": row["token_id_b"]},
+        "token_diff_share": (int((~both["same_token"]).sum()) / both.height) if both.height else 0.0,
+        "mean_abs_d_confidence": d_conf[0], "max_abs_d_confidence": d_conf[1],
+        "mean_abs_d_logprob": d_lp[0], "max_abs_d_logprob": d_lp[1],
+        "mean_abs_d_head_entropy": d_h[0], "max_abs_d_head_entropy": _f(heads["max_abs_d_entropy"].max())
+        if heads.height else None,
+        "routing_change_share": {str(r["layer"]): _f(r["changed_share"]) for r in routing.iter_rows(named=True)},
+        "routing_set_change_share": {str(r["layer"]): _f(r["set_changed_share"])
+                                     for r in routing.iter_rows(named=True)},
+        "routing_change_share_all": (int(routing["changed_slots"].sum()) / n_slots) if n_slots else 0.0,
+        "first_signal_divergence": first_divergence(store, a, b, tol),
+    }
+    return RunDiff(a, b, summary, tokens, heads, routing)

@@ -1,0 +1,396 @@
+"""Anomaly reports: one self-contained HTML file (works offline), or JSON / Markdown with the same facts.
+
+A report holds the run's summary, its anomalies ranked by severity, for the top few the root-cause
+ranking and attribution heat map, and the entropy / routing / KV figures. Integrated Gradients is
+slow, so only ``explain`` positions (default 3) are explained, and attributions already stored are
+reused. Each analysis is optional: if a module or the model is missing, the report says so in its
+notes instead of failing.
+
+Everything from the run is untrusted text (token text, prompts, error messages): it is HTML-escaped
+in markup, and JSON embedded in ``<script>`` has ``<``, ``>`` and ``&`` escaped as ``\\u003c`` etc.,
+so no ``</script>`` can break out. The HTML loads nothing from the network: plotly's JS is inlined
+and a Content-Security-Policy forbids fetching anything.
+"""
+from __future__ import annotations
+
+import html
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from datetime import date, datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from . import query
+from .schema import SCHEMA_VERSION
+
+FORMATS = ("html", "json", "md")
+CAUSES_SHOWN = 10
+
+
+# -- collecting the facts ---------------------------------------------------------------------------
+
+def _plain(x: Any) -> Any:
+    """A JSON-ready value: non-finite floats become None, dates ISO strings, containers recursively."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, (datetime, date)):
+        return x.isoformat()
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if hasattr(x, "item") and not isinstance(x, (str, bytes)):  # numpy scalars
+        return _plain(x.item())
+    return x
+
+
+def _records(df: pl.DataFrame | None) -> list[dict]:
+    return [] if df is None else [_plain(r) for r in df.iter_rows(named=True)]
+
+
+@dataclass
+class Report:
+    """What a report says (``facts``, JSON-ready) and its figures ``(section, key, plotly figure)``."""
+
+    facts: dict
+    figures: list[tuple[str, str, Any]] = field(default_factory=list)
+
+    @property
+    def notes(self) -> list[str]:
+        return self.facts["notes"]
+
+
+def _figure(rep: Report, section: str, key: str, name: str, *args) -> None:
+    """Add ``workbench.figures.<name>(store, run_id, *args)``; a note instead if it cannot be drawn."""
+    store, run_id = rep.facts["_store"], rep.facts["run"]["run_id"]
+    try:
+        from . import figures
+        fn = getattr(figures, name)
+    except (ImportError, AttributeError) as e:
+        rep.notes.append(f"figure {key} unavailable: workbench.figures.{name} is missing ({e})")
+        return
+    try:
+        rep.figures.append((section, key, fn(store, run_id, *args)))
+    except Exception as e:  # a figure must never sink the whole report
+        rep.notes.append(f"figure {key} failed: {type(e).__name__}: {e}")
+
+
+def _anomalies(run, rep: Report) -> pl.DataFrame | None:
+    try:
+        df = run.anomalies()
+    except ImportError as e:
+        rep.notes.append(f"anomaly detection is not available in this installation ({e}); no anomalies listed")
+        return None
+    except Exception as e:
+        rep.notes.append(f"anomaly detection failed: {type(e).__name__}: {e}")
+        return None
+    # most severe first, then the detector's own order (kept stable)
+    sev = {"critical": 0, "warning": 1, "info": 2}
+    df = df.with_row_index("_order").with_columns(
+        pl.col("severity").replace_strict(sev, default=3, return_dtype=pl.Int32).alias("_sev"))
+    return df.sort("_sev", "_order").drop("_sev", "_order").with_row_index("rank", offset=1)
+
+
+def _explain(run, pos: int, rep: Report, root_cause_kw: dict) -> pl.DataFrame | None:
+    """Stored attributions for ``pos``, else ``run.root_cause(pos)``; None (with a note) if impossible."""
+    have = query.attributions(run.store, run.run_id, pos)
+    if have.height:
+        return have
+    try:
+        return run.root_cause(pos, **root_cause_kw)
+    except ImportError as e:
+        rep.notes.append(f"root cause is not available in this installation ({e})")
+    except Exception as e:
+        rep.notes.append(f"root cause of position {pos} not computed: {type(e).__name__}: {e}")
+    return None
+
+
+def build_report(run, explain: int = 3, root_cause_kw: dict | None = None) -> Report:
+    """Collect a report's facts and figures for ``run`` (a ``workbench.Run``).
+
+    Args:
+        explain: how many of the top anomalous positions get a root-cause ranking (0: none).
+        root_cause_kw: keyword arguments for ``Run.root_cause`` (e.g. ``{"steps": 16}``).
+    """
+    if explain < 0:
+        raise ValueError(f"explain must be >= 0, got {explain}")
+    info = run.refresh().info
+    params = json.loads(info["params"] or "{}")
+    toks = run.tokens()
+    rep = Report(facts={
+        "report": {"kind": "moe-workbench anomaly report", "schema_version": SCHEMA_VERSION,
+                   "created_at": datetime.now(timezone.utc).replace(microsecond=0).isoformat()},
+        "run": _plain({k: v for k, v in info.items() if k not in ("config", "params", "pid")}),
+        "params": _plain(params), "config": _plain(json.loads(info["config"] or "{}")),
+        "summary": {}, "tokens": [], "anomalies": [], "explained": [], "signals": {}, "notes": [],
+        "_store": run.store,
+    })
+    facts = rep.facts
+    facts["summary"] = _plain(run.summary())
+    facts["tokens"] = _records(toks.select("pos", "token_id", "text", "is_prompt", "prob", "logprob", "confidence",
+                                           "entropy", "rank")) if toks.height else []
+    anomalies = _anomalies(run, rep)
+    facts["anomalies"] = _records(anomalies)
+    if anomalies is not None:
+        facts["summary"]["anomalies"] = {s: int((anomalies["severity"] == s).sum())
+                                         for s in ("critical", "warning", "info")}
+    # the top anomalous positions get a root-cause ranking (deduplicated, most severe first)
+    text = dict(zip(toks["pos"].to_list(), toks["text"].to_list())) if toks.height else {}
+    targets: list[int] = []
+    if anomalies is not None and explain:
+        for r in anomalies.iter_rows(named=True):
+            p = r["pos"]
+            if p is not None and 1 <= p < toks.height and p not in targets:
+                targets.append(int(p))
+            if len(targets) >= explain:
+                break
+    for pos in targets:
+        causes = _explain(run, pos, rep, dict(root_cause_kw or {}))
+        if causes is None:
+            continue
+        tok = causes.filter(pl.col("kind") == "token").sort("source_pos")
+        facts["explained"].append({
+            "pos": pos, "text": text.get(pos),
+            "anomaly_ids": [r["anomaly_id"] for r in anomalies.iter_rows(named=True) if r["pos"] == pos],
+            "causes": _records(causes.sort("rank").head(CAUSES_SHOWN).select(
+                [c for c in ("rank", "kind", "layer", "head", "expert", "source_pos", "score", "method", "delta")
+                 if c in causes.columns])),
+            "attribution": [{"source_pos": r["source_pos"], "text": text.get(r["source_pos"]),
+                             "score": _plain(r["score"])} for r in tok.iter_rows(named=True)],
+        })
+        _figure(rep, f"explain-{pos}", f"attribution_{pos}", "fig_attribution", pos)
+        _figure(rep, f"explain-{pos}", f"components_{pos}", "fig_components", pos)
+    store, rid = run.store, run.run_id
+    facts["signals"] = {
+        "head_entropy": _records(query.head_entropy(store, rid)),
+        "expert_load": _records(query.expert_load(store, rid)),
+        "kv": _records(query.kv(store, rid)),
+        "steps": _records(query.steps(store, rid)),
+    }
+    _figure(rep, "signals", "confidence", "fig_tokens")
+    _figure(rep, "signals", "head_entropy", "fig_head_entropy")
+    _figure(rep, "signals", "entropy_along", "fig_entropy_along")
+    _figure(rep, "signals", "expert_load", "fig_expert_load")
+    _figure(rep, "signals", "kv_bytes", "fig_kv_bytes")
+    _figure(rep, "signals", "kv_received", "fig_kv_received")
+    return rep
+
+
+def report_facts(rep: Report) -> dict:
+    """The JSON document of a report (without internals)."""
+    return {k: v for k, v in rep.facts.items() if not k.startswith("_")} | {
+        "figures": [key for _, key, _ in rep.figures]}
+
+
+# -- rendering --------------------------------------------------------------------------------------
+
+_SCRIPT_SAFE = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
+def script_json(text: str) -> str:
+    """JSON text made safe inside ``<script>``: no ``</script>``, ``<!--`` or line separators survive."""
+    return re.sub("[<>&\u2028\u2029]", lambda m: _SCRIPT_SAFE[m.group(0)], text)
+
+
+def _e(x: Any) -> str:
+    return html.escape("" if x is None else str(x), quote=True)
+
+
+def _num(x: Any) -> str:
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    return _e(x)
+
+
+def _show(text: str | None) -> str:
+    """Token text with newlines and tabs made visible (not yet escaped)."""
+    return (text or "").replace("\n", "\u21b5\n").replace("\t", "\u2192")
+
+
+def _visible(text: str | None) -> str:
+    """Token text with its whitespace made visible, HTML-escaped."""
+    return _e(_show(text))
+
+
+def _table(rows: list[dict], cols: list[str]) -> str:
+    head = "".join(f"<th>{_e(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{_num(r.get(c))}</td>" for c in cols) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _confidence_colour(c: float | None) -> str:
+    if c is None:
+        return "#eeeeee"
+    return f"hsl({120 * max(0.0, min(1.0, c)):.0f}, 70%, 82%)"
+
+
+_CSS = """
+body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222;padding:0 1em}
+h1{font-size:1.5em} h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:2em}
+table{border-collapse:collapse;margin:.5em 0;font-size:13px} td,th{border:1px solid #ddd;padding:2px 6px;
+text-align:left;vertical-align:top} th{background:#f4f4f4}
+.strip{font-family:ui-monospace,monospace;white-space:pre-wrap;line-height:1.9;border:1px solid #ddd;padding:.6em}
+.tok{border-radius:3px;padding:1px 0} .tok.prompt{opacity:.6} .tok.anom{outline:2px solid #c0392b}
+.notes li{color:#8a5a00} .fig{min-height:240px} .muted{color:#777}
+"""
+
+
+def render_html(rep: Report) -> str:
+    """One self-contained HTML page: plotly's JS inline, figures and facts as escaped JSON."""
+    import plotly.io as pio
+    from plotly.offline import get_plotlyjs
+
+    f = rep.facts
+    run, summary = f["run"], f["summary"]
+    rid = run["run_id"]
+    anomalous = {a["pos"] for a in f["anomalies"] if a.get("pos") is not None}
+    parts = [f"<h1>Anomaly report: run <code>{_e(rid)}</code></h1>",
+             f"<p class='muted'>generated {_e(f['report']['created_at'])} by moe-workbench "
+             f"(schema {_e(f['report']['schema_version'])})</p>", "<h2>Summary</h2>"]
+    keys = ["status", "model", "checkpoint_sha256", "dtype", "device", "seed", "parent_run_id", "created_at",
+            "n_prompt_tokens", "n_tokens", "error"]
+    rows = [(k, run.get(k)) for k in keys] + [(k, v) for k, v in summary.items() if k != "run_id" and k not in keys]
+    rows += [(k, f["params"].get(k)) for k in ("max_new_tokens", "temperature", "top_p")]
+    parts.append("<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{_num(v) if not isinstance(v, dict) else _e(json.dumps(v))}"
+                                     f"</td></tr>" for k, v in rows) + "</table>")
+    parts.append("<h2>Text</h2><p class='muted'>coloured by confidence (red: unsure, green: confident); "
+                 "faded: prompt; outlined: anomalous position. Hover a token for its numbers.</p>")
+    spans = []
+    for t in f["tokens"]:
+        cls = "tok" + (" prompt" if t["is_prompt"] else "") + (" anom" if t["pos"] in anomalous else "")
+        tip = f"pos {t['pos']}, id {t['token_id']}, confidence {_num(t['confidence'])}, logprob {_num(t['logprob'])}"
+        spans.append(f"<span class='{cls}' data-pos='{int(t['pos'])}' title='{_e(tip)}' "
+                     f"style='background:{_confidence_colour(t['confidence'])}'>{_visible(t['text'])}</span>")
+    parts.append(f"<div class='strip' id='text'>{''.join(spans)}</div>")
+    parts.append(f"<h2>Anomalies ({len(f['anomalies'])})</h2>")
+    if f["anomalies"]:
+        text = {t["pos"]: t["text"] for t in f["tokens"]}
+        rows = [dict(a, token=_show(text.get(a["pos"])) if a.get("pos") is not None else "")
+                for a in f["anomalies"]]
+        cols = ["rank", "severity", "kind", "pos", "token", "layer", "head", "expert", "score", "threshold",
+                "explanation"]
+        parts.append(_table(rows, cols))  # escapes every cell
+    else:
+        parts.append("<p>No anomalies detected.</p>" if not any("anomal" in n for n in f["notes"])
+                     else "<p>Anomalies could not be listed (see notes).</p>")
+    figs: list[tuple[str, str]] = []
+
+    def fig_div(key: str, fig) -> str:
+        i = len(figs)
+        figs.append((f"fig-{i}", script_json(pio.to_json(fig, validate=False))))
+        return f"<div class='fig' id='fig-{i}' data-key='{_e(key)}'></div>"
+
+    by_section: dict[str, list] = {}
+    for section, key, fig in rep.figures:
+        by_section.setdefault(section, []).append((key, fig))
+    if f["explained"]:
+        parts.append("<h2>Root cause of the top anomalies</h2>")
+    for ex in f["explained"]:
+        parts.append(f"<h3>Position {ex['pos']}: <code class='tok'>{_visible(ex['text'])}</code></h3>")
+        parts.append(_table(ex["causes"], ["rank", "kind", "layer", "head", "expert", "source_pos", "score",
+                                           "method", "delta"]))
+        for key, fig in by_section.get(f"explain-{ex['pos']}", []):
+            parts.append(fig_div(key, fig))
+    parts.append("<h2>Attention entropy, routing and KV cache</h2>")
+    for key, fig in by_section.get("signals", []):
+        parts.append(fig_div(key, fig))
+    if f["notes"]:
+        parts.append("<h2>Notes</h2><ul class='notes'>" + "".join(f"<li>{_e(n)}</li>" for n in f["notes"]) + "</ul>")
+    parts.append("<p class='muted'>The facts of this report are embedded as JSON in "
+                 "<code>&lt;script id=\"report-data\"&gt;</code>; the same document is what "
+                 "<code>workbench report --format json</code> writes.</p>")
+    data_blocks = "".join(f"<script type='application/json' id='{i}-data'>{j}</script>" for i, j in figs)
+    facts_json = script_json(json.dumps(report_facts(rep), allow_nan=False, default=str))
+    js = get_plotlyjs()
+    if "</script" in js.lower():  # never true for plotly 5-7, but the page must stay well formed
+        js = re.sub(r"(?i)</script", r"<\\/script", js)
+    boot = ("document.querySelectorAll('div.fig').forEach(function(el){"
+            "var spec=JSON.parse(document.getElementById(el.id+'-data').textContent);"
+            "Plotly.newPlot(el,spec.data||[],spec.layout||{},{displaylogo:false,responsive:true,"
+            "showLink:false,showSendToCloud:false,showEditInChartStudio:false});});")
+    csp = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+           "img-src data: blob:; font-src data:")
+    return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+            f"<meta http-equiv='Content-Security-Policy' content=\"{csp}\">"
+            "<meta name='viewport' content='width=device-width,initial-scale=1'>"
+            f"<title>workbench report {_e(rid)}</title><style>{_CSS}</style>"
+            f"<script>{js}</script></head><body>{''.join(parts)}{data_blocks}"
+            f"<script type='application/json' id='report-data'>{facts_json}</script>"
+            f"<script>{boot}</script></body></html>\n")
+
+
+def _md(x: Any) -> str:
+    """A Markdown table cell: HTML-escaped (Markdown passes HTML through), pipes and newlines neutralised."""
+    if isinstance(x, float):
+        x = f"{x:.4g}"
+    s = html.escape("" if x is None else str(x), quote=True)
+    return s.replace("|", "\\|").replace("`", "&#96;").replace("\n", "\u21b5").replace("\r", "")
+
+
+def _md_table(rows: list[dict], cols: list[str]) -> str:
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(_md(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def render_md(rep: Report) -> str:
+    f = rep.facts
+    run = f["run"]
+    text = {t["pos"]: t["text"] for t in f["tokens"]}
+    out = [f"# Anomaly report: run {_md(run['run_id'])}", "",
+           f"Generated {_md(f['report']['created_at'])} by moe-workbench. Figures are in the HTML report "
+           "(`workbench report RUN_ID`).", "", "## Summary", ""]
+    keys = ("status", "model", "checkpoint_sha256", "dtype", "seed", "parent_run_id", "created_at")
+    rows = [{"field": k, "value": run.get(k)} for k in keys]
+    rows += [{"field": k, "value": json.dumps(v) if isinstance(v, dict) else v} for k, v in f["summary"].items()
+             if k != "run_id" and k not in keys]
+    out += [_md_table(rows, ["field", "value"]), "", "## Text", "",
+            "<pre>" + html.escape("".join(t["text"] or "" for t in f["tokens"])) + "</pre>", "",
+            f"## Anomalies ({len(f['anomalies'])})", ""]
+    if f["anomalies"]:
+        rows = [dict(a, token=text.get(a.get("pos"))) for a in f["anomalies"]]
+        out.append(_md_table(rows, ["rank", "severity", "kind", "pos", "token", "layer", "head", "expert", "score",
+                                    "explanation"]))
+    else:
+        out.append("None listed.")
+    for ex in f["explained"]:
+        out += ["", f"## Root cause of position {ex['pos']} ({_md(ex['text'])})", "",
+                _md_table(ex["causes"], ["rank", "kind", "layer", "head", "expert", "source_pos", "score", "method"])]
+    if f["notes"]:
+        out += ["", "## Notes", ""] + [f"- {_md(n)}" for n in f["notes"]]
+    return "\n".join(out) + "\n"
+
+
+def write_report(run, out: str | Path | None = None, format: str = "html", *, explain: int = 3,  # noqa: A002
+                 root_cause_kw: dict | None = None) -> Path:
+    """Write ``run``'s anomaly report and return its path.
+
+    Args:
+        run: a ``workbench.Run``.
+        out: file to write, or a folder (default: ``report_<run_id>.<format>`` in the current folder).
+        format: "html" (one self-contained file, works offline), "json" (the same facts) or "md".
+        explain: number of top anomalous positions explained with root cause (IG is slow).
+        root_cause_kw: passed to ``Run.root_cause`` (e.g. ``{"steps": 16}``).
+    """
+    if format not in FORMATS:
+        raise ValueError(f"unknown report format {format!r}; choose from {', '.join(FORMATS)}")
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run.run_id)
+    name = f"report_{safe}.{format}"
+    path = Path(out) if out is not None else Path.cwd() / name
+    if path.is_dir():
+        path = path / name
+    if not path.parent.exists():
+        raise FileNotFoundError(f"cannot write the report to {path}: folder {path.parent} does not exist")
+    rep = build_report(run, explain=explain, root_cause_kw=root_cause_kw)
+    if format == "html":
+        body = render_html(rep)
+    elif format == "json":
+        body = json.dumps(report_facts(rep), indent=1, allow_nan=False, default=str) + "\n"
+    else:
+        body = render_md(rep)
+    path.write_text(body, encoding="utf-8")
+    return path
