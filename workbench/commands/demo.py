@@ -12,8 +12,9 @@ from pathlib import Path
 PROMPTS = Path(__file__).resolve().parents[2] / "data" / "prompts"
 
 
-def prompt_files(folder: Path = PROMPTS) -> list[Path]:
-    """The sample prompts, in name order."""
+def prompt_files(folder: Path | None = None) -> list[Path]:
+    """The sample prompts (``data/prompts/*.txt``), in name order."""
+    folder = folder or PROMPTS
     files = sorted(p for p in folder.glob("*.txt") if p.is_file())
     if not files:
         raise FileNotFoundError(f"no sample prompts (*.txt) in {folder}")
