@@ -148,10 +148,11 @@ def test_replay_refuses_a_changed_checkpoint(env):
     assert cli.main(["replay", run.run_id, "--db", str(store.path)]) == 2
 
 
-def test_replay_of_an_in_memory_run_needs_the_module(env):
+def test_replay_of_an_in_memory_sampled_run_needs_the_module(env):
     store = env["store"]
     module = tiny()
-    run = record(PROMPT, model=module, max_new_tokens=3, db=store)
+    # sampled, not greedy: the replay must reuse the recorded seed and settings to match
+    run = record(PROMPT, model=module, max_new_tokens=4, db=store, temperature=0.9, top_p=0.95, seed=7)
     with pytest.raises(ValueError, match="in-memory"):
         replay_run(store, run.run_id)
     with pytest.raises(ValueError, match="sha256"):

@@ -32,16 +32,21 @@ def env(tmp_path_factory):
     return {"root": root, "store": store, "run": run}
 
 
+@pytest.fixture(scope="module")
+def html_report(env) -> Path:
+    return write_report(env["run"], env["root"] / "r.html", "html", explain=1, root_cause_kw=RC)
+
+
 def test_script_json_cannot_break_out():
     s = script_json(json.dumps({"t": EVIL + "<!-- & \u2028"}))
     assert "<" not in s and ">" not in s and "&" not in s and "\u2028" not in s
     assert json.loads(s) == {"t": EVIL + "<!-- & \u2028"}
 
 
-def test_json_and_html_carry_the_same_facts(env, tmp_path):
+def test_json_and_html_carry_the_same_facts(env, html_report, tmp_path):
     run = env["run"]
     pj = write_report(run, tmp_path / "r.json", "json", explain=1, root_cause_kw=RC)
-    ph = write_report(run, tmp_path / "r.html", "html", explain=1, root_cause_kw=RC)
+    ph = html_report
     facts = json.loads(pj.read_text())
     page = ph.read_text()
     embedded = json.loads(re.search(r"<script type='application/json' id='report-data'>(.*?)</script>", page,
@@ -68,8 +73,8 @@ def test_json_and_html_carry_the_same_facts(env, tmp_path):
     assert {"head_entropy", "expert_load", "kv_bytes"} <= set(facts["figures"])
 
 
-def test_html_is_self_contained_and_escapes_token_text(env, tmp_path):
-    path = write_report(env["run"], tmp_path / "r.html", explain=1, root_cause_kw=RC)
+def test_html_is_self_contained_and_escapes_token_text(html_report):
+    path = html_report
     page = path.read_text()
     assert EVIL not in page and html.escape(EVIL) in page
     assert page.count("<script") == page.count("</script>")
@@ -82,9 +87,9 @@ def test_html_is_self_contained_and_escapes_token_text(env, tmp_path):
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed at /usr/bin/chromium")
-def test_html_opens_offline_in_headless_chromium(env, tmp_path):
+def test_html_opens_offline_in_headless_chromium(html_report, tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api")
-    path = write_report(env["run"], tmp_path / "r.html", explain=1, root_cause_kw=RC)
+    path = html_report
     n_figs = path.read_text().count("<div class='fig'")
     assert n_figs >= 3
     with sync_api.sync_playwright() as p:

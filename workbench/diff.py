@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import polars as pl
 
@@ -50,7 +50,6 @@ class RunDiff:
     tokens: pl.DataFrame
     heads: pl.DataFrame
     routing: pl.DataFrame
-    _labels: dict = field(default_factory=dict, repr=False)
 
     def figures(self) -> dict:
         """Plotly figures: ``confidence`` (both runs along positions), ``delta`` (change in logprob and

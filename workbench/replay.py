@@ -271,13 +271,15 @@ def _resolve_for_replay(info: dict, model):
     return module
 
 
-def replay_run(store: Store, run_id: str, *, model=None, tokenizer=None, tol: float = 1e-4) -> dict:
+def replay_run(store: Store, run_id: str, *, model=None, tokenizer=None, tol: float = 1e-4,
+               progress: bool = False) -> dict:
     """Re-run a recorded run (prompt ids, settings, seed, checkpoint, dtype) and compare it with the record.
 
     Args:
         model: None to reload the run's checkpoint folder; or a checkpoint folder / module whose weights
             hash to the recorded ``checkpoint_sha256`` (needed for runs recorded from an in-memory module).
         tol: absolute tolerance for real-valued signals (token ids, experts, cache sizes must be equal).
+        progress: show a progress bar on stderr while re-generating.
     Returns: ``{"match", "run_id" (new), "parent_run_id" (replayed), "first_divergence" (None or
         {"step", "pos", "signal", "magnitude", ...}), "tokens_match", "n_tokens", "tolerance"}``.
     Raises:
@@ -295,7 +297,7 @@ def replay_run(store: Store, run_id: str, *, model=None, tokenizer=None, tol: fl
                  max_new_tokens=int(params.get("max_new_tokens", 64)),
                  temperature=float(params.get("temperature", 0.0)), top_p=float(params.get("top_p", 1.0)),
                  seed=int(info["seed"] or 0), probes=params.get("probes") or PROBES, topk=int(params.get("topk", 5)),
-                 parent_run_id=run_id)
+                 parent_run_id=run_id, progress=progress)
     div = first_divergence(store, run_id, new.run_id, tol, n_prompt=len(ids))
     ta = store.sql("SELECT pos, token_id FROM tokens WHERE run_id = ? ORDER BY pos", [run_id])
     tb = store.sql("SELECT pos, token_id FROM tokens WHERE run_id = ? ORDER BY pos", [new.run_id])

@@ -29,6 +29,7 @@ from .schema import SCHEMA_VERSION
 
 FORMATS = ("html", "json", "md")
 CAUSES_SHOWN = 10
+ANOMALIES_SHOWN = 30  # rows of the HTML table shown before the rest is folded away
 
 
 # -- collecting the facts ---------------------------------------------------------------------------
@@ -58,6 +59,7 @@ class Report:
 
     facts: dict
     figures: list[tuple[str, str, Any]] = field(default_factory=list)
+    run: Any = None  # the workbench.Run it describes
 
     @property
     def notes(self) -> list[str]:
@@ -66,7 +68,7 @@ class Report:
 
 def _figure(rep: Report, section: str, key: str, name: str, *args) -> None:
     """Add ``workbench.figures.<name>(store, run_id, *args)``; a note instead if it cannot be drawn."""
-    store, run_id = rep.facts["_store"], rep.facts["run"]["run_id"]
+    store, run_id = rep.run.store, rep.run.run_id
     try:
         from . import figures
         fn = getattr(figures, name)
@@ -127,8 +129,7 @@ def build_report(run, explain: int = 3, root_cause_kw: dict | None = None) -> Re
         "run": _plain({k: v for k, v in info.items() if k not in ("config", "params", "pid")}),
         "params": _plain(params), "config": _plain(json.loads(info["config"] or "{}")),
         "summary": {}, "tokens": [], "anomalies": [], "explained": [], "signals": {}, "notes": [],
-        "_store": run.store,
-    })
+    }, run=run)
     facts = rep.facts
     facts["summary"] = _plain(run.summary())
     facts["tokens"] = _records(toks.select("pos", "token_id", "text", "is_prompt", "prob", "logprob", "confidence",
@@ -182,8 +183,7 @@ def build_report(run, explain: int = 3, root_cause_kw: dict | None = None) -> Re
 
 def report_facts(rep: Report) -> dict:
     """The JSON document of a report (without internals)."""
-    return {k: v for k, v in rep.facts.items() if not k.startswith("_")} | {
-        "figures": [key for _, key, _ in rep.figures]}
+    return rep.facts | {"figures": [key for _, key, _ in rep.figures]}
 
 
 # -- rendering --------------------------------------------------------------------------------------
@@ -255,8 +255,8 @@ def render_html(rep: Report) -> str:
             "n_prompt_tokens", "n_tokens", "error"]
     rows = [(k, run.get(k)) for k in keys] + [(k, v) for k, v in summary.items() if k != "run_id" and k not in keys]
     rows += [(k, f["params"].get(k)) for k in ("max_new_tokens", "temperature", "top_p")]
-    parts.append("<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{_num(v) if not isinstance(v, dict) else _e(json.dumps(v))}"
-                                     f"</td></tr>" for k, v in rows) + "</table>")
+    cell = lambda v: _e(json.dumps(v)) if isinstance(v, dict) else _num(v)  # noqa: E731
+    parts.append("<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{cell(v)}</td></tr>" for k, v in rows) + "</table>")
     parts.append("<h2>Text</h2><p class='muted'>coloured by confidence (red: unsure, green: confident); "
                  "faded: prompt; outlined: anomalous position. Hover a token for its numbers.</p>")
     spans = []
@@ -273,7 +273,11 @@ def render_html(rep: Report) -> str:
                 for a in f["anomalies"]]
         cols = ["rank", "severity", "kind", "pos", "token", "layer", "head", "expert", "score", "threshold",
                 "explanation"]
-        parts.append(_table(rows, cols))  # escapes every cell
+        # escapes every cell; a long tail goes in a collapsed block so the page stays readable
+        parts.append(_table(rows[:ANOMALIES_SHOWN], cols))
+        if len(rows) > ANOMALIES_SHOWN:
+            parts.append(f"<details><summary>{len(rows) - ANOMALIES_SHOWN} more anomalies</summary>"
+                         f"{_table(rows[ANOMALIES_SHOWN:], cols)}</details>")
     else:
         parts.append("<p>No anomalies detected.</p>" if not any("anomal" in n for n in f["notes"])
                      else "<p>Anomalies could not be listed (see notes).</p>")

@@ -35,5 +35,6 @@ def main(args) -> int:
               + ", ".join(f"layer {k}: {v:.1%}" for k, v in s["routing_change_share"].items()))
     f = s["first_signal_divergence"]
     if f:
-        print(f"first signal difference: step {f['step']}, pos {f['pos']}, {f['signal']} (|delta| {num(f['magnitude'])})")
+        print(f"first signal difference: step {f['step']}, pos {f['pos']}, {f['signal']} "
+              f"(|delta| {num(f['magnitude'])})")
     return 0

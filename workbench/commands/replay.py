@@ -8,7 +8,7 @@ def main(args) -> int:
     from workbench.replay import replay_run
     from workbench.store import Store
 
-    res = replay_run(Store(args.db), args.run_id)
+    res = replay_run(Store(args.db), args.run_id, progress=True)
     if args.json:
         print(json.dumps(res, default=str))
     else:
