@@ -388,7 +388,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
                 rec_id = gr.Textbox(label="Run id", interactive=False)
 
             with gr.Tab("Run view", id="runview"):
-                run_head = gr.Markdown()
+                run_head = gr.Markdown(elem_id="run-head")
                 strip = gr.HighlightedText(label="Tokens: colour = confidence of the prediction; click one",
                                            color_map=COLOR_MAP, show_legend=True, show_inline_category=False,
                                            elem_id="token-strip", interactive=False)

@@ -38,7 +38,7 @@ def token_label(text: str | None, limit: int = 24) -> str:
         t = t.replace(" ", "\u00b7")  # a lone space would be an invisible tick
     if len(t) > limit:
         t = t[: limit - 1] + "\u2026"
-    return html.escape(t, quote=True)
+    return html.escape(t, quote=False)  # quotes are harmless outside attributes; plotly shows &quot; raw
 
 
 def _empty(title: str) -> go.Figure:
