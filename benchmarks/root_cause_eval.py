@@ -69,6 +69,20 @@ class Case:
         return f"{self.kind}: layer {self.layer} {what} {self.index}"
 
 
+def load_model(folder: Path):
+    """A checkpoint folder, or a training-state folder (``state.safetensors``: an intermediate demo model)."""
+    if (folder / "config.json").exists():
+        return load_checkpoint(folder), str(folder)
+    from safetensors.torch import load_file
+
+    from model import ModelArgs, Transformer
+    state = load_file(str(folder / "state.safetensors"))
+    model = Transformer(ModelArgs.preset("demo"))
+    model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
+    step = json.loads((folder / "state.json").read_text()).get("step") if (folder / "state.json").exists() else "?"
+    return model.eval(), f"{folder} (intermediate training state, step {step})"
+
+
 def teacher_forced_logprobs(model, ids: list[int]) -> torch.Tensor:
     """log p(ids[t] | ids[:t]) for t >= 1 under ``model`` (full forward, no cache)."""
     with torch.no_grad():
@@ -231,13 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     ckpt = Path(args.checkpoint)
-    if not (ckpt / "config.json").exists() or not any(ckpt.glob("*.safetensors")):
+    if not ((ckpt / "config.json").exists() or (ckpt / "state.safetensors").exists()) \
+            or not any(ckpt.glob("*.safetensors")):
         print(f"root_cause_eval: no trained checkpoint in {ckpt} (config.json + model.safetensors); train it with "
-              "`workbench train` or pass --checkpoint DIR", file=sys.stderr)
+              "`workbench train`, or pass --checkpoint DIR (a checkpoint, or data/demo/train_state for the "
+              "intermediate model of a training run in progress)", file=sys.stderr)
         return 1
     t_start = time.perf_counter()
-    model = load_checkpoint(ckpt)
-    tok = load_tokenizer(ckpt / "tokenizer.json" if (ckpt / "tokenizer.json").exists() else None)
+    model, label = load_model(ckpt)
+    tok_path = next((p for p in (ckpt / "tokenizer.json", ckpt.parent / "tokenizer.json") if p.exists()), None)
+    tok = load_tokenizer(tok_path)
     prompts = [tok.encode(p).ids for p in PROMPTS[: args.prompts]]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -256,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(results)
     seconds = time.perf_counter() - t_start
     print(json.dumps({k: v for k, v in summary.items()}, indent=1))
-    meta = {"checkpoint": f"`{ckpt.relative_to(ROOT) if ckpt.is_relative_to(ROOT) else ckpt}`",
+    meta = {"checkpoint": "`" + label.replace(str(ROOT) + "/", "") + "`",
             "when": time.strftime("%Y-%m-%d"), "seconds": seconds, "threads": torch.get_num_threads(),
             "per_kind": args.per_kind, "scale": args.scale, "amount": args.amount, "seed": args.seed,
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "steps": args.steps,

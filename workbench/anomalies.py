@@ -195,12 +195,15 @@ def dead_experts(routing: pl.DataFrame, n_experts: int, min_expected: float = 4.
 
 def overloaded_experts(routing: pl.DataFrame, n_experts: int, factor: float = 4.0,
                        min_expected: float = 1.0) -> pl.DataFrame:
-    """Experts whose slot count is over ``factor`` x the layer's mean (score: load / mean)."""
+    """Experts whose slot count is over ``factor`` x the layer's mean (score: load / mean).
+
+    Layers with fewer than ``min_expected`` slots per expert on average are skipped.
+    """
     c = expert_counts(routing, n_experts)
     out = []
     for (layer,), g in c.group_by("layer", maintain_order=True):
         mean = g["slots"].sum() / n_experts
-        if mean < min_expected / n_experts or mean == 0:
+        if mean < min_expected:  # too few slots per expert for "over k x mean" to mean anything
             continue
         for r in g.filter(pl.col("slots") > factor * mean).iter_rows(named=True):
             out.append({"kind": "overloaded_expert", "severity": "warning", "layer": layer, "expert": r["expert"],
