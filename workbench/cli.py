@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_id")
     p.add_argument("--out", default=None)
     p.add_argument("--format", default="html", choices=["html", "json", "md"])
+    p.add_argument("--explain", type=int, default=3, metavar="N",
+                   help="root-cause the N most severe anomalous positions (IG is slow; stored results are reused)")
     _db(p)
 
     p = sub.add_parser("export", help="export runs as Hive-partitioned Parquet")
