@@ -159,9 +159,17 @@ def test_missing_analyses_degrade_to_notes(env, tmp_path, monkeypatch):
         assert any(re.match(r"root cause of position \d+ not computed: RuntimeError", n) for n in rep.notes)
 
 
+def test_explain_time_budget(env):
+    rep = build_report(env["run"], explain=3, explain_budget_s=0.0, root_cause_kw=RC)
+    targets = {a["pos"] for a in rep.facts["anomalies"] if a["pos"]}
+    if len(targets) > 1 and importlib.util.find_spec("workbench.rootcause"):
+        assert len(rep.facts["explained"]) == 1  # the first is always explained
+        assert any("budget" in n and "skipped" in n for n in rep.notes)
+
+
 def test_cli_report(env, tmp_path, capsys):
     out = tmp_path / "cli.json"
-    code = cli.main(["report", env["run"].run_id, "--out", str(out), "--format", "json",
+    code = cli.main(["report", env["run"].run_id, "--out", str(out), "--format", "json", "--explain", "1",
                      "--db", str(env["store"].path)])
     assert code == 0 and Path(capsys.readouterr().out.strip()) == out
     assert json.loads(out.read_text())["run"]["run_id"] == env["run"].run_id

@@ -17,6 +17,7 @@ import html
 import json
 import math
 import re
+import time
 from dataclasses import dataclass, field
 from datetime import date, datetime, timezone
 from pathlib import Path
@@ -29,6 +30,7 @@ from .schema import SCHEMA_VERSION
 
 FORMATS = ("html", "json", "md")
 CAUSES_SHOWN = 10
+EXPLAIN_BUDGET_S = 60.0  # root cause (IG + ablations) takes seconds to minutes per position on a CPU
 ANOMALIES_SHOWN = 30  # rows of the HTML table shown before the rest is folded away
 
 
@@ -111,12 +113,15 @@ def _explain(run, pos: int, rep: Report, root_cause_kw: dict) -> pl.DataFrame | 
     return None
 
 
-def build_report(run, explain: int = 3, root_cause_kw: dict | None = None) -> Report:
+def build_report(run, explain: int = 3, root_cause_kw: dict | None = None,
+                 explain_budget_s: float | None = EXPLAIN_BUDGET_S) -> Report:
     """Collect a report's facts and figures for ``run`` (a ``workbench.Run``).
 
     Args:
         explain: how many of the top anomalous positions get a root-cause ranking (0: none).
         root_cause_kw: keyword arguments for ``Run.root_cause`` (e.g. ``{"steps": 16}``).
+        explain_budget_s: once root cause has taken this long, further positions are listed in the
+            notes instead of computed (the first is always explained; None: no limit).
     """
     if explain < 0:
         raise ValueError(f"explain must be >= 0, got {explain}")
@@ -149,7 +154,13 @@ def build_report(run, explain: int = 3, root_cause_kw: dict | None = None) -> Re
                 targets.append(int(p))
             if len(targets) >= explain:
                 break
-    for pos in targets:
+    started = time.perf_counter()
+    for i, pos in enumerate(targets):
+        if explain_budget_s is not None and i and time.perf_counter() - started > explain_budget_s:
+            rest = ", ".join(str(p) for p in targets[i:])
+            rep.notes.append(f"root cause of positions {rest} skipped: the {explain_budget_s:g} s budget for "
+                             f"explaining is spent (run `workbench explain {run.run_id} POS`, then re-export)")
+            break
         causes = _explain(run, pos, rep, dict(root_cause_kw or {}))
         if causes is None:
             continue
@@ -370,7 +381,7 @@ def render_md(rep: Report) -> str:
 
 
 def write_report(run, out: str | Path | None = None, format: str = "html", *, explain: int = 3,  # noqa: A002
-                 root_cause_kw: dict | None = None) -> Path:
+                 root_cause_kw: dict | None = None, explain_budget_s: float | None = EXPLAIN_BUDGET_S) -> Path:
     """Write ``run``'s anomaly report and return its path.
 
     Args:
@@ -379,6 +390,7 @@ def write_report(run, out: str | Path | None = None, format: str = "html", *, ex
         format: "html" (one self-contained file, works offline), "json" (the same facts) or "md".
         explain: number of top anomalous positions explained with root cause (IG is slow).
         root_cause_kw: passed to ``Run.root_cause`` (e.g. ``{"steps": 16}``).
+        explain_budget_s: seconds of root cause after which further positions are skipped (with a note).
     """
     if format not in FORMATS:
         raise ValueError(f"unknown report format {format!r}; choose from {', '.join(FORMATS)}")
@@ -389,7 +401,7 @@ def write_report(run, out: str | Path | None = None, format: str = "html", *, ex
         path = path / name
     if not path.parent.exists():
         raise FileNotFoundError(f"cannot write the report to {path}: folder {path.parent} does not exist")
-    rep = build_report(run, explain=explain, root_cause_kw=root_cause_kw)
+    rep = build_report(run, explain=explain, root_cause_kw=root_cause_kw, explain_budget_s=explain_budget_s)
     if format == "html":
         body = render_html(rep)
     elif format == "json":

@@ -7,6 +7,6 @@ def main(args) -> int:
     from workbench.run import Workbench
 
     run = Workbench(args.db).run(args.run_id)
-    path = write_report(run, args.out, args.format)
+    path = write_report(run, args.out, args.format, explain=getattr(args, "explain", 3))
     print(path)
     return 0
