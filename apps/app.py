@@ -23,7 +23,7 @@ from pathlib import Path
 import gradio as gr
 import polars as pl
 
-from workbench import figures, query
+from workbench import query
 from workbench.run import Run
 from workbench.store import Store
 
@@ -222,7 +222,8 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
             df = get_run(run_id).anomalies(recompute=recompute)
         except Exception as e:
             return None, _fail("Anomaly detection", e)
-        return df, f"{df.height} anomalies (click a row to jump to its token)."
+        shown = df.with_columns(pl.col(pl.Float64).round(4))  # display only; the store keeps full precision
+        return shown, f"{df.height} anomalies (click a row to jump to its token)."
 
     def pick_anomaly(evt: gr.SelectData, df: pl.DataFrame | None):
         row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
@@ -264,6 +265,11 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
             return 0
         t = query.tokens(store, run_id)
         return int(t["step"].max()) if t.height else 0
+
+    def replay_play(run_id: str | None, step: float):
+        """Start playing; from the beginning if the slider is at the last step."""
+        at_end = int(step) >= _last_step(run_id)
+        return gr.Slider(value=0) if at_end else gr.Slider(), gr.Timer(active=bool(run_id))
 
     def replay_tick(run_id: str | None, step: float, maximum_hint: float):
         nxt = int(step) + 1
@@ -367,7 +373,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
 
         with gr.Tabs(selected="runs") as tabs:
             with gr.Tab("Runs", id="runs"):
-                runs_df = gr.Dataframe(value=runs_table(store), interactive=False, label="Recorded runs "
+                runs_df = gr.Dataframe(value=runs_table(store), interactive=False, type="polars", label="Recorded runs "
                                        "(click a row to open it)", elem_id="runs-table", wrap=True)
 
             with gr.Tab("Record", id="record"):
@@ -432,12 +438,12 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
                 kv_layer = gr.Textbox(label="Layer for attention received (empty: all layers)", value="")
                 kv_recv_plot = gr.Plot(label="Attention received per cached token")
 
-            with gr.Tab("Anomalies", id="anomalies"):
+            with gr.Tab("Anomalies", id="anomalies") as anom_tab:
                 with gr.Row():
                     anom_btn = gr.Button("Detect / refresh")
                     anom_re = gr.Checkbox(label="recompute", value=False)
                 anom_msg = gr.Markdown(elem_classes=["wb-message"])
-                anom_df = gr.Dataframe(interactive=False, label="Anomalies (click to jump to the token)", wrap=True)
+                anom_df = gr.Dataframe(interactive=False, type="polars", label="Anomalies (click to jump to the token)", wrap=True)
 
             with gr.Tab("Compare", id="compare"):
                 with gr.Row():
@@ -499,11 +505,12 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
                     api_name=False)
         kv_layer.submit(kv_views, [run_pick, kv_layer], [kv_plot, kv_recv_plot], api_name=False)
         anom_btn.click(anomaly_table, [run_pick, anom_re], [anom_df, anom_msg], api_name=False)
+        anom_tab.select(anomaly_table, run_pick, [anom_df, anom_msg], api_name=False)
         anom_df.select(pick_anomaly, anom_df, [pos, tabs], api_name=False)
         cmp_btn.click(compare, [cmp_a, cmp_b], [cmp_json, cmp_msg, cmp_f1, cmp_f2, cmp_f3, cmp_f4], api_name=False)
         step.change(replay, [run_pick, step], [rep_strip, rep_info, rep_conf, rep_heads, rep_load, rep_kv],
                     api_name=False, trigger_mode="always_last")
-        play.click(lambda: gr.Timer(active=True), None, timer, api_name=False)
+        play.click(replay_play, [run_pick, step], [step, timer], api_name=False)
         pause.click(lambda: gr.Timer(active=False), None, timer, api_name=False)
         timer.tick(lambda r, s: replay_tick(r, s, _last_step(r)), [run_pick, step], [step, timer], api_name=False)
         sql_btn.click(sql, sql_text, [sql_out, sql_msg], api_name="sql")
