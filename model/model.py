@@ -237,10 +237,12 @@ class MLA(nn.Module):
         q = torch.cat([q_abs, q_pe], -1).transpose(1, 2)  # [B, H, T, C+R]
         k = torch.cat([kv, k_pe], -1).unsqueeze(1).expand(-1, self.n_heads, -1, -1)  # [B, H, S, C+R]
         v = kv.unsqueeze(1).expand(-1, self.n_heads, -1, -1)  # [B, H, S, C]
+        # a whole-sequence prefill lets the kernel mask by itself: no [T, S] mask, O(T) extra memory
+        causal = seqlen > 1 and start_pos == 0 and seqlen == keys
         mask = None
-        if seqlen > 1:
+        if seqlen > 1 and not causal:
             mask = causal_mask(seqlen, keys, start_pos, q.device)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale)
         return o.transpose(1, 2)
 
     def _attend_observed(self, q_abs, q_pe, kv, k_pe, start_pos: int) -> torch.Tensor:

@@ -31,11 +31,10 @@ def token_confidence(logits: torch.Tensor, next_ids: torch.Tensor, k: int = 5) -
     rank = (logits > logits.gather(1, next_ids.long()[:, None])).sum(-1) + 1
     rank = torch.where(finite, rank, torch.full_like(rank, -1))
     top_p, top_i = p.topk(min(k, p.size(-1)), dim=-1)
+    # one stacked conversion: this runs at every decode step
+    f = torch.stack([chosen.exp(), chosen, p.max(-1).values, entropy]).numpy().astype(np.float64)
     return {
-        "prob": chosen.exp().numpy().astype(np.float64),
-        "logprob": chosen.numpy().astype(np.float64),
-        "confidence": p.max(-1).values.numpy().astype(np.float64),
-        "entropy": entropy.numpy().astype(np.float64),
+        "prob": f[0], "logprob": f[1], "confidence": f[2], "entropy": f[3],
         "rank": rank.numpy().astype(np.int32),
         "topk_ids": top_i.numpy().astype(np.int32),
         "topk_probs": top_p.numpy().astype(np.float64),
@@ -54,16 +53,13 @@ def attention_stats(probs: torch.Tensor, q_start: int) -> dict[str, np.ndarray]:
     """
     probs = probs.float()
     entropy = -torch.special.xlogy(probs, probs).sum(-1)  # [Tc, H]
-    pos = torch.arange(q_start, q_start + probs.size(0))
-    n_keys = (pos + 1).float()[:, None]
+    pos = np.arange(q_start, q_start + probs.size(0), dtype=np.int32)
+    n_keys = torch.arange(q_start + 1, q_start + probs.size(0) + 1, dtype=torch.float32)[:, None]
     norm = torch.where(n_keys > 1, entropy / torch.log(n_keys.clamp(min=2)), torch.full_like(entropy, float("nan")))
-    return {
-        "pos": pos.numpy().astype(np.int32),
-        "entropy": entropy.numpy().astype(np.float64),
-        "norm_entropy": norm.numpy().astype(np.float64),
-        "max_weight": probs.amax(-1).numpy().astype(np.float64),
-        "sink_weight": probs[..., 0].numpy().astype(np.float64),
-    }
+    # one stacked conversion instead of four: this runs per layer at every decode step
+    stats = torch.stack([entropy, norm, probs.amax(-1), probs[..., 0]]).numpy().astype(np.float64)  # [4, Tc, H]
+    return {"pos": pos, "entropy": stats[0], "norm_entropy": stats[1], "max_weight": stats[2],
+            "sink_weight": stats[3]}
 
 
 def attention_received(probs: torch.Tensor) -> torch.Tensor:
@@ -77,7 +73,8 @@ def routing_records(indices: torch.Tensor, weights: torch.Tensor, scores: torch.
 
     Args:
         indices, weights: [N, K] the gate's chosen experts and mixing weights.
-        scores: [N, E] raw scores (after sigmoid/softmax); bias: [E] selection bias.
+        scores: [N, E] raw scores (after sigmoid/softmax); bias: [E] selection bias (or [N, E], one per row,
+            when several layers are reduced in one call).
     Returns: slot, expert, weight, score [N, K] and margin [N]: the lowest chosen selection score
         (score + bias) minus the best unchosen one, over all experts (negative where group-limited
         routing overrode a better expert).

@@ -73,19 +73,29 @@ def test_probe_subsets(tmp_path):
 
 
 def test_readers_see_steps_while_recording(tmp_path):
-    """In-process: during on_token, a reader sees the rows of the steps before it."""
+    """In-process: during on_token of step n, a reader sees the rows of steps 0..n-1 (and the run running)."""
+    import time
+
     store = Store(tmp_path / "w.duckdb")
     seen = []
 
     def on_token(pos, text):
-        # the writer commits asynchronously; step n-1's rows must be there by the time step n+1 runs
-        seen.append((pos, store.sql("SELECT count(DISTINCT step) AS n FROM steps")["n"][0],
-                     store.sql("SELECT status FROM runs")["status"][0]))
+        step = pos - 3  # prompt of 3 tokens: step n produces the token at pos 3 + n
+        deadline = time.monotonic() + 10  # the writer commits asynchronously, within a fraction of a second
+        while True:
+            n = store.sql("SELECT count(DISTINCT step) AS n FROM steps")["n"][0]
+            if n >= step or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        rows = store.sql("SELECT count(*) AS n FROM tokens WHERE pos < ?", [pos])["n"][0]
+        seen.append((step, n, rows, store.sql("SELECT status FROM runs")["status"][0]))
 
     run = workbench.record([1, 2, 3], model=tiny(), max_new_tokens=6, db=store, on_token=on_token)
-    assert [s[2] for s in seen] == ["running"] * 6
-    counts = [s[1] for s in seen]
-    assert counts == sorted(counts) and counts[-1] >= 1
+    assert [s[3] for s in seen] == ["running"] * 6
+    for step, n, rows, _ in seen:
+        assert n >= step  # every earlier step is committed and visible
+        if step:
+            assert rows == 3 + step  # the prompt and the tokens of steps 0..n-1
     assert run.status == "complete" and run.steps().height == 6
 
 

@@ -174,3 +174,27 @@ def test_sigkill_mid_run_keeps_finished_steps(tmp_path):
     n_steps = steps.height
     assert run.kv()["step"].max() == n_steps - 1
     assert run.attention()["pos"].max() == 9 + n_steps - 2  # the prompt and each fed token
+
+
+def test_schema_doc_matches_schema_and_its_queries_run(tmp_path):
+    """docs/schema.md names every table and column of workbench/schema.py, in order; its SQL runs."""
+    import re
+
+    from model import ModelArgs, Transformer
+
+    doc = (ROOT / "docs" / "schema.md").read_text()
+    sections = re.split(r"^### `(\w+)`.*$", doc, flags=re.M)
+    documented = {sections[i]: re.findall(r"^\| (\w+) \|", sections[i + 1], flags=re.M)
+                  for i in range(1, len(sections), 2)}
+    assert set(documented) == set(TABLES)
+    for table in TABLES:
+        assert [c for c in documented[table] if c != "column"] == columns(table), table
+    assert f"{SCHEMA_VERSION} today" in doc
+    model = Transformer(ModelArgs.preset("tiny")).init_weights(seed=1, std=0.1).eval()
+    store = Store(tmp_path / "w.duckdb")
+    workbench.record([1, 2, 3, 4, 5], model=model, max_new_tokens=4, db=store)
+    queries = re.findall(r"```sql\n(.*?)```", doc, flags=re.S)
+    assert len(queries) >= 5
+    for q in queries:
+        df = store.sql(q.strip().rstrip(";"))
+        assert df.height > 0 or "status <> 'complete'" in q, q

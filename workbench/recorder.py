@@ -37,6 +37,7 @@ def _layer_of(name: str) -> int:
 @dataclass
 class _StepBuffers:
     attention: list[dict] = field(default_factory=list)
+    single_rows: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (layer, pos, [H, S])
     routing: dict[int, dict] = field(default_factory=lambda: defaultdict(dict))
 
 
@@ -67,12 +68,17 @@ class Recorder:
         layer = _layer_of(name)
         p = probs[0].detach()  # [Tc, H, S], batch 1
         if "attention" in self.probes:
-            self.buf.attention.append({"layer": layer, **attention_stats(p, q_start)})
+            if p.size(0) == 1:  # a decode step: reduced for all layers at once in collect (cheaper)
+                self.buf.single_rows.append((layer, q_start, p[0]))
+            else:
+                self.buf.attention.append({"layer": layer, **attention_stats(p, q_start)})
         if "kv" in self.probes:
             got = attention_received(p)
             acc = self.received.get(layer)
             if acc is None or acc.numel() < got.numel():
-                grown = torch.zeros(max(got.numel(), 1))
+                # sized to the cache once, so decode steps do not reallocate
+                cache = self.model.layers[layer].attn.cache
+                grown = torch.zeros(max(got.numel(), cache.max_len if cache is not None else 1))
                 if acc is not None:
                     grown[: acc.numel()] = acc
                 acc = grown
@@ -90,34 +96,40 @@ class Recorder:
         out: dict[str, pl.DataFrame] = {}
         if tokens_frame is not None:
             out["tokens"] = tokens_frame
+        # numpy arrays are concatenated first and turned into one frame per table: building many small
+        # polars frames per step cost more than a small model's decode step
+        if self.buf.single_rows:
+            # one query row per layer, same position: one [1, layers*H, S] reduction instead of one per layer
+            rows = self.buf.single_rows
+            h = rows[0][2].size(0)
+            st = attention_stats(torch.cat([r[2] for r in rows])[None], rows[0][1])
+            for i, (layer, q, _) in enumerate(rows):
+                self.buf.attention.append({"layer": layer, "pos": np.array([q], np.int32),
+                                           **{c: st[c][:, i * h:(i + 1) * h] for c in st if c != "pos"}})
         if self.buf.attention:
-            frames = []
-            for rec in self.buf.attention:
-                tc, h = rec["entropy"].shape
-                frames.append(pl.DataFrame({
-                    "pos": np.repeat(rec["pos"], h), "layer": np.full(tc * h, rec["layer"], np.int32),
-                    "head": np.tile(np.arange(h, dtype=np.int32), tc),
-                    "entropy": rec["entropy"].ravel(), "norm_entropy": rec["norm_entropy"].ravel(),
-                    "max_weight": rec["max_weight"].ravel(), "sink_weight": rec["sink_weight"].ravel(),
-                }))
-            out["attention"] = pl.concat(frames).with_columns(pl.lit(rid).alias("run_id")) \
-                .with_columns(pl.col("norm_entropy").fill_nan(None))
-        if self.buf.routing:
-            frames = []
-            for layer, d in sorted(self.buf.routing.items()):
-                if not {"scores", "indices", "weights"} <= d.keys():
-                    continue
-                gate = self.model.layers[layer].ffn.gate
-                r = routing_records(d["indices"], d["weights"], d["scores"], gate.bias.detach())
-                n, k = r["expert"].shape
-                pos = np.arange(start_pos, start_pos + n, dtype=np.int32)
-                frames.append(pl.DataFrame({
-                    "pos": np.repeat(pos, k), "layer": np.full(n * k, layer, np.int32), "slot": r["slot"].ravel(),
-                    "expert": r["expert"].ravel(), "weight": r["weight"].ravel(), "score": r["score"].ravel(),
-                    "margin": np.repeat(r["margin"], k),
-                }))
-            if frames:
-                out["routing"] = pl.concat(frames).with_columns(pl.lit(rid).alias("run_id"))
+            recs = self.buf.attention
+            h = recs[0]["entropy"].shape[1]
+            out["attention"] = _frame(rid, {
+                "pos": np.concatenate([np.repeat(r["pos"], h) for r in recs]),
+                "layer": np.concatenate([np.full(r["entropy"].size, r["layer"], np.int32) for r in recs]),
+                "head": np.tile(np.arange(h, dtype=np.int32), sum(r["entropy"].shape[0] for r in recs)),
+                **{c: np.concatenate([r[c].ravel() for r in recs])
+                   for c in ("entropy", "norm_entropy", "max_weight", "sink_weight")},
+            }, nan_to_null=("norm_entropy",))
+        layers = [(i, d) for i, d in sorted(self.buf.routing.items()) if {"scores", "indices", "weights"} <= d.keys()]
+        if layers:
+            # all MoE layers in one call: per-layer calls cost more than the reductions themselves
+            n, k = layers[0][1]["indices"].shape
+            bias = torch.cat([self.model.layers[i].ffn.gate.bias.detach().expand(n, -1) for i, _ in layers])
+            r = routing_records(torch.cat([d["indices"] for _, d in layers]), torch.cat([d["weights"] for _, d in layers]),
+                                torch.cat([d["scores"] for _, d in layers]), bias)
+            pos = np.arange(start_pos, start_pos + n, dtype=np.int32)
+            out["routing"] = _frame(rid, {
+                "pos": np.tile(np.repeat(pos, k), len(layers)),
+                "layer": np.repeat(np.array([i for i, _ in layers], np.int32), n * k), "slot": r["slot"].ravel(),
+                "expert": r["expert"].ravel(), "weight": r["weight"].ravel(), "score": r["score"].ravel(),
+                "margin": np.repeat(r["margin"], k),
+            })
         if "kv" in self.probes:
             rows, tok_frames = [], []
             for i, layer in enumerate(self.model.layers):
@@ -133,8 +145,9 @@ class Recorder:
                         "layer": np.full(cache.length, i, np.int32), "pos": np.arange(cache.length, dtype=np.int32),
                         **norms, "attn_received": recv.numpy().astype(np.float64),
                     }))
-            out["kv"] = pl.DataFrame(rows, schema=["layer", "cached_tokens", "bytes"], orient="row").with_columns(
-                pl.lit(rid).alias("run_id"), pl.lit(step_index).alias("step"))
+            out["kv"] = _frame(rid, {"step": np.full(len(rows), step_index, np.int32),
+                                     **{c: np.array([r[j] for r in rows], np.int32 if j < 2 else np.int64)
+                                        for j, c in enumerate(("layer", "cached_tokens", "bytes"))}})
             if tok_frames:
                 out["kv_tokens"] = pl.concat(tok_frames).with_columns(pl.lit(rid).alias("run_id"),
                                                                       pl.lit(step_index).alias("step"))
@@ -146,24 +159,31 @@ class Recorder:
         return out
 
 
+def _frame(run_id: str, cols: dict[str, np.ndarray], nan_to_null: tuple[str, ...] = ()) -> pl.DataFrame:
+    """One table's rows from numpy columns, with the run id in front."""
+    n = len(next(iter(cols.values())))
+    series = [pl.Series("run_id", [run_id], pl.String).new_from_index(0, n)]
+    series += [pl.Series(c, v, nan_to_null=c in nan_to_null) for c, v in cols.items()]
+    return pl.DataFrame(series)
+
+
 def token_frame(run_id: str, step: int, positions: list[int], token_ids: list[int], texts: list[str],
                 is_prompt: list[bool], logits: torch.Tensor | None, k: int) -> pl.DataFrame:
     """Token rows; ``logits`` [n, V] are the distributions that produced them (None: position 0)."""
     n = len(positions)
-    cols: dict = {"run_id": [run_id] * n, "pos": positions, "step": [step] * n, "token_id": token_ids,
-                  "text": texts, "is_prompt": is_prompt}
+    # typed Series built eagerly: a lazy with_columns per decode step costs milliseconds
+    series = [pl.Series("run_id", [run_id], pl.String).new_from_index(0, n), pl.Series("pos", positions, pl.Int32),
+              pl.Series("step", [step] * n, pl.Int32), pl.Series("token_id", token_ids, pl.Int32),
+              pl.Series("text", texts, pl.String), pl.Series("is_prompt", is_prompt, pl.Boolean)]
     schema = {"prob": pl.Float64, "logprob": pl.Float64, "confidence": pl.Float64, "entropy": pl.Float64,
               "rank": pl.Int32, "topk_ids": pl.List(pl.Int32), "topk_probs": pl.List(pl.Float64)}
     if logits is None:
-        df = pl.DataFrame(cols)
-        return df.with_columns([pl.lit(None, dtype=t).alias(c) for c, t in schema.items()])
+        return pl.DataFrame(series + [pl.Series(c, [None] * n, t) for c, t in schema.items()])
     sig = token_confidence(logits, torch.tensor(token_ids), k)
-    for c in ("prob", "logprob", "confidence", "entropy", "rank"):
-        cols[c] = sig[c]
-    cols["topk_ids"] = [list(r) for r in sig["topk_ids"]]
-    cols["topk_probs"] = [list(r) for r in sig["topk_probs"]]
     # NaN stays NaN (not NULL): the anomaly detectors look for non-finite values
-    return pl.DataFrame(cols).with_columns([pl.col(c).cast(t) for c, t in schema.items()])
+    series += [pl.Series(c, sig[c], schema[c]) for c in ("prob", "logprob", "confidence", "entropy", "rank")]
+    series += [pl.Series(c, sig[c]).cast(schema[c]) for c in ("topk_ids", "topk_probs")]  # [n, k] -> lists
+    return pl.DataFrame(series)
 
 
 def resolve_model(model, dtype: torch.dtype | None = None, device: str = "cpu"):
@@ -180,8 +200,18 @@ def resolve_model(model, dtype: torch.dtype | None = None, device: str = "cpu"):
     if dtype is not None:
         model = model.to(dtype)
     label = getattr(model, "checkpoint_path", None) or type(model).__name__
-    sha = file_sha256(label) if getattr(model, "checkpoint_path", None) and dtype is None else state_sha256(model)
+    sha = file_sha256(label) if getattr(model, "checkpoint_path", None) and dtype is None else _state_sha(model)
     return model, str(label), sha
+
+
+def _state_sha(model: torch.nn.Module) -> str:
+    """``state_sha256``, remembered on the module until a tensor is replaced or changed in place."""
+    key = tuple((k, v.data_ptr(), v._version) for k, v in model.state_dict().items())
+    cached = getattr(model, "_workbench_sha", None)
+    if cached is None or cached[0] != key:
+        cached = (key, state_sha256(model))
+        model._workbench_sha = cached  # type: ignore[attr-defined]
+    return cached[1]
 
 
 def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_tokens: int = 64,

@@ -1,0 +1,139 @@
+"""What recording costs: recorded generation time over plain generation time, per probe and all together.
+
+    python benchmarks/probe_overhead.py [--new-tokens 256] [--reps 5] [--write]
+
+Same process, same model, same prompt, greedy. Each repetition runs plain ``generate`` and then every
+recorded configuration, so slow drifts of a shared machine hit all of them alike; each configuration's
+ratio is the median over repetitions of (its time / the same repetition's plain time). Two clocks:
+process CPU time (all threads, the writer thread included; robust on a machine shared with other
+jobs, the headline) and wall time (what a user waits; noisy when the machine is busy). A recorded run
+is the whole ``workbench.record`` call: model hashing, the runs row, every step's reductions, and
+waiting for the writer thread to commit the last step. With ``--write`` the table goes into
+benchmarks/RESULTS.md under "## Probe overhead".
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from model import DEFAULT_CHECKPOINT, ModelArgs, Transformer, generate, load_checkpoint, load_tokenizer  # noqa: E402
+from workbench.recorder import PROBES, record  # noqa: E402
+from workbench.store import Store  # noqa: E402
+
+PROMPT = '''def fibonacci(n):
+    """Return the n-th Fibonacci number."""
+    if n < 2:
+        return n
+'''
+CONFIGS = {"all probes": PROBES, **{f"{p} only": (p,) for p in PROBES}}
+
+
+def load_demo() -> tuple[Transformer, str]:
+    if (DEFAULT_CHECKPOINT / "model.safetensors").exists():
+        return load_checkpoint(), f"trained demo checkpoint ({DEFAULT_CHECKPOINT.relative_to(ROOT)})"
+    model = Transformer(ModelArgs.preset("demo")).init_weights(seed=0).eval()
+    return model, "demo preset with RANDOM weights (data/demo/model.safetensors not there yet)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: leave as is)")
+    ap.add_argument("--only", nargs="*", default=None, help="configurations to run (default: all)")
+    ap.add_argument("--write", action="store_true", help="write the table into benchmarks/RESULTS.md")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, what = load_demo()
+    tok = load_tokenizer()
+    ids = tok.encode(PROMPT).ids
+    eos = tok.token_to_id("<|endoftext|>")
+    configs = {k: v for k, v in CONFIGS.items() if args.only is None or k in args.only}
+    tmp = Path(tempfile.mkdtemp(prefix="probe_overhead_"))
+    store = Store(tmp / "bench.duckdb")
+
+    def timed(fn) -> tuple[float, float]:
+        c, w = time.process_time(), time.perf_counter()
+        fn()
+        return time.process_time() - c, time.perf_counter() - w
+
+    def plain() -> tuple[float, float]:
+        return timed(lambda: generate(model, ids, args.new_tokens, eos_id=eos))
+
+    def recorded(probes) -> tuple[float, float]:
+        return timed(lambda: record(ids, model=model, tokenizer=tok, max_new_tokens=args.new_tokens, db=store,
+                                    probes=probes))
+
+    n_new = len(generate(model, ids, args.new_tokens, eos_id=eos))
+    plain(), recorded(PROBES)  # warm-up: allocator, polars/duckdb first-call costs
+    cpu: dict[str, list[float]] = {"plain": [], **{k: [] for k in configs}}
+    wall: dict[str, list[float]] = {"plain": [], **{k: [] for k in configs}}
+    r_cpu: dict[str, list[float]] = {k: [] for k in configs}
+    r_wall: dict[str, list[float]] = {k: [] for k in configs}
+    for rep in range(args.reps):
+        b1 = plain()
+        order = list(configs)[rep % len(configs):] + list(configs)[: rep % len(configs)]  # rotate: no order bias
+        got = {name: recorded(configs[name]) for name in order}
+        b2 = plain()  # plain before and after, averaged, to cancel drift within a repetition
+        for i, clock in enumerate((cpu, wall)):
+            clock["plain"] += [b1[i], b2[i]]
+            for name in configs:
+                clock[name].append(got[name][i])
+        for name in configs:
+            r_cpu[name].append(got[name][0] / ((b1[0] + b2[0]) / 2))
+            r_wall[name].append(got[name][1] / ((b1[1] + b2[1]) / 2))
+        print(f"rep {rep + 1}/{args.reps}: plain cpu {b1[0]:.2f}s/{b2[0]:.2f}s  " +
+              "  ".join(f"{k} {r_cpu[k][-1]:.3f}x" for k in configs), file=sys.stderr, flush=True)
+    med = statistics.median
+    rows = [("plain generate", med(cpu["plain"]), 1.0, med(wall["plain"]), 1.0)]
+    rows += [(k, med(cpu[k]), med(r_cpu[k]), med(wall[k]), med(r_wall[k])) for k in configs]
+    lines = [
+        "## Probe overhead",
+        "",
+        f"`python benchmarks/probe_overhead.py --new-tokens {args.new_tokens} --reps {args.reps}` "
+        f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+        "",
+        f"Model: {what}; prompt {len(ids)} tokens, {n_new} new tokens (greedy), fp32, CPU "
+        f"({platform.machine()}, torch threads {torch.get_num_threads()}, 2 cores shared with other jobs). "
+        "Ratio: median over repetitions of recorded / plain, plain measured before and after each "
+        "repetition's recorded runs. CPU = process CPU time, all threads (the writer thread included); "
+        "wall = elapsed time, noisy on the shared machine.",
+        "",
+        "| configuration | CPU (s) | CPU ratio | wall (s) | wall ratio |",
+        "|---|---|---|---|---|",
+        *[f"| {name} | {c:.2f} | {rc:.3f}x | {w:.2f} | {rw:.3f}x |" for name, c, rc, w, rw in rows],
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.write:
+        write_section(ROOT / "benchmarks" / "RESULTS.md", "## Probe overhead", text)
+    return 0
+
+
+def write_section(path: Path, heading: str, text: str) -> None:
+    """Replace (or append) one ``## `` section of RESULTS.md, leaving the others as they are."""
+    old = path.read_text() if path.exists() else "# Benchmark results\n\n"
+    lines = old.splitlines(keepends=True)
+    start = next((i for i, ln in enumerate(lines) if ln.strip() == heading), None)
+    if start is None:
+        new = old.rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n"
+    else:
+        end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
+        new = "".join(lines[:start]) + text.rstrip("\n") + "\n\n" + "".join(lines[end:])
+    path.write_text(new.rstrip("\n") + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
