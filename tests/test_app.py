@@ -48,8 +48,15 @@ def test_client_records_a_run_and_reads_it_back(served):
     url, store = served
     client = Client(url, verbose=False)
     assert {"/record", "/tokens", "/sql", "/explain"} <= set(client.view_api(return_format="dict")["named_endpoints"])
-    strip, status, run_id = client.predict("def add(a, b):\n    return", 6, 0.0, 1.0, 0, "", api_name="/record")
+    job = client.submit("def add(a, b):\n    return", 6, 0.0, 1.0, 0, "", api_name="/record")
+    strip, status, run_id = job.result(timeout=120)
     assert run_id and "Recorded" in status
+    # tokens streamed in while recording: several updates, each strip a prefix of the next
+    updates = [o[0] for o in job.outputs()]
+    assert len(updates) >= 2
+    texts = [[d["token"] for d in u] for u in updates]
+    assert all(t == texts[-1][: len(t)] for t in texts)
+    assert {d["class_or_confidence"] for d in updates[-1]} <= {"no prediction", "< 0.2", "0.2-0.5", "0.5-0.8", "≥ 0.8"}
     t = query.tokens(store, run_id)
     assert query.run_row(store, run_id)["status"] == "complete"
     assert t.height == len(load_tokenizer().encode("def add(a, b):\n    return").ids) + 6
