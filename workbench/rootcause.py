@@ -14,11 +14,15 @@ was recorded with, else its checkpoint), recomputed with a full forward pass wit
   function is smooth: completeness holds to quadrature accuracy. At the real input the frozen and the
   real model agree exactly, so f(x) is the real target. "auto" = frozen for MoE models, plain for
   dense ones.
-- Components: captum ``FeatureAblation`` over a mask with one entry per attention head
-  (``layers.{i}.attn.hook_z``), routed expert (``layers.{i}.ffn.experts.{j}.hook_out``) and shared
-  expert block (``layers.{i}.ffn.shared_experts.hook_out``); zeroing an entry removes that component's
-  output for that batch row. Each perturbation is one row of a batched forward. Routing is left free,
-  so an ablation's effect includes the re-routing it causes downstream.
+- Components: captum ``FeatureAblation`` over a mask with one entry per attention head, routed expert
+  and shared-expert block; each perturbation is one row of a batched forward. A head is ablated by
+  zeroing its output (``layers.{i}.attn.hook_z``), the shared experts likewise
+  (``layers.{i}.ffn.shared_experts.hook_out``). A routed expert is ablated the MoE way: removed from
+  the router's choice (its score set to -inf at ``layers.{i}.ffn.gate.hook_scores``, before the
+  biased, group-limited top-k), so the router sends its tokens to the next-best expert, as if the
+  expert did not exist. Zeroing its output instead would leave a hole that no trained MoE ever sees
+  and would not undo a router that is biased toward it. Routing is otherwise free, so an ablation's
+  effect includes the re-routing it causes downstream.
 
 Scores share one unit, nats of the target logprob, so one ranking covers every kind: a token's score
 is its IG attribution (the token rows of a frozen run add up to f(x) - f(baseline)), a component's is
@@ -158,21 +162,18 @@ def component_ablation(model: nn.Module, ids: torch.Tensor, target_id: int,
     comps = components(model)
     col = {c: k for k, c in enumerate(comps)}
     seq = ids.size(1)
-    state: dict = {"mask": None, "indices": {}}
+    state: dict = {"mask": None}
 
     def heads(z: torch.Tensor, name: str, **_) -> torch.Tensor:  # z: [B, T, H, v]
         i = int(name.split(".")[1])
         cols = [col[("head", i, h, None)] for h in range(z.size(2))]
         return z * state["mask"][:, cols].to(z)[:, None, :, None]
 
-    def keep_indices(t: torch.Tensor, name: str, **_) -> None:
-        state["indices"][int(name.split(".")[1])] = t
-
-    def expert(out: torch.Tensor, name: str, **_) -> torch.Tensor:  # out: [N_j, D]
-        parts = name.split(".")
-        i, j = int(parts[1]), int(parts[4])
-        rows = torch.where(state["indices"][i] == j)[0]  # the order MoE.forward fed the expert in
-        return out * state["mask"][rows // seq, col[("expert", i, None, j)]].to(out)[:, None]
+    def experts(scores: torch.Tensor, name: str, **_) -> torch.Tensor:  # scores: [B*T, E]
+        i = int(name.split(".")[1])
+        cols = [col[("expert", i, None, j)] for j in range(scores.size(1))]
+        keep = state["mask"][:, cols][torch.arange(scores.size(0), device=scores.device) // seq]  # [B*T, E]
+        return scores.masked_fill(keep.to(scores.device) < 0.5, float("-inf"))
 
     def shared(out: torch.Tensor, name: str, **_) -> torch.Tensor:  # out: [B*T, D]
         i = int(name.split(".")[1])
@@ -181,8 +182,7 @@ def component_ablation(model: nn.Module, ids: torch.Tensor, target_id: int,
 
     hooks: dict[str, Callable] = {"layers.*.attn.hook_z": heads}
     if moe_layers(model):
-        hooks.update({"layers.*.ffn.gate.hook_indices": keep_indices,
-                      "layers.*.ffn.experts.*.hook_out": expert,
+        hooks.update({"layers.*.ffn.gate.hook_scores": experts,
                       "layers.*.ffn.shared_experts.hook_out": shared})
     f = target_fn(model, target_id)
 
