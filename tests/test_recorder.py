@@ -134,3 +134,17 @@ def test_bfloat16_run(tmp_path):
     a = ModelArgs.preset("tiny")
     assert (kv["bytes"] == kv["cached_tokens"] * (a.kv_lora_rank + a.qk_rope_head_dim) * 2).all()
     assert torch.isfinite(torch.tensor(run.attention()["entropy"].to_numpy())).all()
+
+
+def test_model_identity_follows_weight_changes(tmp_path):
+    """An in-memory model's checkpoint_sha256 is its weights' hash, recomputed after an in-place edit."""
+    from model import state_sha256
+
+    model, db = tiny(), Store(tmp_path / "w.duckdb")
+    a = workbench.record([1, 2], model=model, max_new_tokens=1, db=db).info["checkpoint_sha256"]
+    assert a == state_sha256(model)
+    assert workbench.record([1, 2], model=model, max_new_tokens=1, db=db).info["checkpoint_sha256"] == a
+    with torch.no_grad():
+        model.layers[1].ffn.gate.bias[0] += 0.5
+    b = workbench.record([1, 2], model=model, max_new_tokens=1, db=db).info["checkpoint_sha256"]
+    assert b != a and b == state_sha256(model)
