@@ -344,7 +344,8 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
             status = f"Recording **{rid}**: {len(pending)}/{total} tokens"
             if done:
                 break
-            yield shown, status, rid
+            if committed:  # wait for the prefill's rows so the strip always starts with the prompt
+                yield shown, status, rid
         if "error" in result:
             e = result["error"]
             yield shown, _fail("Recording", e), rid if query.runs(store).filter(pl.col("run_id") == rid).height else ""

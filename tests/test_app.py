@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import os
 import socket
+import time
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -38,28 +39,31 @@ def served(tmp_path_factory):
     app = build_app(seed_run.store, model=model, tokenizer=load_tokenizer())
     port = free_port()
     app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    yield f"http://127.0.0.1:{port}/", seed_run.store
+    yield f"http://127.0.0.1:{port}/", seed_run.store, model
     app.close()
 
 
 def test_client_records_a_run_and_reads_it_back(served):
     from gradio_client import Client
 
-    url, store = served
+    url, store, model = served
     client = Client(url, verbose=False)
+    # pace decoding (20 ms a step) so the per-step commits land while tokens stream, on any machine
+    slow = model.register_forward_pre_hook(lambda *_: time.sleep(0.02))
     assert {"/record", "/tokens", "/sql", "/explain"} <= set(client.view_api(return_format="dict")["named_endpoints"])
-    job = client.submit("def add(a, b):\n    return", 6, 0.0, 1.0, 0, "", api_name="/record")
+    job = client.submit("def add(a, b):\n    return", 24, 0.0, 1.0, 0, "", api_name="/record")
     strip, status, run_id = job.result(timeout=120)
+    slow.remove()
     assert run_id and "Recorded" in status
     # tokens streamed in while recording: several updates, each strip a prefix of the next
     updates = [o[0] for o in job.outputs()]
     assert len(updates) >= 2
     texts = [[d["token"] for d in u] for u in updates]
-    assert all(t == texts[-1][: len(t)] for t in texts)
+    assert all(t == texts[-1][: len(t)] for t in texts), texts
     assert {d["class_or_confidence"] for d in updates[-1]} <= {"no prediction", "< 0.2", "0.2-0.5", "0.5-0.8", "≥ 0.8"}
     t = query.tokens(store, run_id)
     assert query.run_row(store, run_id)["status"] == "complete"
-    assert t.height == len(load_tokenizer().encode("def add(a, b):\n    return").ids) + 6
+    assert t.height == len(load_tokenizer().encode("def add(a, b):\n    return").ids) + 24
     # the streamed strip ends with every token, in order
     assert [d["token"] for d in strip] == [x if x else "\u2205" for x in t["text"].to_list()]
     back = client.predict(run_id, api_name="/tokens")
@@ -77,7 +81,7 @@ def test_client_records_a_run_and_reads_it_back(served):
 def test_client_sql_refuses_writes(served):
     from gradio_client import Client
 
-    url, store = served
+    url, store, _ = served
     n = query.runs(store).height
     rows, msg = Client(url, verbose=False).predict("DELETE FROM runs", api_name="/sql")
     assert "only SELECT" in msg and query.runs(store).height == n
