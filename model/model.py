@@ -234,6 +234,12 @@ class MLA(nn.Module):
     def _attend_fused(self, q_abs, q_pe, kv, k_pe, start_pos: int) -> torch.Tensor:
         """Scaled-dot-product attention as MQA in latent space: one shared key/value per token."""
         seqlen, keys = q_abs.size(1), kv.size(1)
+        if seqlen > self.attn_chunk:
+            # q/k and v head dims differ, so CPU SDPA takes the math kernel and holds [B, H, T, S] scores:
+            # a long prefill goes in blocks of query rows instead (O(chunk x S), like the observed path)
+            c = self.attn_chunk
+            return torch.cat([self._attend_fused(q_abs[:, t0:t0 + c], q_pe[:, t0:t0 + c], kv, k_pe, start_pos + t0)
+                              for t0 in range(0, seqlen, c)], 1)
         q = torch.cat([q_abs, q_pe], -1).transpose(1, 2)  # [B, H, T, C+R]
         k = torch.cat([kv, k_pe], -1).unsqueeze(1).expand(-1, self.n_heads, -1, -1)  # [B, H, S, C+R]
         v = kv.unsqueeze(1).expand(-1, self.n_heads, -1, -1)  # [B, H, S, C]

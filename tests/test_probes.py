@@ -260,3 +260,18 @@ def test_probe_functions_on_random_tensors():
     r = routing_records(idx, w, scores, bias)
     srt = scores.sort(-1, descending=True).values
     np.testing.assert_allclose(r["margin"], (srt[:, 1] - srt[:, 2]).numpy(), rtol=1e-6)
+
+
+def test_chunked_prefill_equals_whole():
+    """A prefill longer than attn_chunk (query rows in blocks, with or without probes) gives the same logits."""
+    model = tiny_model()
+    x = torch.randint(0, 256, (2, 50), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(x)
+        for layer in model.layers:
+            layer.attn.attn_chunk = 7
+        got = model(x)
+        with attach(model, {"layers.*.attn.hook_attn_probs": lambda p, **_: None}):
+            observed = model(x)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(observed, ref, atol=1e-5, rtol=1e-5)
