@@ -119,6 +119,17 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
                 run = Run(store, run_id, model=model, tokenizer=tokenizer)
         return run
 
+    loaded: list = []
+
+    def default_model():
+        """The app's model: the one given, else the bundled demo checkpoint, loaded once."""
+        if model is not None:
+            return model
+        if not loaded:
+            from model import load_checkpoint
+            loaded.append(load_checkpoint())  # FileNotFoundError if not bundled: shown by the Record tab
+        return loaded[0]
+
     # -- callbacks: each returns component values; data come from query / figures / Run --------------
 
     def refresh_runs(current: str | None):
@@ -306,11 +317,11 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         rid = uuid.uuid4().hex[:12]
         events: queue.Queue = queue.Queue()
         result: dict = {}
-        use_model = checkpoint.strip() or model
 
         def work() -> None:
             try:
-                result["run"] = record(prompt, model=use_model, tokenizer=None if checkpoint.strip() else tokenizer,
+                chosen = checkpoint.strip() or default_model()
+                result["run"] = record(prompt, model=chosen, tokenizer=None if checkpoint.strip() else tokenizer,
                                        max_new_tokens=int(max_new_tokens), temperature=float(temperature),
                                        top_p=float(top_p), seed=int(seed), db=store, run_id=rid,
                                        on_token=lambda pos, text: events.put((pos, text)))
