@@ -53,6 +53,8 @@ def server(tmp_path_factory):
     xss.store.execute("UPDATE tokens SET text = ? WHERE run_id = ? AND pos = 2", [XSS, xss.run_id])
     xss.store.execute("UPDATE runs SET prompt = ? WHERE run_id = ?", [XSS + " prompt", xss.run_id])
     run = workbench.record(prompt, model=model, tokenizer=tok, max_new_tokens=n, db=db)
+    if FOR_README:  # show an attribution heat map in the picture too
+        run.root_cause(run.info["n_prompt_tokens"] + 2, steps=16)
     app = build_app(run.store)
     port = _free_port()
     app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
