@@ -168,7 +168,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
 
     def token_views(run_id: str | None, pos: float | None):
         if not run_id or pos is None:
-            return "", None, None, None, None
+            return "", None, None, None, None, None
         run = get_run(run_id)
         pos = int(pos)
         t = run.tokens()
@@ -180,7 +180,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
                  "prob": r4(row["prob"]), "confidence": r4(row["confidence"]), "entropy": r4(row["entropy"]),
                  "rank": row["rank"]}]
         return (pl.DataFrame(info), run.fig_topk(pos), run.fig_token_heads(pos), run.fig_token_routing(pos),
-                run.fig_attribution(pos))
+                run.fig_attribution(pos), run.fig_components(pos))
 
     def pick_token(evt: gr.SelectData):
         return evt.index if isinstance(evt.index, int) else evt.index[0]
@@ -497,7 +497,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         refresh_btn.click(refresh_runs, run_pick, [runs_df, run_pick], api_name=False)
         runs_df.select(pick_from_table, runs_df, [run_pick, tabs], api_name=False)
         run_outputs = [strip, pos, run_head, conf_plot, summary_json, step]
-        tok_outputs = [tok_info, topk_plot, heads_plot, route_plot, attr_plot]
+        tok_outputs = [tok_info, topk_plot, heads_plot, route_plot, attr_plot, comp_plot]
         (run_pick.change(load_run, run_pick, run_outputs, api_name=False)
          .then(token_views, [run_pick, pos], tok_outputs, api_name=False)
          .then(attention_views, [run_pick, heads_pick, norm_box], [head_plot, along_plot, heads_pick], api_name=False)

@@ -386,11 +386,12 @@ def fig_attribution(store: Store, run_id: str, pos: int) -> go.Figure:
     method = tok["method"][0]
     hover = [[f"pos {p}: {token_label(text.get(p), 40)}<br>score {s:.4g}" for p, s in zip(xs, scores)]]
     fig = go.Figure(go.Heatmap(z=[scores], x=xs, y=[token_label(text.get(pos), 12)], colorscale="RdBu",
-                               zmid=0, zmin=-lim, zmax=lim, customdata=hover, colorbar={"title": "score"},
+                               zmid=0, zmin=-lim, zmax=lim, customdata=hover,
+                               colorbar={"title": "score", "thickness": 12, "nticks": 3},
                                hovertemplate="%{customdata}<extra></extra>"))
     delta = tok["delta"].drop_nulls()
     extra = f", delta {delta[0]:.2g}" if delta.len() else ""
-    _layout(fig, f"Attribution over the context for pos {pos} ({html.escape(str(method))}{extra})", height=240,
+    _layout(fig, f"Attribution over the context for pos {pos} ({html.escape(str(method))}{extra})", height=300,
             xaxis={"title": "source position", **_tick_axis(xs, [text.get(p) for p in xs])})
     return fig
 
@@ -411,7 +412,7 @@ def fig_components(store: Store, run_id: str, pos: int, top: int = 15) -> go.Fig
     fig = go.Figure(go.Bar(x=[r["score"] for r in rows][::-1], y=[html.escape(name(r)) for r in rows][::-1],
                            orientation="h", marker={"color": "#e76f51"}))
     _layout(fig, f"Components ranked for pos {pos} (effect of ablating each)", height=360,
-            xaxis={"title": "score"})
+            xaxis={"title": "score"}, yaxis={"dtick": 1, "automargin": True})
     return fig
 
 
