@@ -85,15 +85,24 @@ def _check_pos(tokens: pl.DataFrame, pos: int) -> dict:
 
 @lru_cache(maxsize=8)
 def _tokenizer_for(model_path: str):
+    """The checkpoint folder's tokenizer; the bundled one for an in-memory module (not a folder)."""
     from model import load_tokenizer
-    p = Path(model_path) / "tokenizer.json"
-    return load_tokenizer(p if p.exists() else None)
+    folder = Path(model_path)
+    if (folder / "tokenizer.json").exists():
+        return load_tokenizer(folder / "tokenizer.json")
+    if folder.is_dir():
+        raise FileNotFoundError(f"no tokenizer.json in {folder}")
+    return load_tokenizer()
 
 
 def _decode(store: Store, run_id: str, ids: list[int], tokens: pl.DataFrame) -> list[str]:
     """Text of token ids: the run's tokenizer if it can be found, else texts seen in the run, else ``#id``."""
+    info = query.run_row(store, run_id)
     try:
-        tok = _tokenizer_for(str(query.run_row(store, run_id)["model"]))
+        tok = _tokenizer_for(str(info["model"]))
+        vocab = json.loads(info["config"] or "{}").get("vocab_size") or 0
+        if tok.get_vocab_size() < vocab:  # not this model's tokenizer: its ids would decode wrongly
+            raise LookupError("tokenizer smaller than the model's vocabulary")
         return [tok.decode([int(i)]) for i in ids]
     except Exception:  # no tokenizer here (e.g. a run recorded elsewhere): fall back, never fail a figure
         seen = dict(zip(tokens["token_id"].to_list(), tokens["text"].to_list()))
