@@ -199,3 +199,11 @@ def test_cli_ui_bad_port_is_one_line(capsys):
     from workbench.cli import main
     assert main(["ui", "--port", "70000"]) == 2
     assert "--port" in capsys.readouterr().err
+
+
+def test_record_with_a_missing_checkpoint_says_why(served, tmp_path):
+    from gradio_client import Client
+
+    strip, status, run_id = Client(served[0], verbose=False).predict(
+        "x = 1", 2, 0.0, 1.0, 0, str(tmp_path / "no-such-checkpoint"), api_name="/record")
+    assert status.startswith("⚠️ Recording failed") and "no-such-checkpoint" in status
