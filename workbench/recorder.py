@@ -251,7 +251,7 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
     if len(ids) + max_new_tokens > limit:
         raise ValueError(f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds the model's "
                          f"context of {limit} tokens")
-    run_id = run_id or uuid.uuid4().hex[:12]
+    run_id = run_id or "r" + uuid.uuid4().hex[:11]  # never all digits: Hive partitions would read it as BIGINT
     p = next(module.parameters())
     params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "topk": topk,
               "probes": sorted(set(probes)), "prompt_ids": ids}
