@@ -289,12 +289,16 @@ def main(argv: list[str] | None = None) -> int:
 NOTES = """How to read it. "Culprit" is the broken head, the broken expert, or (router faults) the expert the
 router was biased toward. "Detectors fired" compares the faulty run with the clean run of the same prompt
 (warning/critical anomalies only; the clean run is also the reference for `entropy_shift`); "names the
-culprit" means a warning/critical anomaly row carries the culprit's layer and head / expert (overloaded expert for router
-faults; entropy rows for heads); the last column says how many
-heads / experts the anomalies named in all, to judge how specific that is. A scaled head changes what flows into later layers, not its own attention
-pattern, so attention-entropy detectors see its effect downstream rather than at the head itself.
-Ablation ranks components by the change in the target when each is zeroed on the faulty model; a component
-that feeds a broken one is amplified by it, which is the usual way a culprit gets pushed down the list."""
+culprit" means a warning/critical anomaly row carries the culprit's layer and head / expert (overloaded
+expert for router faults; entropy rows for heads); the last column says how many heads / experts the
+anomalies named in all, to judge how specific that is. A scaled head changes what flows into later
+layers, not its own attention pattern, so attention-entropy detectors see it downstream, not at the head.
+Ablation: a head or the shared experts are zeroed; a routed expert is removed from the router's choice
+(its tokens go to the next-best expert). A router bias only moves tokens to an expert whose gate weight
+stays its (small) raw score, so it changes the explained token by well under a nat: smaller than the
+normal effect of the model's important components, which is why ablation ranks it low, while the
+overloaded-expert detector names it every time. Components that feed a broken one are amplified by it,
+which is how a culprit gets pushed to rank 2-3."""
 
 
 if __name__ == "__main__":
