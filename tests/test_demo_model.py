@@ -102,7 +102,7 @@ def test_checkpoint_loads_and_is_small():
 def test_beats_bigram(result):
     assert result["tokens_scored"] >= SLICE * 0.99
     bpb = result["bits_per_byte"]
-    assert bpb["model"] < 0.8 * bpb["bigram"], bpb  # a clear margin, not noise
+    assert bpb["model"] < 0.85 * bpb["bigram"], bpb  # a clear margin (at least 15% fewer bits), not noise
     assert bpb["model"] < bpb["gzip"]
 
 
