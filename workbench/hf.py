@@ -209,8 +209,9 @@ def load_hf(folder: str | Path, dtype: torch.dtype | None = None, device: str = 
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} is not a model folder (no config.json)")
     try:
+        # use_safetensors: a folder holding only pickled *.bin weights is refused, never unpickled
         hf = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, attn_implementation="eager",
-                                                  dtype=dtype or torch.float32)
+                                                  dtype=dtype or torch.float32, use_safetensors=True)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot load {folder} with transformers: {str(e).splitlines()[0]}") from None
     return HFModel(hf.to(device), folder, attn_chunk)
