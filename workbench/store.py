@@ -7,13 +7,14 @@ run whose recording process is gone as ``interrupted``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import duckdb
 import polars as pl
@@ -126,19 +127,14 @@ class Store:
         finally:
             cur.close()
 
-    def append(self, batches: dict[str, pl.DataFrame], cur: duckdb.DuckDBPyConnection | None = None) -> None:
-        """Insert several tables' rows in one transaction (columns matched by name)."""
+    @contextlib.contextmanager
+    def _transaction(self, cur: duckdb.DuckDBPyConnection | None = None) -> Iterator[duckdb.DuckDBPyConnection]:
+        """BEGIN ... COMMIT on ``cur`` (or a fresh cursor, closed after), ROLLBACK on any error."""
         own = cur is None
         cur = cur or self.cursor()
         try:
             cur.execute("BEGIN")
-            for table, df in batches.items():
-                if df is None or df.height == 0:
-                    continue
-                cols = [c for c in columns(table) if c in df.columns]
-                cur.register("_batch", df.select(cols).to_arrow())
-                cur.execute(f"INSERT INTO {table} ({', '.join(cols)}) SELECT {', '.join(cols)} FROM _batch")
-                cur.unregister("_batch")
+            yield cur
             cur.execute("COMMIT")
         except BaseException:
             try:
@@ -150,26 +146,27 @@ class Store:
             if own:
                 cur.close()
 
+    @staticmethod
+    def _insert(cur: duckdb.DuckDBPyConnection, table: str, df: pl.DataFrame | None) -> None:
+        """Insert a frame's rows into a table, columns matched by name."""
+        if df is None or df.height == 0:
+            return
+        cols = [c for c in columns(table) if c in df.columns]
+        cur.register("_batch", df.select(cols).to_arrow())
+        cur.execute(f"INSERT INTO {table} ({', '.join(cols)}) SELECT {', '.join(cols)} FROM _batch")
+        cur.unregister("_batch")
+
+    def append(self, batches: dict[str, pl.DataFrame], cur: duckdb.DuckDBPyConnection | None = None) -> None:
+        """Insert several tables' rows in one transaction (columns matched by name)."""
+        with self._transaction(cur) as c:
+            for table, df in batches.items():
+                self._insert(c, table, df)
+
     def replace(self, table: str, run_id: str, df: pl.DataFrame, where: str = "", params: list | None = None) -> None:
         """Delete a run's rows of a derived table (optionally narrowed) and insert ``df`` atomically."""
-        cur = self.cursor()
-        try:
-            cur.execute("BEGIN")
-            cur.execute(f"DELETE FROM {table} WHERE run_id = ? {where}", [run_id, *(params or [])])
-            if df.height:
-                cols = [c for c in columns(table) if c in df.columns]
-                cur.register("_batch", df.select(cols).to_arrow())
-                cur.execute(f"INSERT INTO {table} ({', '.join(cols)}) SELECT {', '.join(cols)} FROM _batch")
-                cur.unregister("_batch")
-            cur.execute("COMMIT")
-        except BaseException:
-            try:
-                cur.execute("ROLLBACK")
-            except duckdb.Error:
-                pass
-            raise
-        finally:
-            cur.close()
+        with self._transaction() as c:
+            c.execute(f"DELETE FROM {table} WHERE run_id = ? {where}", [run_id, *(params or [])])
+            self._insert(c, table, df)
 
     def update_run(self, run_id: str, **fields: Any) -> None:
         sets = ", ".join(f"{k} = ?" for k in fields)
