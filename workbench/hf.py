@@ -149,7 +149,7 @@ class HFRecorder:
                 acc[: got.numel()] += got
                 self.received[layer] = acc
 
-    def collect(self, step_index: int, start_pos: int, n_fed: int, tokens_frame: pl.DataFrame | None,
+    def collect(self, step_index: int, start_pos: int, n_fed: int, tokens_frame: list | None,
                 wall_ms: float, final: bool) -> dict[str, pl.DataFrame]:
         rid = self.run_id
         out: dict[str, pl.DataFrame] = {}

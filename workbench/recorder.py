@@ -24,7 +24,7 @@ from probes import attach
 from probes.signals import (attention_received, attention_stats, kv_token_norms, routing_records,
                             token_confidence)
 
-from .store import Store, Writer
+from .store import Rows, Store, Writer
 
 PROBES = ("tokens", "attention", "routing", "kv", "steps")
 MAX_PROMPT_CHARS = 200_000
@@ -90,7 +90,7 @@ class Recorder:
             self.buf.routing[_layer_of(name)][key] = t.detach()
         return fn
 
-    def collect(self, step_index: int, start_pos: int, n_fed: int, tokens_frame: pl.DataFrame | None,
+    def collect(self, step_index: int, start_pos: int, n_fed: int, tokens_frame: list | None,
                 wall_ms: float, final: bool) -> dict[str, pl.DataFrame]:
         rid = self.run_id
         out: dict[str, pl.DataFrame] = {}
@@ -152,23 +152,20 @@ class Recorder:
                 out["kv_tokens"] = pl.concat(tok_frames).with_columns(pl.lit(rid).alias("run_id"),
                                                                       pl.lit(step_index).alias("step"))
         if "steps" in self.probes:
-            out["steps"] = pl.DataFrame({"run_id": [rid], "step": [step_index],
-                                         "kind": ["prefill" if step_index == 0 else "decode"],
-                                         "n_tokens": [n_fed], "wall_ms": [wall_ms]})
+            out["steps"] = _frame(rid, {"step": np.array([step_index], np.int32),
+                                        "kind": np.array(["prefill" if step_index == 0 else "decode"], dtype=object),
+                                        "n_tokens": np.array([n_fed], np.int32), "wall_ms": np.array([wall_ms])})
         self.buf = _StepBuffers()
         return out
 
 
-def _frame(run_id: str, cols: dict[str, np.ndarray], nan_to_null: tuple[str, ...] = ()) -> pl.DataFrame:
-    """One table's rows from numpy columns, with the run id in front."""
-    n = len(next(iter(cols.values())))
-    series = [pl.Series("run_id", [run_id], pl.String).new_from_index(0, n)]
-    series += [pl.Series(c, v, nan_to_null=c in nan_to_null) for c, v in cols.items()]
-    return pl.DataFrame(series)
+def _frame(run_id: str, cols: dict[str, np.ndarray], nan_to_null: tuple[str, ...] = ()) -> Rows:
+    """One table's rows from numpy columns; the writer thread makes the frame."""
+    return Rows(run_id, cols, nan_to_null=nan_to_null)
 
 
 def token_frame(run_id: str, step: int, positions: list[int], token_ids: list[int], texts: list[str],
-                is_prompt: list[bool], logits: torch.Tensor | None, k: int) -> pl.DataFrame:
+                is_prompt: list[bool], logits: torch.Tensor | None, k: int) -> pl.DataFrame | Rows:
     """Token rows; ``logits`` [n, V] are the distributions that produced them (None: position 0)."""
     n = len(positions)
     # typed Series built eagerly: a lazy with_columns per decode step costs milliseconds
@@ -181,9 +178,12 @@ def token_frame(run_id: str, step: int, positions: list[int], token_ids: list[in
         return pl.DataFrame(series + [pl.Series(c, [None] * n, t) for c, t in schema.items()])
     sig = token_confidence(logits, torch.tensor(token_ids), k)
     # NaN stays NaN (not NULL): the anomaly detectors look for non-finite values
-    series += [pl.Series(c, sig[c], schema[c]) for c in ("prob", "logprob", "confidence", "entropy", "rank")]
-    series += [pl.Series(c, sig[c]).cast(schema[c]) for c in ("topk_ids", "topk_probs")]  # [n, k] -> lists
-    return pl.DataFrame(series)
+    return Rows(run_id, {
+        "pos": np.asarray(positions, np.int32), "step": np.full(n, step, np.int32),
+        "token_id": np.asarray(token_ids, np.int32), "text": np.asarray(texts, dtype=object),
+        "is_prompt": np.asarray(is_prompt, bool), **{c: sig[c] for c in ("prob", "logprob", "confidence", "entropy")},
+        "rank": sig["rank"], "topk_ids": sig["topk_ids"], "topk_probs": sig["topk_probs"],
+    }, dtypes={"text": pl.String, "topk_ids": schema["topk_ids"], "topk_probs": schema["topk_probs"]})
 
 
 def resolve_model(model, dtype: torch.dtype | None = None, device: str = "cpu"):
@@ -295,8 +295,7 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
                     frames.append(token_frame(run_id, step.index, [new_pos], [step.next_token], [new_text], [False],
                                               step.logits[-1:].cpu(), topk))
                 final = new_pos + 1 >= len(ids) + max_new_tokens or step.next_token == eos
-                batch = rec.collect(step.index, step.start_pos, n, pl.concat(frames) if frames else None,
-                                    wall_ms, final)
+                batch = rec.collect(step.index, step.start_pos, n, frames or None, wall_ms, final)
                 n_tokens = new_pos + 1
                 writer.put(batch)
                 if on_token:

@@ -13,10 +13,12 @@ import os
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import duckdb
+import numpy as np
 import polars as pl
 
 from .schema import SCHEMA_VERSION, TABLES, columns, ddl
@@ -147,8 +149,9 @@ class Store:
                 cur.close()
 
     @staticmethod
-    def _insert(cur: duckdb.DuckDBPyConnection, table: str, df: pl.DataFrame | None) -> None:
-        """Insert a frame's rows into a table, columns matched by name."""
+    def _insert(cur: duckdb.DuckDBPyConnection, table: str, batch) -> None:
+        """Insert a batch (frame, ``Rows`` or a list of them) into a table, columns matched by name."""
+        df = to_frame(batch)
         if df is None or df.height == 0:
             return
         cols = [c for c in columns(table) if c in df.columns]
@@ -156,8 +159,8 @@ class Store:
         cur.execute(f"INSERT INTO {table} ({', '.join(cols)}) SELECT {', '.join(cols)} FROM _batch")
         cur.unregister("_batch")
 
-    def append(self, batches: dict[str, pl.DataFrame], cur: duckdb.DuckDBPyConnection | None = None) -> None:
-        """Insert several tables' rows in one transaction (columns matched by name)."""
+    def append(self, batches: dict, cur: duckdb.DuckDBPyConnection | None = None) -> None:
+        """Insert several tables' rows in one transaction; values are frames, ``Rows`` or lists of them."""
         with self._transaction(cur) as c:
             for table, df in batches.items():
                 self._insert(c, table, df)
@@ -231,13 +234,63 @@ class Writer:
             raise StoreError(f"writing to {self.store.path} failed: {self.error}")
 
 
-def _merge(items: list[dict[str, pl.DataFrame]]) -> dict[str, pl.DataFrame]:
-    """Several steps' batches as one batch: the frames of each table concatenated."""
-    if len(items) == 1:
-        return items[0]
-    tables: dict[str, list[pl.DataFrame]] = {}
+@dataclass
+class Rows:
+    """One table's rows as numpy columns (2-D arrays for list columns), not yet a frame.
+
+    The recorder hands these to the ``Writer``, which concatenates many steps' columns and builds one
+    frame per table per transaction in its own thread: building a polars frame per table per step cost
+    more than a small model's decode step.
+    """
+
+    run_id: str
+    cols: dict[str, np.ndarray]
+    dtypes: dict[str, Any] = field(default_factory=dict)  # polars dtypes where numpy's is not enough
+    nan_to_null: tuple[str, ...] = ()
+
+    @property
+    def height(self) -> int:
+        return len(next(iter(self.cols.values())))
+
+
+Batch = "pl.DataFrame | Rows | list[pl.DataFrame | Rows] | None"
+
+
+def _rows_frame(parts: list[Rows]) -> pl.DataFrame:
+    first = parts[0]
+    cols = {c: np.concatenate([p.cols[c] for p in parts]) if len(parts) > 1 else first.cols[c] for c in first.cols}
+    n = len(next(iter(cols.values())))
+    series = [pl.Series("run_id", [first.run_id], pl.String).new_from_index(0, n)]
+    for c, v in cols.items():
+        dt = first.dtypes.get(c)
+        if v.dtype == object:
+            series.append(pl.Series(c, v.tolist(), dtype=dt))
+        elif v.ndim == 2:  # [n, k] -> list column
+            series.append(pl.Series(c, v).cast(dt) if dt is not None else pl.Series(c, v))
+        else:
+            series.append(pl.Series(c, v, dtype=dt, nan_to_null=c in first.nan_to_null))
+    return pl.DataFrame(series)
+
+
+def to_frame(batch) -> pl.DataFrame | None:
+    """A table's batch (frame, ``Rows``, or a list of them) as one polars frame (None when empty)."""
+    parts = batch if isinstance(batch, list) else [batch]
+    frames = [p for p in parts if isinstance(p, pl.DataFrame) and p.height]
+    groups: dict[tuple, list[Rows]] = {}
+    for p in parts:
+        if isinstance(p, Rows) and p.height:
+            groups.setdefault((p.run_id, tuple(p.cols)), []).append(p)
+    frames += [_rows_frame(g) for g in groups.values()]
+    if not frames:
+        return None
+    return frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
+
+
+def _merge(items: list[dict]) -> dict[str, pl.DataFrame | None]:
+    """Several steps' batches as one batch: one frame per table."""
+    tables: dict[str, list] = {}
     for batch in items:
-        for table, df in batch.items():
-            if df is not None and df.height:
-                tables.setdefault(table, []).append(df)
-    return {t: pl.concat(dfs, how="diagonal_relaxed") for t, dfs in tables.items()}
+        for table, part in batch.items():
+            if part is not None:
+                tables.setdefault(table, []).extend(part if isinstance(part, list) else [part])
+    return {t: to_frame(parts) for t, parts in tables.items()}
