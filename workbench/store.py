@@ -1,9 +1,11 @@
 """The DuckDB store: opening (with schema checks), appending Arrow/polars batches, a background writer.
 
 One DuckDB connection per database file per process, shared through cursors, so the Gradio app can
-read a run while the recorder in the same process is writing it. Each step's batch is committed as
-one transaction: a process killed mid-run leaves every finished step readable; the next open marks a
-run whose recording process is gone as ``interrupted``.
+read a run while the recorder in the same process is writing it. DuckDB lets only one process hold a
+file; a process that finds it held asks for it (``<db>.want``) and the holder lets go as soon as no
+cursor is in use, so a recording in one process and the UI in another take turns. Each step's batch
+is committed as whole steps in one transaction: a process killed mid-run leaves every committed step
+readable; the next open marks a run whose recording process is gone as ``interrupted``.
 """
 from __future__ import annotations
 
@@ -35,8 +37,7 @@ def default_db() -> Path:
     return Path(os.environ.get("WORKBENCH_DB") or REPO_DATA / "workbench.duckdb")
 
 
-_CONNECTIONS: dict[str, duckdb.DuckDBPyConnection] = {}
-_LOCK = threading.RLock()
+LOCK_TIMEOUT_S = float(os.environ.get("WORKBENCH_LOCK_TIMEOUT", "20"))
 
 
 def _pid_alive(pid: int | None) -> bool:
@@ -53,6 +54,79 @@ def _pid_alive(pid: int | None) -> bool:
     return True
 
 
+class _Shared:
+    """This process's one connection to a database file, opened on demand.
+
+    DuckDB lets one process at a time hold a file. A process that finds the file locked touches
+    ``<db>.want`` and retries; the holder closes its connection as soon as no cursor is leased, so a
+    recording in one process and the UI in another take turns (each step batch is one short lease).
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.want = path.with_name(path.name + ".want")
+        self.con: duckdb.DuckDBPyConnection | None = None
+        self.users = 0
+        self.lock = threading.RLock()
+        self.checked = False
+        self._watcher: threading.Thread | None = None
+
+    def acquire(self, connect) -> duckdb.DuckDBPyConnection:
+        with self.lock:
+            if self.con is None:
+                self.con = connect()
+                if self._watcher is None or not self._watcher.is_alive():
+                    self._watcher = threading.Thread(target=self._watch, name="workbench-store-watch", daemon=True)
+                    self._watcher.start()
+            self.users += 1
+            return self.con.cursor()
+
+    def release(self) -> None:
+        with self.lock:
+            self.users -= 1
+            self._yield_if_wanted()
+
+    def _yield_if_wanted(self) -> None:
+        if self.con is not None and self.users == 0 and self.want.exists():
+            self.close()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.05)
+            with self.lock:
+                if self.con is None:
+                    return
+                self._yield_if_wanted()
+
+    def close(self) -> None:
+        with self.lock:
+            if self.con is not None and self.users == 0:
+                self.con.close()
+                self.con = None
+
+
+class _Lease:
+    """A cursor on the shared connection; ``close()`` gives the connection back."""
+
+    def __init__(self, cur: duckdb.DuckDBPyConnection, shared: _Shared):
+        self._cur, self._shared, self._open = cur, shared, True
+
+    def __getattr__(self, name: str):
+        return getattr(self._cur, name)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            try:
+                self._cur.close()
+            finally:
+                self._shared.release()
+
+
+_SHARED: dict[str, _Shared] = {}
+_LOCK = threading.RLock()
+
+
 class Store:
     """A workbench database file. ``Store(path).sql(query, params)`` returns a polars frame."""
 
@@ -60,24 +134,41 @@ class Store:
         self.path = Path(path) if path else default_db()
         key = str(self.path.resolve())
         with _LOCK:
-            con = _CONNECTIONS.get(key)
-            if con is None:
-                con = self._connect()
-                _CONNECTIONS[key] = con
-        self._con = con
+            self._shared = _SHARED.get(key) or _SHARED.setdefault(key, _Shared(self.path.resolve()))
+        self.cursor().close()  # open now: a bad or newer-schema file fails here, with a clear message
+
+    def _open_file(self) -> duckdb.DuckDBPyConnection:
+        """Connect, waiting (up to LOCK_TIMEOUT_S) while another process holds the file."""
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        want = self._shared.want
+        while True:
+            try:
+                con = duckdb.connect(str(self.path))
+                want.unlink(missing_ok=True)
+                return con
+            except duckdb.IOException as e:
+                msg = str(e)
+                if "lock" not in msg.lower():
+                    raise StoreError(f"cannot open {self.path}: not a readable DuckDB database "
+                                     f"({msg.splitlines()[0]})") from None
+                if time.monotonic() > deadline:
+                    want.unlink(missing_ok=True)
+                    raise StoreError(f"{self.path} is in use by another process that did not let go within "
+                                     f"{LOCK_TIMEOUT_S:g} s (an older workbench, or a DuckDB client); close it "
+                                     f"there or use another --db. ({msg.splitlines()[0]})") from None
+                try:
+                    want.touch()
+                except OSError:
+                    pass
+                time.sleep(0.02)
+            except duckdb.Error as e:
+                raise StoreError(f"cannot open {self.path}: {str(e).splitlines()[0]}") from None
 
     def _connect(self) -> duckdb.DuckDBPyConnection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            con = duckdb.connect(str(self.path))
-        except duckdb.IOException as e:
-            msg = str(e)
-            if "lock" in msg.lower():
-                raise StoreError(f"{self.path} is in use by another process (DuckDB allows one writer "
-                                 f"process); close it there or use another --db. ({msg.splitlines()[0]})") from None
-            raise StoreError(f"cannot open {self.path}: not a readable DuckDB database ({msg.splitlines()[0]})") from None
-        except duckdb.Error as e:
-            raise StoreError(f"cannot open {self.path}: {str(e).splitlines()[0]}") from None
+        con = self._open_file()
+        if self._shared.checked:
+            return con
         try:
             existing = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables "
                                                   "WHERE table_schema = 'main'").fetchall()}
@@ -98,17 +189,21 @@ class Store:
         except StoreError:
             raise
         except duckdb.Error as e:
+            con.close()
             raise StoreError(f"cannot use {self.path}: {str(e).splitlines()[0]}") from None
+        self._shared.checked = True
         return con
 
     @staticmethod
     def _mark_interrupted(con: duckdb.DuckDBPyConnection) -> None:
+        """Runs left 'running' by a process that no longer exists were interrupted."""
         for run_id, pid in con.execute("SELECT run_id, pid FROM runs WHERE status = 'running'").fetchall():
-            if not _pid_alive(pid) or pid != os.getpid():
+            if not _pid_alive(pid):
                 con.execute("UPDATE runs SET status = 'interrupted' WHERE run_id = ?", [run_id])
 
-    def cursor(self) -> duckdb.DuckDBPyConnection:
-        return self._con.cursor()
+    def cursor(self) -> _Lease:
+        """A cursor on this process's connection; close it when done so other processes can get the file."""
+        return _Lease(self._shared.acquire(self._connect), self._shared)
 
     def sql(self, query: str, params: list | dict | None = None) -> pl.DataFrame:
         """Run a query on a fresh cursor and return a polars frame."""
@@ -177,11 +272,8 @@ class Store:
         self.execute(f"UPDATE runs SET {sets} WHERE run_id = ?", [*vals, run_id])
 
     def close(self) -> None:
-        """Close the shared connection for this file (checkpoints the WAL into the file)."""
-        with _LOCK:
-            con = _CONNECTIONS.pop(str(self.path.resolve()), None)
-        if con is not None:
-            con.close()
+        """Close this process's connection to the file now if no cursor is in use (checkpoints the WAL)."""
+        self._shared.close()
 
 
 class Writer:
@@ -201,7 +293,6 @@ class Writer:
         self._thread.start()
 
     def _run(self) -> None:
-        cur = self.store.cursor()
         done = False
         while not done:
             items = [self.queue.get()]
@@ -215,11 +306,10 @@ class Writer:
                 done = True
                 items.pop()
             if self.error is None and items:
-                try:
-                    self.store.append(_merge(items), cur)
+                try:  # one short lease per transaction: another process may take the file in between
+                    self.store.append(_merge(items))
                 except BaseException as e:  # keep draining; report at close
                     self.error = e
-        cur.close()
 
     def put(self, batches: dict[str, pl.DataFrame]) -> None:
         if self.error is not None:

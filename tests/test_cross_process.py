@@ -1,0 +1,49 @@
+"""A recording in one process and a reader in another take turns on the same DuckDB file."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from workbench.store import Store
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CHILD = r"""
+import sys, time
+import torch
+from model import ModelArgs, Transformer, load_tokenizer
+import workbench
+m = Transformer(ModelArgs.preset("tiny")).init_weights(seed=1, std=0.1).eval()
+workbench.record(list(range(1, 9)), model=m, tokenizer=load_tokenizer(), max_new_tokens=30, db=sys.argv[1],
+                 run_id="rcross", on_token=lambda pos, text: time.sleep(0.15))
+"""
+
+
+def test_reader_process_sees_a_live_recording(tmp_path):
+    db = tmp_path / "live.duckdb"
+    Store(db).close()  # create it, then let go of the file
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(db)], cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
+    store = Store(db)
+    seen: list[tuple[str, int]] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            rows = store.sql("SELECT r.status, (SELECT count(*) FROM tokens t WHERE t.run_id = r.run_id) AS n "
+                             "FROM runs r WHERE run_id = 'rcross'")
+            if rows.height:
+                seen.append((rows["status"][0], int(rows["n"][0])))
+                if rows["status"][0] != "running":
+                    break
+            time.sleep(0.1)
+        assert child.wait(timeout=120) == 0, child.stderr.read()[-2000:]
+    finally:
+        child.kill()
+    live = [n for status, n in seen if status == "running"]
+    assert len(set(live)) >= 2, seen  # several different partial states were read while it recorded
+    final = store.sql("SELECT status, n_tokens FROM runs WHERE run_id = 'rcross'").row(0)
+    assert final == ("complete", 8 + 30)
+    assert store.sql("SELECT count(*) AS n FROM tokens WHERE run_id = 'rcross'")["n"][0] == 38
