@@ -20,8 +20,8 @@ def env(tmp_path_factory):
     ckpt = str(save_checkpoint(model, root / "ckpt"))
     store = Store(root / "wb.duckdb")
     # an all-digit id: DuckDB's Hive reader would type it BIGINT unless told otherwise
-    a = record([5, 17, 42, 7], model=ckpt, max_new_tokens=4, db=store, run_id="200747441128")
-    b = record([9, 8, 7, 6, 5], model=ckpt, max_new_tokens=3, db=store, temperature=0.8, seed=3)
+    a = record([5, 17, 42, 7], model=ckpt, max_new_tokens=4, db=store, run_id="200747441128", detect=False)
+    b = record([9, 8, 7, 6, 5], model=ckpt, max_new_tokens=3, db=store, temperature=0.8, seed=3, detect=False)
     store.append({"anomalies": pl.DataFrame({"run_id": [a.run_id], "anomaly_id": [0], "kind": ["low_confidence"],
                                              "severity": ["warning"], "pos": [5], "score": [0.1],
                                              "threshold": [0.2], "explanation": ["</script> & 'quotes'"]})})

@@ -148,3 +148,15 @@ def test_model_identity_follows_weight_changes(tmp_path):
         model.layers[1].ffn.gate.bias[0] += 0.5
     b = workbench.record([1, 2], model=model, max_new_tokens=1, db=db).info["checkpoint_sha256"]
     assert b != a and b == state_sha256(model)
+
+
+def test_anomalies_detected_when_a_run_completes(tmp_path):
+    """The runs table's anomaly count is filled by record(); detect=False leaves it to the first look."""
+    model, db = tiny(), Store(tmp_path / "w.duckdb")
+    run = workbench.record([1, 2, 3, 4], model=model, max_new_tokens=12, db=db)
+    stored = db.sql("SELECT count(*) AS n FROM anomalies WHERE run_id = ?", [run.run_id])["n"][0]
+    assert stored > 0  # a random tiny model is unsure of nearly every token
+    assert stored == run.anomalies(recompute=True).height
+    assert workbench.open(db).runs().filter(pl.col("run_id") == run.run_id)["n_anomalies"][0] == stored
+    quiet = workbench.record([1, 2, 3, 4], model=model, max_new_tokens=12, db=db, detect=False)
+    assert db.sql("SELECT count(*) AS n FROM anomalies WHERE run_id = ?", [quiet.run_id])["n"][0] == 0

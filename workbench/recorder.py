@@ -218,7 +218,7 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
            temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, db=None, dtype: str | None = None,
            probes: Iterable[str] = PROBES, topk: int = 5, progress: bool = False,
            on_token: Callable[[int, str], None] | None = None, parent_run_id: str | None = None,
-           run_id: str | None = None):
+           run_id: str | None = None, detect: bool = True):
     """Generate from ``prompt`` with probes attached and store every signal; returns the ``Run``.
 
     Args:
@@ -228,6 +228,7 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
         db: database path or ``Store`` (default ``$WORKBENCH_DB`` or ``data/workbench.duckdb``).
         dtype: "float32" / "bfloat16" to run the model in that dtype.
         on_token: called as ``on_token(pos, text)`` for each generated token (live streaming).
+        detect: run the anomaly detectors once the run completes (``Run.anomalies()`` recomputes on demand).
     """
     from .run import Run
 
@@ -317,4 +318,11 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
         finally:
             store.update_run(run_id, status=status, error=error, n_tokens=n_tokens,
                              finished_at=datetime.now(timezone.utc).replace(tzinfo=None))
-    return Run(store, run_id, model=module, tokenizer=tokenizer)
+    run = Run(store, run_id, model=module, tokenizer=tokenizer)
+    if detect:
+        try:  # the runs table shows anomaly counts; a detector bug must not lose the recording
+            run.anomalies()
+        except Exception as e:  # noqa: BLE001
+            import warnings
+            warnings.warn(f"anomaly detection failed for run {run_id}: {e}")
+    return run
