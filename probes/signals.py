@@ -51,15 +51,28 @@ def attention_stats(probs: torch.Tensor, q_start: int) -> dict[str, np.ndarray]:
     Returns: pos [Tc], entropy / norm_entropy / max_weight / sink_weight [Tc, H]. norm_entropy is
         entropy / log(number of visible keys), NaN where only one key is visible.
     """
-    probs = probs.float()
-    entropy = -torch.special.xlogy(probs, probs).sum(-1)  # [Tc, H]
+    if probs.is_cuda and _fused_rows_available():
+        from .triton_entropy import row_stats
+        entropy, max_weight, sink = row_stats(probs)  # one fused pass over each row
+    else:
+        probs = probs.float()
+        entropy = -torch.special.xlogy(probs, probs).sum(-1)  # [Tc, H]
+        max_weight, sink = probs.amax(-1), probs[..., 0]
     pos = np.arange(q_start, q_start + probs.size(0), dtype=np.int32)
-    n_keys = torch.arange(q_start + 1, q_start + probs.size(0) + 1, dtype=torch.float32)[:, None]
+    n_keys = torch.arange(q_start + 1, q_start + probs.size(0) + 1, dtype=torch.float32, device=probs.device)[:, None]
     norm = torch.where(n_keys > 1, entropy / torch.log(n_keys.clamp(min=2)), torch.full_like(entropy, float("nan")))
     # one stacked conversion instead of four: this runs per layer at every decode step
-    stats = torch.stack([entropy, norm, probs.amax(-1), probs[..., 0]]).numpy().astype(np.float64)  # [4, Tc, H]
+    stats = torch.stack([entropy, norm, max_weight, sink]).cpu().numpy().astype(np.float64)  # [4, Tc, H]
     return {"pos": pos, "entropy": stats[0], "norm_entropy": stats[1], "max_weight": stats[2],
             "sink_weight": stats[3]}
+
+
+def _fused_rows_available() -> bool:
+    try:
+        from .triton_entropy import available
+    except Exception:  # noqa: BLE001 - triton missing or broken: the torch path is exact too
+        return False
+    return available()
 
 
 def attention_received(probs: torch.Tensor) -> torch.Tensor:
