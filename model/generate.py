@@ -44,16 +44,22 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def stream(model: Transformer, prompt: Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
-           top_p: float = 1.0, seed: int = 0, eos_id: int | None = None) -> Iterator[Step]:
-    """Yield the prefill step, then each decode step. The model's cache is set up and cleared here."""
+def check_prompt(prompt: Sequence[int], max_new_tokens: int, max_seq_len: int) -> list[int]:
+    """The prompt as a list, or a ValueError if it is empty or leaves no room for the new tokens."""
     prompt = list(prompt)
     if not prompt:
         raise ValueError("empty prompt: at least one token is needed")
-    total = len(prompt) + max_new_tokens
-    if total > model.args.max_seq_len:
+    if len(prompt) + max_new_tokens > max_seq_len:
         raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds "
-                         f"max_seq_len {model.args.max_seq_len}")
+                         f"max_seq_len {max_seq_len}")
+    return prompt
+
+
+def stream(model: Transformer, prompt: Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
+           top_p: float = 1.0, seed: int = 0, eos_id: int | None = None) -> Iterator[Step]:
+    """Yield the prefill step, then each decode step. The model's cache is set up and cleared here."""
+    prompt = check_prompt(prompt, max_new_tokens, model.args.max_seq_len)
+    total = len(prompt) + max_new_tokens
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     model.setup_cache(1, total)

@@ -19,12 +19,12 @@ import json
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-import numpy as np
-import polars as pl
 import torch
 
-from model.generate import Step, sample
+from model.generate import Step, check_prompt, sample
 from probes.signals import attention_received, attention_stats, kv_token_norms
+
+from .recorder import add_received, attention_rows, kv_rows, kv_token_cols, steps_rows
 
 # model types that load into our own Transformer instead
 NATIVE_TYPES = ("deepseek_v3",)
@@ -88,12 +88,7 @@ class HFModel(torch.nn.Module):
         """Like ``model.generate.stream``: the prefill step (in query blocks), then one step per token."""
         from transformers import DynamicCache
 
-        prompt = list(prompt)
-        if not prompt:
-            raise ValueError("empty prompt: at least one token is needed")
-        if len(prompt) + max_new_tokens > self.args.max_seq_len:
-            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds "
-                             f"max_seq_len {self.args.max_seq_len}")
+        prompt = check_prompt(prompt, max_new_tokens, self.args.max_seq_len)
         observe = self._listener is not None and self._listener.wants_attention
         gen = torch.Generator().manual_seed(seed)
         cache = DynamicCache(config=self.hf.config)
@@ -139,34 +134,16 @@ class HFRecorder:
             if "attention" in self.probes:
                 self.attention.append({"layer": layer, **attention_stats(p, q_start)})
             if "kv" in self.probes:
-                got = attention_received(p)
-                acc = self.received.get(layer)
-                if acc is None or acc.numel() < got.numel():
-                    grown = torch.zeros(got.numel())
-                    if acc is not None:
-                        grown[: acc.numel()] = acc
-                    acc = grown
-                acc[: got.numel()] += got
-                self.received[layer] = acc
+                add_received(self.received, layer, attention_received(p))
 
     def collect(self, step_index: int, start_pos: int, n_fed: int, tokens_frame: list | None,
-                wall_ms: float, final: bool) -> dict[str, pl.DataFrame]:
+                wall_ms: float, final: bool) -> dict:
         rid = self.run_id
-        out: dict[str, pl.DataFrame] = {}
+        out: dict = {}
         if tokens_frame is not None:
             out["tokens"] = tokens_frame
         if self.attention:
-            frames = []
-            for rec in self.attention:
-                tc, h = rec["entropy"].shape
-                frames.append(pl.DataFrame({
-                    "pos": np.repeat(rec["pos"], h), "layer": np.full(tc * h, rec["layer"], np.int32),
-                    "head": np.tile(np.arange(h, dtype=np.int32), tc),
-                    "entropy": rec["entropy"].ravel(), "norm_entropy": rec["norm_entropy"].ravel(),
-                    "max_weight": rec["max_weight"].ravel(), "sink_weight": rec["sink_weight"].ravel(),
-                }))
-            out["attention"] = pl.concat(frames).with_columns(pl.lit(rid).alias("run_id"),
-                                                              pl.col("norm_entropy").fill_nan(None))
+            out["attention"] = attention_rows(rid, self.attention)
         if "kv" in self.probes and self.cache is not None:
             rows, tok_frames = [], []
             for i, layer in enumerate(self.cache.layers):
@@ -179,23 +156,10 @@ class HFRecorder:
                     # [B, Hkv, S, d] -> [S, Hkv*d]: a token's cached vectors over all kv heads
                     k = keys[0].transpose(0, 1).flatten(1)
                     v = values[0].transpose(0, 1).flatten(1)
-                    norms = kv_token_norms(v, k)
-                    recv = self.received.get(i, torch.zeros(n))
-                    recv = torch.nn.functional.pad(recv, (0, max(0, n - recv.numel())))[:n]
-                    tok_frames.append(pl.DataFrame({
-                        "layer": np.full(n, i, np.int32), "pos": np.arange(n, dtype=np.int32), **norms,
-                        "attn_received": recv.numpy().astype(np.float64),
-                    }))
-            if rows:
-                out["kv"] = pl.DataFrame(rows, schema=["layer", "cached_tokens", "bytes"], orient="row") \
-                    .with_columns(pl.lit(rid).alias("run_id"), pl.lit(step_index).alias("step"))
-            if tok_frames:
-                out["kv_tokens"] = pl.concat(tok_frames).with_columns(pl.lit(rid).alias("run_id"),
-                                                                      pl.lit(step_index).alias("step"))
+                    tok_frames.append(kv_token_cols(i, n, kv_token_norms(v, k), self.received))
+            out.update(kv_rows(rid, step_index, rows, tok_frames))
         if "steps" in self.probes:
-            out["steps"] = pl.DataFrame({"run_id": [rid], "step": [step_index],
-                                         "kind": ["prefill" if step_index == 0 else "decode"],
-                                         "n_tokens": [n_fed], "wall_ms": [wall_ms]})
+            out["steps"] = steps_rows(rid, step_index, n_fed, wall_ms)
         self.attention = []
         return out
 

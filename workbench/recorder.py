@@ -73,17 +73,8 @@ class Recorder:
             else:
                 self.buf.attention.append({"layer": layer, **attention_stats(p, q_start)})
         if "kv" in self.probes:
-            got = attention_received(p)
-            acc = self.received.get(layer)
-            if acc is None or acc.numel() < got.numel():
-                # sized to the cache once, so decode steps do not reallocate
-                cache = self.model.layers[layer].attn.cache
-                grown = torch.zeros(max(got.numel(), cache.max_len if cache is not None else 1))
-                if acc is not None:
-                    grown[: acc.numel()] = acc
-                acc = grown
-            acc[: got.numel()] += got
-            self.received[layer] = acc
+            cache = self.model.layers[layer].attn.cache  # sized to the cache once: decode steps do not reallocate
+            add_received(self.received, layer, attention_received(p), cache.max_len if cache is not None else 1)
 
     def _keep(self, key: str) -> Callable:
         def fn(t: torch.Tensor, name: str, **_) -> None:
@@ -91,9 +82,9 @@ class Recorder:
         return fn
 
     def collect(self, step_index: int, start_pos: int, n_fed: int, tokens_frame: list | None,
-                wall_ms: float, final: bool) -> dict[str, pl.DataFrame]:
+                wall_ms: float, final: bool) -> dict:
         rid = self.run_id
-        out: dict[str, pl.DataFrame] = {}
+        out: dict = {}
         if tokens_frame is not None:
             out["tokens"] = tokens_frame
         # numpy arrays are concatenated first and turned into one frame per table: building many small
@@ -107,15 +98,7 @@ class Recorder:
                 self.buf.attention.append({"layer": layer, "pos": np.array([q], np.int32),
                                            **{c: st[c][:, i * h:(i + 1) * h] for c in st if c != "pos"}})
         if self.buf.attention:
-            recs = self.buf.attention
-            h = recs[0]["entropy"].shape[1]
-            out["attention"] = _frame(rid, {
-                "pos": np.concatenate([np.repeat(r["pos"], h) for r in recs]),
-                "layer": np.concatenate([np.full(r["entropy"].size, r["layer"], np.int32) for r in recs]),
-                "head": np.tile(np.arange(h, dtype=np.int32), sum(r["entropy"].shape[0] for r in recs)),
-                **{c: np.concatenate([r[c].ravel() for r in recs])
-                   for c in ("entropy", "norm_entropy", "max_weight", "sink_weight")},
-            }, nan_to_null=("norm_entropy",))
+            out["attention"] = attention_rows(rid, self.buf.attention)
         layers = [(i, d) for i, d in sorted(self.buf.routing.items()) if {"scores", "indices", "weights"} <= d.keys()]
         if layers:
             # all MoE layers in one call: per-layer calls cost more than the reductions themselves
@@ -139,22 +122,10 @@ class Recorder:
                 rows.append((i, cache.length, cache.length * cache.bytes_per_token()))
                 if final or step_index == 0:
                     norms = kv_token_norms(cache.kv[0, : cache.length], cache.pe[0, : cache.length])
-                    recv = self.received.get(i, torch.zeros(cache.length))
-                    recv = torch.nn.functional.pad(recv, (0, max(0, cache.length - recv.numel())))[: cache.length]
-                    tok_frames.append(pl.DataFrame({
-                        "layer": np.full(cache.length, i, np.int32), "pos": np.arange(cache.length, dtype=np.int32),
-                        **norms, "attn_received": recv.numpy().astype(np.float64),
-                    }))
-            out["kv"] = _frame(rid, {"step": np.full(len(rows), step_index, np.int32),
-                                     **{c: np.array([r[j] for r in rows], np.int32 if j < 2 else np.int64)
-                                        for j, c in enumerate(("layer", "cached_tokens", "bytes"))}})
-            if tok_frames:
-                out["kv_tokens"] = pl.concat(tok_frames).with_columns(pl.lit(rid).alias("run_id"),
-                                                                      pl.lit(step_index).alias("step"))
+                    tok_frames.append(kv_token_cols(i, cache.length, norms, self.received))
+            out.update(kv_rows(rid, step_index, rows, tok_frames))
         if "steps" in self.probes:
-            out["steps"] = _frame(rid, {"step": np.array([step_index], np.int32),
-                                        "kind": np.array(["prefill" if step_index == 0 else "decode"], dtype=object),
-                                        "n_tokens": np.array([n_fed], np.int32), "wall_ms": np.array([wall_ms])})
+            out["steps"] = steps_rows(rid, step_index, n_fed, wall_ms)
         self.buf = _StepBuffers()
         return out
 
@@ -162,6 +133,59 @@ class Recorder:
 def _frame(run_id: str, cols: dict[str, np.ndarray], nan_to_null: tuple[str, ...] = ()) -> Rows:
     """One table's rows from numpy columns; the writer thread makes the frame."""
     return Rows(run_id, cols, nan_to_null=nan_to_null)
+
+
+# Row builders shared with workbench/hf.py: both recorders store the same tables the same way.
+
+def add_received(received: dict[int, torch.Tensor], layer: int, got: torch.Tensor, size: int = 1) -> None:
+    """Add one block's attention-received [S] to a layer's running total (grown to ``size`` or S)."""
+    acc = received.get(layer)
+    if acc is None or acc.numel() < got.numel():
+        grown = torch.zeros(max(got.numel(), size))
+        if acc is not None:
+            grown[: acc.numel()] = acc
+        acc = grown
+    acc[: got.numel()] += got
+    received[layer] = acc
+
+
+def attention_rows(run_id: str, recs: list[dict]) -> Rows:
+    """``attention`` rows from ``attention_stats`` records, each tagged with its layer."""
+    h = recs[0]["entropy"].shape[1]
+    return _frame(run_id, {
+        "pos": np.concatenate([np.repeat(r["pos"], h) for r in recs]),
+        "layer": np.concatenate([np.full(r["entropy"].size, r["layer"], np.int32) for r in recs]),
+        "head": np.tile(np.arange(h, dtype=np.int32), sum(r["entropy"].shape[0] for r in recs)),
+        **{c: np.concatenate([r[c].ravel() for r in recs])
+           for c in ("entropy", "norm_entropy", "max_weight", "sink_weight")},
+    }, nan_to_null=("norm_entropy",))
+
+
+def kv_token_cols(layer: int, n: int, norms: dict[str, np.ndarray], received: dict[int, torch.Tensor]) -> dict:
+    """One layer's ``kv_tokens`` columns for its n cached tokens."""
+    recv = received.get(layer, torch.zeros(n))
+    recv = torch.nn.functional.pad(recv, (0, max(0, n - recv.numel())))[:n]
+    return {"layer": np.full(n, layer, np.int32), "pos": np.arange(n, dtype=np.int32), **norms,
+            "attn_received": recv.numpy().astype(np.float64)}
+
+
+def kv_rows(run_id: str, step: int, rows: list[tuple[int, int, int]], tok_cols: list[dict]) -> dict[str, Rows]:
+    """``kv`` rows from (layer, cached_tokens, bytes) and ``kv_tokens`` rows from ``kv_token_cols``."""
+    out: dict[str, Rows] = {}
+    if rows:
+        out["kv"] = _frame(run_id, {"step": np.full(len(rows), step, np.int32),
+                                    **{c: np.array([r[j] for r in rows], np.int32 if j < 2 else np.int64)
+                                       for j, c in enumerate(("layer", "cached_tokens", "bytes"))}})
+    if tok_cols:
+        cols = {c: np.concatenate([t[c] for t in tok_cols]) for c in tok_cols[0]}
+        out["kv_tokens"] = _frame(run_id, {"step": np.full(len(cols["pos"]), step, np.int32), **cols})
+    return out
+
+
+def steps_rows(run_id: str, step: int, n_fed: int, wall_ms: float) -> Rows:
+    return _frame(run_id, {"step": np.array([step], np.int32),
+                           "kind": np.array(["prefill" if step == 0 else "decode"], dtype=object),
+                           "n_tokens": np.array([n_fed], np.int32), "wall_ms": np.array([wall_ms])})
 
 
 def token_frame(run_id: str, step: int, positions: list[int], token_ids: list[int], texts: list[str],
