@@ -343,9 +343,6 @@ class Rows:
         return len(next(iter(self.cols.values())))
 
 
-Batch = "pl.DataFrame | Rows | list[pl.DataFrame | Rows] | None"
-
-
 def _rows_frame(parts: list[Rows]) -> pl.DataFrame:
     first = parts[0]
     cols = {c: np.concatenate([p.cols[c] for p in parts]) if len(parts) > 1 else first.cols[c] for c in first.cols}
