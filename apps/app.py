@@ -185,14 +185,15 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
     def pick_token(evt: gr.SelectData):
         return evt.index if isinstance(evt.index, int) else evt.index[0]
 
-    def explain(run_id: str | None, pos: float | None, steps: float, progress=gr.Progress()):
+    def explain(run_id: str | None, pos: float | None, steps: float, reference: str | None = None,
+                progress=gr.Progress()):
         if not run_id or pos is None:
             return "Choose a run and a token first.", None, None, None
         run = get_run(run_id)
         pos = int(pos)
         progress(0.05, desc=f"root cause of the token at {pos}: integrated gradients + ablations")
         try:
-            ranked = run.root_cause(pos, steps=int(steps))
+            ranked = run.root_cause(pos, steps=int(steps), reference=get_run(reference) if reference else None)
         except Exception as e:  # root cause is optional and model-dependent: say why, keep the app alive
             return _fail("Root cause", e), None, None, None
         progress(1.0, desc="done")
@@ -421,6 +422,9 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
                     attr_plot = gr.Plot(label="Attribution over the context", elem_id="attr-plot")
                 with gr.Row():
                     rc_steps = gr.Slider(4, 64, value=16, step=4, label="IG steps")
+                    rc_ref = gr.Dropdown(label="Against a known-good run (optional: rank what differs from it)",
+                                         choices=[("none", "")] + run_choices(store), value="",
+                                         allow_custom_value=True)
                     rc_btn = gr.Button("Explain this token (root cause)", elem_id="explain-button")
                 rc_msg = gr.Markdown(elem_classes=["wb-message"])
                 with gr.Row():
@@ -494,7 +498,11 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
                 sql_out = gr.Dataframe(interactive=False, label="Rows", wrap=True)
 
         # -- wiring ----------------------------------------------------------------------------------
-        refresh_btn.click(refresh_runs, run_pick, [runs_df, run_pick], api_name=False)
+        def reference_choices(current: str | None):
+            return gr.Dropdown(choices=[("none", "")] + run_choices(store), value=current or "")
+
+        (refresh_btn.click(refresh_runs, run_pick, [runs_df, run_pick], api_name=False)
+         .then(reference_choices, rc_ref, rc_ref, api_name=False))
         runs_df.select(pick_from_table, runs_df, [run_pick, tabs], api_name=False)
         run_outputs = [strip, pos, run_head, conf_plot, summary_json, step]
         tok_outputs = [tok_info, topk_plot, heads_plot, route_plot, attr_plot, comp_plot]
@@ -507,7 +515,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
          .then(lambda r: r, run_pick, cmp_a, api_name=False))
         pos.change(token_views, [run_pick, pos], tok_outputs, api_name=False, trigger_mode="always_last")
         strip.select(pick_token, None, pos, api_name=False)
-        rc_btn.click(explain, [run_pick, pos, rc_steps], [rc_msg, attr_plot, comp_plot, rc_table], api_name="explain")
+        rc_btn.click(explain, [run_pick, pos, rc_steps, rc_ref], [rc_msg, attr_plot, comp_plot, rc_table], api_name="explain")
         heads_pick.input(attention_views, [run_pick, heads_pick, norm_box], [head_plot, along_plot, heads_pick],
                          api_name=False)
         norm_box.change(attention_views, [run_pick, heads_pick, norm_box], [head_plot, along_plot, heads_pick],
@@ -529,12 +537,14 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         report_btn.click(export_report, run_pick, [report_file, report_msg], api_name=False)
         (rec_btn.click(record_stream, [rec_prompt, rec_max, rec_temp, rec_top_p, rec_seed, rec_ckpt],
                        [rec_strip, rec_status, rec_id], api_name="record")
-         .then(refresh_runs, run_pick, [runs_df, run_pick], api_name=False))
+         .then(refresh_runs, run_pick, [runs_df, run_pick], api_name=False)
+         .then(reference_choices, rc_ref, rc_ref, api_name=False))
         # API only: read a run back (gradio_client)
         api_run = gr.Textbox(visible=False)
         api_tokens = gr.Dataframe(visible=False)
         api_run.submit(read_tokens, api_run, api_tokens, api_name="tokens")
-        app.load(refresh_runs, run_pick, [runs_df, run_pick], api_name=False)
+        app.load(refresh_runs, run_pick, [runs_df, run_pick], api_name=False).then(
+            reference_choices, rc_ref, rc_ref, api_name=False)
 
     return app
 

@@ -1,21 +1,29 @@
 """Fault-injection evaluation of root cause and the anomaly detectors, on the demo model.
 
-For each injected fault (a broken head, a broken expert, a router biased toward one expert) and each
+For each injected fault (a broken head, a broken expert, a router biased toward one expert) and its
 prompt: record a clean and a faulty generation with ``workbench.record(model=module)``, find the most
 affected token (largest |logprob under the faulty model - logprob under the clean model|,
 teacher-forced on the faulty run's tokens), explain it with ``root_cause`` and note where the culprit
-ranks; run the detectors (with the clean run as entropy reference) and note whether they fired.
+ranks, both on its own (what a user gets from one run) and against the clean model as reference
+(``root_cause(pos, reference=...)``: what a user gets who has a known-good model); run the detectors
+(with the clean run as entropy reference) and note whether they fired.
+
+Root cause answers "why did this token go wrong", so it is asked only where a token did: a drawn fault
+that moves no token's logprob by ``--min-effect`` nats (default 1) on its prompt has no symptom to
+explain. Such faults are listed separately, with what the detectors made of them, and the next fault
+of that kind is drawn (up to ``--max-draws`` per kind) until each kind has ``--per-kind`` faults with a
+symptom. Faults are drawn with a fixed seed, whatever the ranking does: heads uniformly over (layer,
+head); experts among those the clean generation routed tokens to in that layer (a never-used expert
+cannot break anything); router biases toward a uniformly drawn expert of a uniformly drawn MoE layer;
+prompts in rotation.
 
     .venv/bin/python benchmarks/root_cause_eval.py            # writes its section of RESULTS.md
-    .venv/bin/python benchmarks/root_cause_eval.py --no-write --cases 4
-
-Faults are drawn with a fixed seed before anything is measured: heads uniformly over (layer, head);
-experts among those the clean generation routed tokens to in that layer (a never-used expert cannot
-break anything); router biases toward a uniformly drawn expert of a uniformly drawn MoE layer.
+    .venv/bin/python benchmarks/root_cause_eval.py --no-write --per-kind 2
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import re
@@ -90,20 +98,17 @@ def teacher_forced_logprobs(model, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
-def draw_cases(model, clean_routing: dict[int, pl.DataFrame], n_per_kind: int, n_prompts: int,
-               seed: int) -> list[Case]:
-    rng = random.Random(seed)
+def draw_case(kind: str, k: int, rng: random.Random, model, clean_routing: dict[int, pl.DataFrame]) -> Case:
+    """The k-th fault of a kind (its own random stream), on prompt k in rotation."""
     moe = [i for i, l in enumerate(model.layers) if isinstance(l.ffn, MoE)]
-    n_heads, n_exp = model.args.n_heads, model.args.n_routed_experts
-    cases = []
-    for k in range(n_per_kind):
-        p = k % n_prompts
-        cases.append(Case("head", rng.randrange(model.args.n_layers), rng.randrange(n_heads), p))
-        layer = rng.choice(moe)
+    p = k % len(clean_routing)
+    if kind == "head":
+        return Case("head", rng.randrange(model.args.n_layers), rng.randrange(model.args.n_heads), p)
+    layer = rng.choice(moe)
+    if kind == "expert":
         used = sorted(set(clean_routing[p].filter(pl.col("layer") == layer)["expert"].to_list()))
-        cases.append(Case("expert", layer, rng.choice(used), p))
-        cases.append(Case("router", rng.choice(moe), rng.randrange(n_exp), p))
-    return cases
+        return Case("expert", layer, rng.choice(used), p)
+    return Case("router", layer, rng.randrange(model.args.n_routed_experts), p)
 
 
 def culprit_localised(case: Case, anomalies: pl.DataFrame) -> bool:
@@ -114,7 +119,23 @@ def culprit_localised(case: Case, anomalies: pl.DataFrame) -> bool:
     return a.filter(pl.col("expert") == case.index).height > 0
 
 
-def run_case(case: Case, model, tok, clean: "workbench.Run", prompt_ids: list[int], db, args) -> dict:
+def culprit_ranks(case: Case, rc: pl.DataFrame) -> tuple[int, int]:
+    """The culprit's rank across all kinds and among components only.
+
+    Router faults have two rows that name them: the layer's router and the expert it favours; the
+    better ranked one counts.
+    """
+    comps = rc.filter(pl.col("kind") != "token").with_columns(pl.arange(1, pl.len() + 1).alias("component_rank"))
+    key = case.culprit
+    match = (pl.col("kind") == key[0]) & (pl.col("layer") == key[1])
+    match = match & ((pl.col("head") == key[2]) if key[2] is not None else (pl.col("expert") == key[3]))
+    if case.kind == "router":
+        match = match | ((pl.col("kind") == "router") & (pl.col("layer") == case.layer))
+    return int(rc.filter(match)["rank"].min()), int(comps.filter(match)["component_rank"].min())
+
+
+def run_case(case: Case, model, reference, tok, clean: "workbench.Run", prompt_ids: list[int], db, args) -> dict:
+    """Record the faulty run, find its symptom; if there is one, explain it (alone and against the reference)."""
     t0 = time.perf_counter()
     with case.fault(model, args.scale, args.amount):
         run = workbench.record(prompt_ids, model=model, tokenizer=tok, max_new_tokens=args.max_new_tokens, db=db,
@@ -125,18 +146,9 @@ def run_case(case: Case, model, tok, clean: "workbench.Run", prompt_ids: list[in
     # any position a user could click: prompt tokens are teacher-forced, so they show the fault too
     diff = (faulty_lp - clean_lp).abs().nan_to_num(nan=float("inf"))  # index t -> position t + 1
     pos = 1 + int(diff.argmax())
-    with case.fault(model, args.scale, args.amount):
-        rc = run.root_cause(pos, steps=args.steps, batch_size=args.batch_size)
-    comps = rc.filter(pl.col("kind") != "token").with_columns(
-        pl.arange(1, pl.len() + 1).alias("component_rank"))
-    key = case.culprit
-    match = (pl.col("kind") == key[0]) & (pl.col("layer") == key[1])
-    match = match & ((pl.col("head") == key[2]) if key[2] is not None else (pl.col("expert") == key[3]))
-    rank_all = int(rc.filter(match)["rank"][0])
-    rank_comp = int(comps.filter(match)["component_rank"][0])
-    tok_rows = rc.filter(pl.col("kind") == "token")
-    ig_total = float(tok_rows["score"].sum())
-    delta = float(tok_rows["delta"][0])
+    out = {"case": case.label(), "kind": case.kind, "prompt": case.prompt, "pos": pos,
+           "token": run.tokens()["text"][pos], "dlogprob": float(diff[pos - 1]),
+           "symptom": float(diff[pos - 1]) >= args.min_effect}
     anomalies = run.anomalies(reference=clean)
     base = clean.anomalies()
     serious = lambda a: a.filter(pl.col("severity") != "info")  # noqa: E731
@@ -144,36 +156,49 @@ def run_case(case: Case, model, tok, clean: "workbench.Run", prompt_ids: list[in
     detected = serious(anomalies).height > serious(base).height or bool(new_kinds)
     named_heads = serious(anomalies).filter(pl.col("head").is_not_null()).select("layer", "head").unique().height
     named_experts = serious(anomalies).filter(pl.col("expert").is_not_null()).select("layer", "expert").unique().height
-    top = rc.head(3).select("kind", "layer", "head", "expert", "source_pos").rows()
-    return {
-        "case": case.label(), "kind": case.kind, "prompt": case.prompt, "pos": pos,
-        "token": run.tokens()["text"][pos], "dlogprob": float(diff[pos - 1]),
-        "rank_all": rank_all, "rank_component": rank_comp, "top3": [list(t) for t in top],
-        "ig_delta": delta, "ig_total": ig_total, "detected": detected, "localised": culprit_localised(case, anomalies),
-        "new_kinds": sorted(new_kinds), "named": f"{named_heads} heads, {named_experts} experts", "n_anomalies": anomalies.height, "seconds": time.perf_counter() - t0,
-    }
+    out |= {"detected": detected, "localised": culprit_localised(case, anomalies), "new_kinds": sorted(new_kinds),
+            "named": f"{named_heads} heads, {named_experts} experts", "n_anomalies": anomalies.height}
+    if out["symptom"]:
+        with case.fault(model, args.scale, args.amount):
+            rc = run.root_cause(pos, steps=args.steps, batch_size=args.batch_size)
+            rc_ref = run.root_cause(pos, steps=args.steps, batch_size=args.batch_size, reference=reference,
+                                    store=False)
+        tok_rows = rc.filter(pl.col("kind") == "token")
+        out |= dict(zip(("rank_all", "rank_component"), culprit_ranks(case, rc)))
+        out |= dict(zip(("rank_ref", "rank_ref_component"), culprit_ranks(case, rc_ref)))
+        out |= {"top3": [list(t) for t in rc.head(3).select("kind", "layer", "head", "expert", "source_pos").rows()],
+                "top3_ref": [list(t) for t in
+                             rc_ref.head(3).select("kind", "layer", "head", "expert", "source_pos").rows()],
+                "ig_delta": float(tok_rows["delta"][0]), "ig_total": float(tok_rows["score"].sum())}
+    return out | {"seconds": time.perf_counter() - t0}
 
 
 def summarise(results: list[dict]) -> dict:
-    n = len(results)
-
+    """Rates over the faults with a symptom (root cause) and over all drawn faults (detectors)."""
     def rate(rs, f):
         return sum(1 for r in rs if f(r)) / len(rs) if rs else float("nan")
 
-    by_kind = {}
-    for k in ("head", "expert", "router"):
-        rs = [r for r in results if r["kind"] == k]
-        by_kind[k] = {"n": len(rs), "top3": rate(rs, lambda r: r["rank_all"] <= 3),
-                      "top3_components": rate(rs, lambda r: r["rank_component"] <= 3),
-                      "detected": rate(rs, lambda r: r["detected"]), "localised": rate(rs, lambda r: r["localised"])}
-    strong = [r for r in results if r["dlogprob"] >= 1.0]
-    rel = sorted(abs(r["ig_delta"]) / max(abs(r["ig_total"] - r["ig_delta"]), 1e-9) for r in results)
-    return {"n": n, "top1": rate(results, lambda r: r["rank_all"] == 1),
-            "top3": rate(results, lambda r: r["rank_all"] <= 3),
-            "top3_components": rate(results, lambda r: r["rank_component"] <= 3),
-            "detected": rate(results, lambda r: r["detected"]), "localised": rate(results, lambda r: r["localised"]),
-            "median_rel_ig_delta": rel[len(rel) // 2] if rel else float("nan"), "by_kind": by_kind,
-            "n_strong": len(strong), "top3_strong": rate(strong, lambda r: r["rank_all"] <= 3)}
+    def block(rs: list[dict]) -> dict:
+        explained = [r for r in rs if r["symptom"]]
+        silent = [r for r in rs if not r["symptom"]]
+        return {"n": len(explained), "drawn": len(rs), "silent": len(silent),
+                "top1": rate(explained, lambda r: r["rank_all"] == 1),
+                "top3": rate(explained, lambda r: r["rank_all"] <= 3),
+                "top3_components": rate(explained, lambda r: r["rank_component"] <= 3),
+                "top3_ref": rate(explained, lambda r: r["rank_ref"] <= 3),
+                "top1_ref": rate(explained, lambda r: r["rank_ref"] == 1),
+                "detected": rate(explained, lambda r: r["detected"]),
+                "either": rate(explained, lambda r: r["rank_all"] <= 3 or r["localised"]),
+                "localised": rate(explained, lambda r: r["localised"]),
+                "silent_detected": rate(silent, lambda r: r["detected"]),
+                "silent_localised": rate(silent, lambda r: r["localised"]),
+                "silent_max_dlogprob": max((r["dlogprob"] for r in silent), default=float("nan"))}
+
+    explained = [r for r in results if r["symptom"]]
+    rel = sorted(abs(r["ig_delta"]) / max(abs(r["ig_total"] - r["ig_delta"]), 1e-9) for r in explained)
+    return block(results) | {"by_kind": {k: block([r for r in results if r["kind"] == k])
+                                         for k in ("head", "expert", "router")},
+                             "median_rel_ig_delta": rel[len(rel) // 2] if rel else float("nan")}
 
 
 def markdown(summary: dict, results: list[dict], meta: dict) -> str:
@@ -181,34 +206,50 @@ def markdown(summary: dict, results: list[dict], meta: dict) -> str:
     lines = [
         SECTION, "",
         f"`benchmarks/root_cause_eval.py` on {meta['checkpoint']} ({meta['when']}, {meta['seconds']:.0f} s, "
-        f"{meta['threads']} CPU threads): {s['n']} injected faults ({meta['per_kind']} heads scaled x{meta['scale']:g}, "
-        f"{meta['per_kind']} routed experts scaled x{meta['scale']:g}, {meta['per_kind']} router biases of "
-        f"+{meta['amount']:g} toward one expert), drawn with seed {meta['seed']} over {meta['prompts']} prompts, "
-        f"greedy generation of {meta['max_new_tokens']} tokens. The explained token is the token (prompt or generated) "
-        f"whose logprob the fault changed most; IG with {meta['steps']} steps (routing-frozen), components by ablation; "
-        "scores in nats of the target logprob, one ranking across tokens, heads and experts.", "",
-        "| faults | culprit in top 3 (all kinds) | culprit in top 3 (components only) | detectors fired "
-        "(more / new warnings than the clean run) | an anomaly names the culprit |",
-        "|---|---|---|---|---|",
+        f"{meta['threads']} CPU threads): {meta['per_kind']} faults of each kind with a symptom (heads scaled "
+        f"x{meta['scale']:g}, routed experts scaled x{meta['scale']:g}, router selection biases of +{meta['amount']:g} "
+        f"toward one expert), drawn with seed {meta['seed']} over {meta['prompts']} prompts, greedy generation of "
+        f"{meta['max_new_tokens']} tokens. A fault has a symptom when it moves some token's logprob (prompt or "
+        f"generated, teacher-forced) by >= {meta['min_effect']:g} nat; that token is explained. IG with "
+        f"{meta['steps']} steps (routing-frozen), components by ablation; scores in nats of the target logprob, one "
+        "ranking across tokens, heads and experts. \"alone\": `run.root_cause(pos)`; \"vs reference\": "
+        "`run.root_cause(pos, reference=clean_model)`, the same scores minus the clean model's.", "",
+        "| faults | culprit in top 3, alone (all kinds) | alone (components only) | culprit in top 3, vs reference "
+        "| top 1 alone / vs reference | detectors fired (more / new warnings than the clean run) "
+        "| an anomaly names the culprit | top 3 alone or named by an anomaly "
+        "| drawn without a symptom: detectors fired / named the culprit |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def row(name, v):
+        silent = (f"{v['silent']} (max Δ {v['silent_max_dlogprob']:.2f}): {v['silent_detected']:.0%} / "
+                  f"{v['silent_localised']:.0%}") if v["silent"] else "0"
+        return (f"| {name} | {v['top3']:.0%} | {v['top3_components']:.0%} | {v['top3_ref']:.0%} | "
+                f"{v['top1']:.0%} / {v['top1_ref']:.0%} | {v['detected']:.0%} | {v['localised']:.0%} | {v['either']:.0%} | "
+                f"{silent} |")
+
     for k, v in s["by_kind"].items():
         if v["n"]:
-            lines.append(f"| {k} ({v['n']}) | {v['top3']:.0%} | {v['top3_components']:.0%} | {v['detected']:.0%} | "
-                         f"{v['localised']:.0%} |")
-    lines.append(f"| **all ({s['n']})** | **{s['top3']:.0%}** | {s['top3_components']:.0%} | {s['detected']:.0%} | "
-                 f"{s['localised']:.0%} |")
+            lines.append(row(f"{k} ({v['n']})", v))
+    lines.append(row(f"**all ({s['n']})**", s).replace(f"| {s['top3']:.0%} |", f"| **{s['top3']:.0%}** |", 1))
     verdict = "meets" if s["top3"] >= 0.9 else "misses"
-    lines += ["", f"Top-1 across all kinds: {s['top1']:.0%}. Target (culprit in the top 3 for >= 90% of faults): "
-              f"{verdict} it. Median |IG convergence delta| / |f(x) - f(baseline)| (routing-frozen): "
-              f"{s['median_rel_ig_delta']:.1e}. Faults that moved the explained token's logprob by >= 1 nat: "
-              f"{s['n_strong']} of {s['n']}, culprit in the top 3 for {s['top3_strong']:.0%} of them.", "",
-              "| fault | prompt | explained pos (token) | Δ logprob | culprit rank (all / components) | top 3 | "
-              "new anomaly kinds | anomalies name |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", f"Target (culprit in the top 3 for >= 90% of faults, root cause alone): {verdict} it "
+              f"({s['top3']:.0%}; against the clean model as reference {s['top3_ref']:.0%}). Median |IG convergence "
+              f"delta| / |f(x) - f(baseline)| (routing-frozen): {s['median_rel_ig_delta']:.1e}. Faults drawn: "
+              f"{s['drawn']}, of which {s['silent']} moved no token by {meta['min_effect']:g} nat and were set aside "
+              "(last column; the per-fault table lists them too).", "",
+              "| fault | prompt | explained pos (token) | Δ logprob | culprit rank alone (all / components) | top 3 alone "
+              "| culprit rank vs reference | top 3 vs reference | new anomaly kinds | anomalies name |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        top = "; ".join(_name(t) for t in r["top3"])
         tok = json.dumps(r["token"])[1:-1].replace("|", "\\|").replace("`", "'")
-        lines.append(f"| {r['case']} | {r['prompt']} | {r['pos']} (`{tok}`) | {r['dlogprob']:.2f} | "
-                     f"{r['rank_all']} / {r['rank_component']} | {top} | {', '.join(r['new_kinds']) or '-'} | {r['named']} |")
+        if r["symptom"]:
+            ranks = (f"{r['rank_all']} / {r['rank_component']} | {'; '.join(_name(t) for t in r['top3'])} | "
+                     f"{r['rank_ref']} | {'; '.join(_name(t) for t in r['top3_ref'])}")
+        else:
+            ranks = "no symptom: not explained | - | - | -"
+        lines.append(f"| {r['case']} | {r['prompt']} | {r['pos']} (`{tok}`) | {r['dlogprob']:.2f} | {ranks} | "
+                     f"{', '.join(r['new_kinds']) or '-'} | {r['named']} |")
     lines += ["", meta["notes"], ""]
     return "\n".join(lines)
 
@@ -216,7 +257,7 @@ def markdown(summary: dict, results: list[dict], meta: dict) -> str:
 def _name(t) -> str:
     kind, layer, head, expert, src = t
     return {"token": f"token@{src}", "head": f"L{layer}H{head}", "expert": f"L{layer}E{expert}",
-            "shared_expert": f"L{layer} shared"}[kind]
+            "shared_expert": f"L{layer} shared", "router": f"L{layer} router"}[kind]
 
 
 def write_section(path: Path, text: str) -> None:
@@ -231,7 +272,10 @@ def write_section(path: Path, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default=str(ROOT / "data" / "demo"))
-    ap.add_argument("--per-kind", type=int, default=5, help="faults of each kind")
+    ap.add_argument("--per-kind", type=int, default=5, help="faults with a symptom of each kind")
+    ap.add_argument("--max-draws", type=int, default=120, help="faults drawn at most per kind")
+    ap.add_argument("--min-effect", type=float, default=1.0,
+                    help="nats a fault must move some token's logprob by to be explained")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--max-new-tokens", type=int, default=12)
     ap.add_argument("--steps", type=int, default=32)
@@ -253,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     t_start = time.perf_counter()
     model, label = load_model(ckpt)
+    reference = copy.deepcopy(model)  # the known-good model; faults are injected into `model` only
     tok_path = next((p for p in (ckpt / "tokenizer.json", ckpt.parent / "tokenizer.json") if p.exists()), None)
     tok = load_tokenizer(tok_path)
     prompts = [tok.encode(p).ids for p in PROMPTS[: args.prompts]]
@@ -261,14 +306,24 @@ def main(argv: list[str] | None = None) -> int:
         db = workbench.Store(Path(tmp) / "eval.duckdb")
         clean = [workbench.record(ids, model=model, tokenizer=tok, max_new_tokens=args.max_new_tokens, db=db,
                                   probes=("tokens", "attention", "routing")) for ids in prompts]
-        cases = draw_cases(model, {i: r.routing() for i, r in enumerate(clean)}, args.per_kind, len(prompts),
-                           args.seed)
-        for case in cases:
-            r = run_case(case, model, tok, clean[case.prompt], prompts[case.prompt], db, args)
-            results.append(r)
-            print(f"{r['case']:<40} pos {r['pos']:>3}  Δ {r['dlogprob']:6.2f}  rank {r['rank_all']:>3} "
-                  f"(components {r['rank_component']:>3})  detected {r['detected']!s:<5} localised "
-                  f"{r['localised']!s:<5} {r['seconds']:.1f}s", flush=True)
+        routing = {i: r.routing() for i, r in enumerate(clean)}
+        for n_kind, kind in enumerate(("head", "expert", "router")):
+            rng = random.Random(args.seed * 1000 + n_kind)
+            found, seen = 0, set()
+            for k in range(args.max_draws):
+                if found == args.per_kind:
+                    break
+                case = draw_case(kind, k, rng, model, routing)
+                if (case.layer, case.index, case.prompt) in seen:  # the same fault on the same prompt: no news
+                    continue
+                seen.add((case.layer, case.index, case.prompt))
+                r = run_case(case, model, reference, tok, clean[case.prompt], prompts[case.prompt], db, args)
+                results.append(r)
+                found += r["symptom"]
+                ranks = (f"rank {r['rank_all']:>3} (components {r['rank_component']:>3}) vs reference "
+                         f"{r['rank_ref']:>3}") if r["symptom"] else "no symptom"
+                print(f"{r['case']:<40} pos {r['pos']:>3}  Δ {r['dlogprob']:6.2f}  {ranks}  detected "
+                      f"{r['detected']!s:<5} localised {r['localised']!s:<5} {r['seconds']:.1f}s", flush=True)
         db.close()
     summary = summarise(results)
     seconds = time.perf_counter() - t_start
@@ -277,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             "when": time.strftime("%Y-%m-%d"), "seconds": seconds, "threads": torch.get_num_threads(),
             "per_kind": args.per_kind, "scale": args.scale, "amount": args.amount, "seed": args.seed,
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "steps": args.steps,
-            "notes": NOTES}
+            "min_effect": args.min_effect, "notes": NOTES}
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "results": results}, indent=1))
     if not args.no_write:
@@ -286,19 +341,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-NOTES = """How to read it. "Culprit" is the broken head, the broken expert, or (router faults) the expert the
-router was biased toward. "Detectors fired" compares the faulty run with the clean run of the same prompt
-(warning/critical anomalies only; the clean run is also the reference for `entropy_shift`); "names the
-culprit" means a warning/critical anomaly row carries the culprit's layer and head / expert (overloaded
-expert for router faults; entropy rows for heads); the last column says how many heads / experts the
-anomalies named in all, to judge how specific that is. A scaled head changes what flows into later
-layers, not its own attention pattern, so attention-entropy detectors see it downstream, not at the head.
-Ablation: a head or the shared experts are zeroed; a routed expert is removed from the router's choice
-(its tokens go to the next-best expert). A router bias only moves tokens to an expert whose gate weight
-stays its (small) raw score, so it changes the explained token by well under a nat: smaller than the
-normal effect of the model's important components, which is why ablation ranks it low, while the
-overloaded-expert detector names it every time. Components that feed a broken one are amplified by it,
-which is how a culprit gets pushed to rank 2-3."""
+NOTES = """How to read it. "Culprit" is the broken head, the broken expert, or (router faults) the layer's
+router or the expert it was biased toward (the better ranked of the two rows; ablating the router removes
+its selection bias, ablating the expert removes it from the choice). "Detectors fired" compares the
+faulty run with the clean run of the same prompt (warning/critical anomalies only; the clean run is also
+the reference for `entropy_shift`); "names the culprit" means a warning/critical anomaly row carries the
+culprit's layer and head / expert (overloaded expert for router faults; entropy rows for heads); the last
+column of the per-fault table says how many heads / experts the anomalies named in all, to judge how
+specific that is. A scaled head changes what flows into later layers, not its own attention pattern, so
+attention-entropy detectors see it downstream, not at the head. Ablation: a head or the shared experts
+are zeroed; a routed expert is removed from the router's choice (its tokens go to the next-best expert).
+Components that feed a broken one are amplified by it, which is how a culprit gets pushed to rank 2-3.
+
+Router faults are where the ranking misses. A selection bias of +1 puts the favoured expert into every
+token's top 2 with its own raw score as gate weight; on the demo model (16 routed experts, 2 active, plus
+a shared expert) almost none of these faults moves any token by a nat (see the count above), so there is
+nothing for root cause to explain, and the overloaded-expert detector names the favoured expert in all of
+them. The few with a symptom here all hit one token (prompt 3, position 9) by 1.1-1.8 nats, through
+re-routing in later layers: the ranking alone names the later experts whose choice flipped (L5E13,
+L5E14) and the previous token above the faulty layer's router (ranks 4-9); against the clean model it
+names, for layer-2 faults, the experts the bias displaced in that layer (L2E5, L2E7, L2E2): the right
+layer, not the favoured expert's row. Ranking and detectors together find every fault ("top 3 alone or
+named by an anomaly"), which is why the UI shows the Anomalies tab beside the root cause."""
 
 
 if __name__ == "__main__":

@@ -316,16 +316,11 @@ class Gate(nn.Module):
         self.hook_indices = HookPoint()  # [N, K]
         self.hook_weights = HookPoint()  # [N, K]
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.hook_logits(F.linear(x.float(), self.weight.float()))  # [N, E]
-        if self.score_func == "softmax":
-            scores = logits.softmax(dim=-1)
-        else:
-            scores = logits.sigmoid()
-        scores = self.hook_scores(scores)
-        sel = scores + self.bias  # [N, E]
+    def selection(self, scores: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Scores the top-k chooses by: scores + bias, -inf outside the ``topk_groups`` best groups."""
+        sel = scores + bias  # [N, E]
         if self.n_groups > 1:
-            grouped = sel.view(x.size(0), self.n_groups, -1)  # [N, G, E/G]
+            grouped = sel.view(sel.size(0), self.n_groups, -1)  # [N, G, E/G]
             if self.score_func == "sigmoid":
                 group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
             else:
@@ -333,7 +328,16 @@ class Gate(nn.Module):
             keep = group_scores.topk(self.topk_groups, dim=-1)[1]  # [N, topk_groups]
             mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
             sel = grouped.masked_fill(mask.unsqueeze(-1), float("-inf")).flatten(1)
-        sel = self.hook_selection(sel)
+        return sel
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.hook_logits(F.linear(x.float(), self.weight.float()))  # [N, E]
+        if self.score_func == "softmax":
+            scores = logits.softmax(dim=-1)
+        else:
+            scores = logits.sigmoid()
+        scores = self.hook_scores(scores)
+        sel = self.hook_selection(self.selection(scores, self.bias))
         indices = self.hook_indices(sel.topk(self.topk, dim=-1)[1])  # [N, K]
         weights = scores.gather(1, indices)
         if self.norm_topk_prob and (self.score_func == "sigmoid" or self.topk > 1):

@@ -73,9 +73,12 @@ def test_client_records_a_run_and_reads_it_back(served):
     rows, msg = client.predict(f"SELECT count(*) AS n FROM tokens WHERE run_id = '{run_id}'", api_name="/sql")
     assert rows["data"] == [[t.height]] and "1 rows" in msg
     # root cause through the API uses the in-memory module the app recorded with
-    msg, *_ = client.predict(run_id, 5, 4, api_name="/explain")
+    msg, *_ = client.predict(run_id, 5, 4, "", api_name="/explain")
     assert "ranked causes" in msg
     assert query.attributions(store, run_id, 5).height > 0
+    # against a reference: one with the same weights would give all zeros, and says so
+    msg, *_ = client.predict(run_id, 5, 4, run_id, api_name="/explain")
+    assert "same weights" in msg
 
 
 def test_client_sql_refuses_writes(served):

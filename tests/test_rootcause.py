@@ -1,6 +1,7 @@
 """Root cause: routing-frozen IG completeness, plain IG's delta, ablation vs a hand loop, faults, storage."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import polars as pl
@@ -95,6 +96,23 @@ def test_ablation_matches_a_hand_loop(tiny, ids):
         assert eff[col[("expert", 1, None, used)]] != 0.0
         with attach(tiny, {"layers.1.ffn.gate.hook_scores": exclude(used)}):
             assert not (real_routing(tiny, ids)[1] == used).any()  # re-routed, not zeroed
+    # the router: its selection bias removed. The tiny model has none (effect 0); give it one, by hand
+    assert eff[col[("router", 1, None, None)]] == 0.0
+    gate = tiny.layers[1].ffn.gate
+    saved = gate.bias.clone()
+    try:
+        with torch.no_grad():
+            gate.bias.copy_(torch.linspace(-0.3, 0.4, gate.bias.numel()))
+            gate.bias[unused] += 1.0  # chosen at the last position too, the one the target depends on
+            comps, eff = component_ablation(tiny, ids, 7, batch_size=7)
+            full = float(f(ids))
+            gate.bias.zero_()
+            unbiased = float(f(ids))
+    finally:
+        with torch.no_grad():
+            gate.bias.copy_(saved)
+    assert eff[col[("router", 1, None, None)]] == pytest.approx(full - unbiased, abs=1e-5)
+    assert full != unbiased
 
 
 def test_root_cause_on_a_recorded_run(tiny, tmp_path):
@@ -106,7 +124,7 @@ def test_root_cause_on_a_recorded_run(tiny, tmp_path):
     assert df.columns[:9] == ["target_pos", "kind", "layer", "head", "expert", "source_pos", "score", "rank",
                               "method"]
     assert df["rank"].to_list() == list(range(1, df.height + 1))
-    assert set(df["kind"]) == {"token", "head", "expert", "shared_expert"}
+    assert set(df["kind"]) == {"token", "head", "expert", "shared_expert", "router"}
     scores = df["score"].abs().to_list()
     assert scores == sorted(scores, reverse=True)
     tok = df.filter(pl.col("kind") == "token")
@@ -184,3 +202,49 @@ def test_explain_cli(tiny, tmp_path, capsys):
     assert "ig_plain" in capsys.readouterr().out
     assert cli_main(["explain", run.run_id, "99", "--db", str(db)]) == 2
     assert cli_main(["explain", "missing", "5", "--db", str(db)]) == 2
+
+
+def test_root_cause_against_a_reference(tiny, tmp_path, capsys):
+    import copy
+
+    from model import save_checkpoint
+
+    db = tmp_path / "w.duckdb"
+    clean = copy.deepcopy(tiny)
+    run = workbench.record(list(range(30, 46)), model=tiny, max_new_tokens=2, db=db)
+    pos = 12
+    ids = torch.tensor([run.tokens()["token_id"].to_list()[:pos]])
+    target = run.tokens()["token_id"][pos]
+    # an identical reference cancels everything
+    same = run.root_cause(pos, steps=8, reference=clean, store=False)
+    assert same["score"].abs().max() < 1e-5
+    assert set(same["method"]) == {"ig_routing_frozen_vs_reference", "ablation_vs_reference"}
+    # a router biased toward expert 6: removing expert 6 from the biased router's choice restores the clean
+    # routing exactly, so its contrast score is the fault's whole effect on the target, f(x) - f_ref(x)
+    f = target_fn(tiny, target)
+    with faults.bias_router(tiny, 1, 6, amount=2.0):
+        df = run.root_cause(pos, steps=32, reference=clean, store=False)
+        with torch.no_grad():
+            fault_effect = float(f(ids)[0] - target_fn(clean, target)(ids)[0])
+        gap = integrated_gradients(tiny, ids, target, steps=2)[2]  # f(x) - f(baseline), routing frozen
+    ref_gap = integrated_gradients(clean, ids, target, steps=2)[2]
+    e6 = df.filter((pl.col("kind") == "expert") & (pl.col("layer") == 1) & (pl.col("expert") == 6))
+    assert abs(fault_effect) > 1e-3
+    assert e6["score"][0] == pytest.approx(fault_effect, abs=1e-4)
+    tok = df.filter(pl.col("kind") == "token")
+    assert tok["score"].sum() == pytest.approx(gap - ref_gap, abs=2e-3 * max(1.0, abs(gap), abs(ref_gap)))
+    with pytest.raises(ValueError, match="own model"):
+        run.root_cause(pos, reference=tiny)
+    other = Transformer(dataclasses.replace(ModelArgs.preset("tiny"), vocab_size=300))
+    with pytest.raises(ValueError, match="vocabulary"):
+        run.root_cause(pos, reference=other)
+    # the CLI takes a reference run id or a checkpoint folder
+    ckpt = save_checkpoint(tiny, tmp_path / "ckpt")
+    a = workbench.record(list(range(30, 46)), model=str(ckpt), max_new_tokens=2, db=db)
+    with faults.bias_router(clean, 1, 6, amount=2.0):
+        save_checkpoint(clean, tmp_path / "biased")
+    assert cli_main(["explain", a.run_id, str(pos), "--json", "--steps", "4", "--reference",
+                     str(tmp_path / "biased"), "--db", str(db)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["method"] == "ig_routing_frozen_vs_reference" and out["reference"] == str(tmp_path / "biased")
+    assert cli_main(["explain", a.run_id, str(pos), "--reference", "nope", "--db", str(db)]) == 2

@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("pos", type=int)
     p.add_argument("--steps", type=int, default=32, help="integration steps")
     p.add_argument("--mode", default="auto", choices=["auto", "frozen", "plain"])
+    p.add_argument("--reference", default=None, metavar="RUN_ID|CHECKPOINT",
+                   help="a known-good run (its model) or checkpoint folder: rank what differs from it")
     p.add_argument("--json", action="store_true")
     _db(p)
 

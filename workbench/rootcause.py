@@ -21,13 +21,25 @@ was recorded with, else its checkpoint), recomputed with a full forward pass wit
   the router's choice (its score set to -inf at ``layers.{i}.ffn.gate.hook_scores``, before the
   biased, group-limited top-k), so the router sends its tokens to the next-best expert, as if the
   expert did not exist. Zeroing its output instead would leave a hole that no trained MoE ever sees
-  and would not undo a router that is biased toward it. Routing is otherwise free, so an ablation's
-  effect includes the re-routing it causes downstream.
+  and would not undo a router that is biased toward it. A layer's router (kind ``router``) is ablated
+  by removing its selection bias (DeepSeek-V3's aux-loss-free balancing term): the experts are chosen
+  by raw affinity (``Gate.selection(scores, 0)``), the gate weights are unchanged (they always come
+  from the raw scores); its score says how much the balancing bias, or a bias gone wrong, shaped the
+  token (0 for a router without one). Routing is otherwise free, so an ablation's effect includes the
+  re-routing it causes downstream.
 
 Scores share one unit, nats of the target logprob, so one ranking covers every kind: a token's score
 is its IG attribution (the token rows of a frozen run add up to f(x) - f(baseline)), a component's is
 f(x) - f(x without it), the drop in the target's logprob when it is removed (negative: removing it
 would make the token more likely). Rows are ranked by absolute score (rank 1 = most responsible).
+
+Against a reference (``reference=``: a known-good run, module or checkpoint of the same architecture,
+e.g. the model before a fine-tune, quantisation or routing change): the same attributions are computed
+under the reference model on this run's tokens and subtracted, so a score says how much more (or
+less) that token or component pushes the target here than in the reference. Components that matter
+as much in both (the model's ordinary machinery) cancel; what changed stands out, even when the
+change is small next to the ordinary effects (a router biased toward one expert moves a token by
+well under a nat on the demo model). Methods get a ``_vs_reference`` suffix.
 """
 from __future__ import annotations
 
@@ -141,13 +153,13 @@ def integrated_gradients(model: nn.Module, ids: torch.Tensor, target_id: int, *,
 
 
 def components(model: nn.Module) -> list[tuple[str, int, int | None, int | None]]:
-    """(kind, layer, head, expert) for every head, routed expert and shared-expert block."""
+    """(kind, layer, head, expert) for every head, routed expert, shared-expert block and router."""
     out: list[tuple[str, int, int | None, int | None]] = []
     for i, layer in enumerate(model.layers):
         out += [("head", i, h, None) for h in range(layer.attn.n_heads)]
         if isinstance(layer.ffn, MoE):
             out += [("expert", i, None, j) for j in range(layer.ffn.n_routed_experts)]
-            out.append(("shared_expert", i, None, None))
+            out += [("shared_expert", i, None, None), ("router", i, None, None)]
     return out
 
 
@@ -173,7 +185,15 @@ def component_ablation(model: nn.Module, ids: torch.Tensor, target_id: int,
         i = int(name.split(".")[1])
         cols = [col[("expert", i, None, j)] for j in range(scores.size(1))]
         keep = state["mask"][:, cols][torch.arange(scores.size(0), device=scores.device) // seq]  # [B*T, E]
-        return scores.masked_fill(keep.to(scores.device) < 0.5, float("-inf"))
+        state[i] = scores.masked_fill(keep.to(scores.device) < 0.5, float("-inf"))
+        return state[i]
+
+    def router(sel: torch.Tensor, name: str, **_) -> torch.Tensor:  # sel: [B*T, E], scores + bias, grouped
+        i = int(name.split(".")[1])
+        gate = model.layers[i].ffn.gate
+        keep = state["mask"][torch.arange(sel.size(0)) // seq, col[("router", i, None, None)]].to(sel.device)
+        raw = gate.selection(state[i], torch.zeros_like(gate.bias))  # no balancing bias
+        return torch.where(keep[:, None] < 0.5, raw, sel)
 
     def shared(out: torch.Tensor, name: str, **_) -> torch.Tensor:  # out: [B*T, D]
         i = int(name.split(".")[1])
@@ -182,7 +202,7 @@ def component_ablation(model: nn.Module, ids: torch.Tensor, target_id: int,
 
     hooks: dict[str, Callable] = {"layers.*.attn.hook_z": heads}
     if moe_layers(model):
-        hooks.update({"layers.*.ffn.gate.hook_scores": experts,
+        hooks.update({"layers.*.ffn.gate.hook_scores": experts, "layers.*.ffn.gate.hook_selection": router,
                       "layers.*.ffn.shared_experts.hook_out": shared})
     f = target_fn(model, target_id)
 
@@ -197,7 +217,7 @@ def component_ablation(model: nn.Module, ids: torch.Tensor, target_id: int,
 
 
 def rank_causes(token_scores: np.ndarray, token_method: str, delta: float, comps: list[tuple],
-                effects: np.ndarray, target_pos: int) -> pl.DataFrame:
+                effects: np.ndarray, target_pos: int, component_method: str = "ablation") -> pl.DataFrame:
     """One frame ranked by |score| across source tokens and components (NaN scores rank last)."""
     n = len(token_scores)
     frame = pl.DataFrame({
@@ -208,7 +228,7 @@ def rank_causes(token_scores: np.ndarray, token_method: str, delta: float, comps
         "expert": [None] * n + [c[3] for c in comps],
         "source_pos": list(range(n)) + [None] * len(comps),
         "score": np.concatenate([token_scores, effects]).astype(np.float64),
-        "method": [token_method] * n + ["ablation"] * len(comps),
+        "method": [token_method] * n + [component_method] * len(comps),
         "delta": [delta] * n + [None] * len(comps),
     }, schema={"target_pos": pl.Int32, "kind": pl.Utf8, "layer": pl.Int32, "head": pl.Int32, "expert": pl.Int32,
                "source_pos": pl.Int32, "score": pl.Float64, "method": pl.Utf8, "delta": pl.Float64})
@@ -217,8 +237,32 @@ def rank_causes(token_scores: np.ndarray, token_method: str, delta: float, comps
     return frame.with_columns(pl.arange(1, frame.height + 1, dtype=pl.Int32).alias("rank")).select(COLUMNS)
 
 
+def reference_model(reference, like: nn.Module) -> nn.Module:
+    """The module of ``reference`` (a Run, a module, or a checkpoint folder), checked against ``like``."""
+    if isinstance(reference, nn.Module):
+        ref = reference
+    elif hasattr(reference, "model") and hasattr(reference, "run_id"):
+        ref = reference.model()
+    else:
+        from pathlib import Path
+
+        from model import load_checkpoint
+        if not (Path(reference) / "config.json").exists():
+            raise FileNotFoundError(f"reference {str(reference)!r} is not a run, a module or a checkpoint folder "
+                                    "(config.json + model.safetensors)")
+        ref = load_checkpoint(reference)
+    if ref is like:
+        raise ValueError("the reference is the run's own model: pass a different (known-good) model or run")
+    if not hasattr(ref, "embed") or ref.embed.num_embeddings != like.embed.num_embeddings:
+        raise ValueError("the reference model has a different vocabulary; root cause compares two models of one "
+                         "architecture on the same tokens")
+    if components(ref) != components(like):
+        raise ValueError("the reference model has different layers, heads or experts than the run's model")
+    return ref
+
+
 def root_cause(run, pos: int, *, steps: int = 32, mode: str = "auto", batch_size: int = 16,
-               baseline_token: int = 0, store: bool = True) -> pl.DataFrame:
+               baseline_token: int = 0, store: bool = True, reference=None) -> pl.DataFrame:
     """Ranked causes of the token at ``pos`` of ``run``: source tokens (IG), heads and experts (ablation).
 
     Args:
@@ -229,7 +273,9 @@ def root_cause(run, pos: int, *, steps: int = 32, mode: str = "auto", batch_size
         batch_size: forward rows per IG / ablation batch.
         baseline_token: token id of the IG baseline sequence.
         store: replace the run's ``attributions`` rows for this position with the result.
-    Returns: columns target_pos, kind (token|head|expert|shared_expert), layer, head, expert,
+        reference: a known-good ``Run``, module or checkpoint folder of the same architecture: scores
+            become this model's attributions minus the reference's on the same tokens (see the module doc).
+    Returns: columns target_pos, kind (token|head|expert|shared_expert|router), layer, head, expert,
         source_pos, score (nats of the target logprob), rank (1 = most responsible), method, delta.
     """
     if mode not in MODES:
@@ -253,10 +299,21 @@ def root_cause(run, pos: int, *, steps: int = 32, mode: str = "auto", batch_size
     ig_mode = ("frozen" if has_moe else "plain") if mode == "auto" else mode
     if not has_moe:
         ig_mode = "plain"  # nothing to freeze
+    if hasattr(reference, "run_id") and reference.info.get("checkpoint_sha256") == run.info.get("checkpoint_sha256"):
+        raise ValueError(f"reference run {reference.run_id} was recorded with the same weights as run {run.run_id} "
+                         "(same checkpoint hash): every score would be 0; pick a run of a different model")
+    ref = None if reference is None else reference_model(reference, model)
     scores, delta, _ = integrated_gradients(model, ids, target, steps=steps, mode=ig_mode, batch_size=batch_size,
                                             baseline_token=baseline_token)
     comps, effects = component_ablation(model, ids, target, batch_size=batch_size)
-    df = rank_causes(scores, METHOD[ig_mode], delta, comps, effects, pos)
+    token_method, suffix = METHOD[ig_mode], ""
+    if ref is not None:
+        ref_ids = ids.to(next(ref.parameters()).device)
+        r_scores, r_delta, _ = integrated_gradients(ref, ref_ids, target, steps=steps, mode=ig_mode,
+                                                    batch_size=batch_size, baseline_token=baseline_token)
+        effects = effects - component_ablation(ref, ref_ids, target, batch_size=batch_size)[1]
+        scores, delta, suffix = scores - r_scores, delta - r_delta, "_vs_reference"
+    df = rank_causes(scores, token_method + suffix, delta, comps, effects, pos, "ablation" + suffix)
     if store:
         stamp = datetime.now(timezone.utc).replace(tzinfo=None)
         run.store.replace("attributions", run.run_id,

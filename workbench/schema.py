@@ -97,14 +97,14 @@ TABLES: dict[str, str] = {
     "attributions": """
         run_id VARCHAR,
         target_pos INTEGER,        -- the position whose token is explained
-        kind VARCHAR,              -- token | head | expert | shared_expert
+        kind VARCHAR,              -- token | head | expert | shared_expert | router
         layer INTEGER,
         head INTEGER,
         expert INTEGER,
         source_pos INTEGER,
         score DOUBLE,
         rank INTEGER,              -- 1 = most responsible, across all kinds
-        method VARCHAR,            -- e.g. ig_routing_frozen, ig_plain, ablation
+        method VARCHAR,            -- ig_routing_frozen, ig_plain, ablation (+ _vs_reference)
         delta DOUBLE,              -- captum convergence delta (IG rows)
         created_at TIMESTAMP""",
 }

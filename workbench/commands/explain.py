@@ -12,8 +12,14 @@ def _num(v):
 def main(args) -> int:
     from workbench.run import Workbench
 
-    run = Workbench(args.db).run(args.run_id)
-    df = run.root_cause(args.pos, steps=args.steps, mode=args.mode)
+    from pathlib import Path
+
+    wb = Workbench(args.db)
+    run = wb.run(args.run_id)
+    reference = args.reference
+    if reference is not None and not (Path(reference) / "config.json").exists():
+        reference = wb.run(reference)  # a run id (a clear error if it is neither)
+    df = run.root_cause(args.pos, steps=args.steps, mode=args.mode, reference=reference)
     tokens = run.tokens()
     texts = dict(zip(tokens["pos"].to_list(), tokens["text"].to_list()))
     target = tokens.filter(tokens["pos"] == args.pos).row(0, named=True)
@@ -24,7 +30,7 @@ def main(args) -> int:
         rows = [{k: _num(v) for k, v in r.items()} | ({"source_text": texts.get(r["source_pos"])}
                                                       if r["source_pos"] is not None else {})
                 for r in df.iter_rows(named=True)]
-        print(json.dumps({"run_id": run.run_id, "pos": args.pos, "token": target["text"],
+        print(json.dumps({"run_id": run.run_id, "pos": args.pos, "reference": args.reference, "token": target["text"],
                           "logprob": _num(target["logprob"]), "method": method, "delta": _num(delta),
                           "ig_total": _num(float(ig["score"].sum())) if ig.height else None, "causes": rows}))
         return 0
@@ -35,6 +41,8 @@ def main(args) -> int:
     lp = target["logprob"]
     title = (f"why {target['text']!r} at {args.pos} (logprob {lp:.3f})" if lp is not None
              else f"why {target['text']!r} at {args.pos}")
+    if args.reference is not None:
+        title += f", against reference {args.reference}"
     t = Table(title=escape(title))
     for c in ("rank", "kind", "where", "score (nats)", "method"):
         t.add_column(c)
@@ -45,6 +53,8 @@ def main(args) -> int:
             where = f"layer {r['layer']} head {r['head']}"
         elif r["kind"] == "expert":
             where = f"layer {r['layer']} expert {r['expert']}"
+        elif r["kind"] == "router":
+            where = f"layer {r['layer']} router (balancing bias)"
         else:
             where = f"layer {r['layer']} shared experts"
         score = "nan" if r["score"] is None or not math.isfinite(r["score"]) else f"{r['score']:+.4f}"
