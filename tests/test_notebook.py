@@ -4,7 +4,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]

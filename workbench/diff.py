@@ -102,9 +102,8 @@ class RunDiff:
 
 
 def _token_frame(store: Store, a: str, b: str) -> pl.DataFrame:
-    cols = "pos, token_id, text, is_prompt, confidence, logprob, entropy"
-    ta = store.sql(f"SELECT {cols} FROM tokens WHERE run_id = ? ORDER BY pos", [a])
-    tb = store.sql(f"SELECT {cols} FROM tokens WHERE run_id = ? ORDER BY pos", [b])
+    cols = ["pos", "token_id", "text", "is_prompt", "confidence", "logprob", "entropy"]
+    ta, tb = (query.columns_of(store, "tokens", r, cols, ["pos"]) for r in (a, b))
     j = ta.join(tb, on="pos", how="full", coalesce=True, suffix="_b")
     j = j.rename({c: f"{c}_a" for c in ("token_id", "text", "is_prompt", "confidence", "logprob", "entropy")})
     return j.sort("pos").with_columns(
@@ -115,30 +114,6 @@ def _token_frame(store: Store, a: str, b: str) -> pl.DataFrame:
     ).select("pos", "token_id_a", "token_id_b", "text_a", "text_b", "same_token", "is_prompt_a", "is_prompt_b",
              "confidence_a", "confidence_b", "d_confidence", "logprob_a", "logprob_b", "d_logprob",
              "entropy_a", "entropy_b", "d_entropy")
-
-
-def _heads_frame(store: Store, a: str, b: str) -> pl.DataFrame:
-    # positions both runs have; pos 0 attends to itself only (entropy 0), so it adds nothing
-    return store.sql("""
-        SELECT x.layer, x.head, avg(x.entropy) AS entropy_a, avg(y.entropy) AS entropy_b,
-               avg(y.entropy - x.entropy) AS d_entropy, max(abs(y.entropy - x.entropy)) AS max_abs_d_entropy,
-               count(*) AS positions
-        FROM attention x JOIN attention y ON x.pos = y.pos AND x.layer = y.layer AND x.head = y.head
-        WHERE x.run_id = ? AND y.run_id = ? AND x.pos > 0
-        GROUP BY x.layer, x.head ORDER BY x.layer, x.head""", [a, b])
-
-
-def _routing_frame(store: Store, a: str, b: str) -> pl.DataFrame:
-    return store.sql("""
-        SELECT x.layer, count(DISTINCT x.pos) AS positions, count(*) AS slots,
-               count(*) FILTER (WHERE x.expert <> y.expert) AS changed_slots,
-               count(*) FILTER (WHERE x.expert <> y.expert) / count(*) AS changed_share,
-               count(*) FILTER (WHERE NOT EXISTS (
-                   SELECT 1 FROM routing z WHERE z.run_id = y.run_id AND z.pos = x.pos AND z.layer = x.layer
-                                             AND z.expert = x.expert)) / count(*) AS set_changed_share
-        FROM routing x JOIN routing y ON x.pos = y.pos AND x.layer = y.layer AND x.slot = y.slot
-        WHERE x.run_id = ? AND y.run_id = ?
-        GROUP BY x.layer ORDER BY x.layer""", [a, b])
 
 
 def diff_runs(store: Store, a: str, b: str, tol: float = 1e-4) -> RunDiff:
@@ -156,8 +131,8 @@ def diff_runs(store: Store, a: str, b: str, tol: float = 1e-4) -> RunDiff:
     both = tokens.filter(pl.col("token_id_a").is_not_null() & pl.col("token_id_b").is_not_null())
     differ = tokens.filter(~pl.col("same_token"))
     first = int(differ["pos"][0]) if differ.height else None
-    heads = _heads_frame(store, a, b)
-    routing = _routing_frame(store, a, b)
+    heads = query.head_shift(store, a, b)
+    routing = query.routing_agreement(store, a, b)
     d_conf = _abs_stats(both["d_confidence"])
     d_lp = _abs_stats(both["d_logprob"])
     d_h = _abs_stats(heads["d_entropy"]) if heads.height else (None, None)

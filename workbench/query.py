@@ -123,3 +123,72 @@ def load_along_run(store: Store, run_id: str, layer: int, window: int = 16) -> p
                               WHERE run_id = $run AND layer = $layer)
                         GROUP BY window_start, expert ORDER BY window_start, expert""",
                      {"w": window, "run": run_id, "layer": layer})
+
+
+# -- one step of a run (replay) -------------------------------------------------------------------
+
+def last_step(store: Store, run_id: str) -> int | None:
+    """The last step any signal table recorded for a run (None: no step)."""
+    return store.sql("""SELECT max(s) AS s FROM (
+                          SELECT max(step) AS s FROM tokens WHERE run_id = $r
+                          UNION ALL SELECT max(step) FROM steps WHERE run_id = $r
+                          UNION ALL SELECT max(step) FROM kv WHERE run_id = $r)""", {"r": run_id})["s"][0]
+
+
+def step_signals(store: Store, run_id: str, step: int, produced: int, newest: int) -> dict[str, pl.DataFrame]:
+    """What a run's store holds for one step: tokens up to ``produced``, the heads and routing of the
+    ``newest`` fed position, the KV state and timing of ``step``."""
+    r = {"r": run_id}
+    return {
+        "tokens": store.sql("SELECT * EXCLUDE (run_id) FROM tokens WHERE run_id = $r AND pos <= $produced "
+                            "ORDER BY pos", r | {"produced": produced}),
+        "heads": store.sql("SELECT layer, head, entropy, norm_entropy, max_weight, sink_weight FROM attention "
+                           "WHERE run_id = $r AND pos = $pos ORDER BY layer, head", r | {"pos": newest}),
+        "routing": store.sql("SELECT layer, slot, expert, weight, score, margin FROM routing "
+                             "WHERE run_id = $r AND pos = $pos ORDER BY layer, slot", r | {"pos": newest}),
+        "kv": store.sql("SELECT layer, cached_tokens, bytes FROM kv WHERE run_id = $r AND step = $t ORDER BY layer",
+                        r | {"t": step}),
+        "kv_tokens": store.sql("SELECT layer, pos, latent_norm, rope_norm, attn_received FROM kv_tokens "
+                               "WHERE run_id = $r AND step = $t ORDER BY layer, pos", r | {"t": step}),
+        "timing": store.sql("SELECT kind, wall_ms FROM steps WHERE run_id = $r AND step = $t", r | {"t": step}),
+    }
+
+
+def columns_of(store: Store, table_name: str, run_id: str, cols: list[str], order: list[str]) -> pl.DataFrame:
+    """Some columns of one run's rows of a signal table (names from the schema, never user text)."""
+    from .schema import columns
+    known = set(columns(table_name))
+    bad = [c for c in [*cols, *order] if c not in known]
+    if bad:
+        raise ValueError(f"{table_name} has no column(s) {bad}")
+    return store.sql(f"SELECT {', '.join(dict.fromkeys(cols))} FROM {table_name} WHERE run_id = ? "
+                     f"ORDER BY {', '.join(order)}", [run_id])
+
+
+# -- two runs side by side (diff) -----------------------------------------------------------------
+
+def head_shift(store: Store, a: str, b: str) -> pl.DataFrame:
+    """Per layer x head: mean entropy in run a and b over the positions both have (pos 0 excluded: it
+    attends to itself only)."""
+    return store.sql("""
+        SELECT x.layer, x.head, avg(x.entropy) AS entropy_a, avg(y.entropy) AS entropy_b,
+               avg(y.entropy - x.entropy) AS d_entropy, max(abs(y.entropy - x.entropy)) AS max_abs_d_entropy,
+               count(*) AS positions
+        FROM attention x JOIN attention y ON x.pos = y.pos AND x.layer = y.layer AND x.head = y.head
+        WHERE x.run_id = ? AND y.run_id = ? AND x.pos > 0
+        GROUP BY x.layer, x.head ORDER BY x.layer, x.head""", [a, b])
+
+
+def routing_agreement(store: Store, a: str, b: str) -> pl.DataFrame:
+    """Per MoE layer: how many routed slots changed expert between run a and b, and how many chose an
+    expert outside b's set for that token."""
+    return store.sql("""
+        SELECT x.layer, count(DISTINCT x.pos) AS positions, count(*) AS slots,
+               count(*) FILTER (WHERE x.expert <> y.expert) AS changed_slots,
+               count(*) FILTER (WHERE x.expert <> y.expert) / count(*) AS changed_share,
+               count(*) FILTER (WHERE NOT EXISTS (
+                   SELECT 1 FROM routing z WHERE z.run_id = y.run_id AND z.pos = x.pos AND z.layer = x.layer
+                                             AND z.expert = x.expert)) / count(*) AS set_changed_share
+        FROM routing x JOIN routing y ON x.pos = y.pos AND x.layer = y.layer AND x.slot = y.slot
+        WHERE x.run_id = ? AND y.run_id = ?
+        GROUP BY x.layer ORDER BY x.layer""", [a, b])

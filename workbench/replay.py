@@ -92,10 +92,7 @@ def newest_fed_pos(step: int, n_prompt: int) -> int:
 def step_range(store: Store, run_id: str) -> tuple[int, int]:
     """(first, last) valid step of a run, for a slider; ValueError if it recorded no step."""
     query.run_row(store, run_id)
-    last = store.sql("""SELECT max(s) AS s FROM (
-                          SELECT max(step) AS s FROM tokens WHERE run_id = $r
-                          UNION ALL SELECT max(step) FROM steps WHERE run_id = $r
-                          UNION ALL SELECT max(step) FROM kv WHERE run_id = $r)""", {"r": run_id})["s"][0]
+    last = query.last_step(store, run_id)
     if last is None:
         raise ValueError(f"run {run_id} has no recorded steps")
     return 0, int(last)
@@ -116,21 +113,12 @@ def at_step(store: Store, run_id: str, t: int) -> StepState:
     newest = newest_fed_pos(t, n_prompt)
     produced = n_prompt + t
     fed = list(range(n_prompt)) if t == 0 else [newest]
-    tokens = store.sql("SELECT * EXCLUDE (run_id) FROM tokens WHERE run_id = $r AND pos <= $produced "
-                       "ORDER BY pos", {"r": run_id, "produced": produced})
-    heads = store.sql("SELECT layer, head, entropy, norm_entropy, max_weight, sink_weight FROM attention "
-                      "WHERE run_id = $r AND pos = $pos ORDER BY layer, head", {"r": run_id, "pos": newest})
-    routing = store.sql("SELECT layer, slot, expert, weight, score, margin FROM routing "
-                        "WHERE run_id = $r AND pos = $pos ORDER BY layer, slot", {"r": run_id, "pos": newest})
-    kv = store.sql("SELECT layer, cached_tokens, bytes FROM kv WHERE run_id = $r AND step = $t ORDER BY layer",
-                   {"r": run_id, "t": t})
-    kv_tokens = store.sql("SELECT layer, pos, latent_norm, rope_norm, attn_received FROM kv_tokens "
-                          "WHERE run_id = $r AND step = $t ORDER BY layer, pos", {"r": run_id, "t": t})
-    timing = store.sql("SELECT kind, wall_ms FROM steps WHERE run_id = $r AND step = $t", {"r": run_id, "t": t})
+    s = query.step_signals(store, run_id, t, produced, newest)
+    timing = s["timing"]
     return StepState(
         run_id=run_id, step=t, last_step=last, kind="prefill" if t == 0 else "decode", n_prompt=n_prompt,
-        fed_positions=fed, newest_pos=newest, produced_pos=produced, tokens=tokens, heads=heads,
-        routing=routing, kv=kv, kv_tokens=kv_tokens,
+        fed_positions=fed, newest_pos=newest, produced_pos=produced, tokens=s["tokens"], heads=s["heads"],
+        routing=s["routing"], kv=s["kv"], kv_tokens=s["kv_tokens"],
         wall_ms=float(timing["wall_ms"][0]) if timing.height and timing["wall_ms"][0] is not None else None,
     )
 
@@ -139,8 +127,7 @@ def at_step(store: Store, run_id: str, t: int) -> StepState:
 
 def _signal_frame(store: Store, table: str, run_id: str) -> pl.DataFrame:
     keys, exact, tol = SIGNALS[table]
-    cols = ", ".join(dict.fromkeys([*keys, *exact, *tol]))
-    return store.sql(f"SELECT {cols} FROM {table} WHERE run_id = ? ORDER BY {', '.join(keys)}", [run_id])
+    return query.columns_of(store, table, run_id, [*keys, *exact, *tol], list(keys))
 
 
 def _differs(a: Any, b: Any, tol: float) -> tuple[bool, float | None]:
@@ -299,8 +286,7 @@ def replay_run(store: Store, run_id: str, *, model=None, tokenizer=None, tol: fl
                  seed=int(info["seed"] or 0), probes=params.get("probes") or PROBES, topk=int(params.get("topk", 5)),
                  parent_run_id=run_id, progress=progress)
     div = first_divergence(store, run_id, new.run_id, tol, n_prompt=len(ids))
-    ta = store.sql("SELECT pos, token_id FROM tokens WHERE run_id = ? ORDER BY pos", [run_id])
-    tb = store.sql("SELECT pos, token_id FROM tokens WHERE run_id = ? ORDER BY pos", [new.run_id])
+    ta, tb = (query.columns_of(store, "tokens", r, ["pos", "token_id"], ["pos"]) for r in (run_id, new.run_id))
     return {
         "match": div is None, "run_id": new.run_id, "parent_run_id": run_id, "first_divergence": div,
         "tokens_match": ta.equals(tb), "n_tokens": [ta.height, tb.height], "tolerance": tol,
