@@ -49,6 +49,10 @@ PROMPTS = [
     "import os\nimport sys\n\n\nclass Cache:\n    def __init__(self, size):\n",
     "    for i, line in enumerate(lines):\n        if line.startswith(",
     "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
+    "class Node:\n    def __init__(self, value, next=None):\n        self.value = value\n",
+    "    try:\n        result = func(*args, **kwargs)\n    except Exception as e:\n",
+    "def __repr__(self):\n    return '%s(%r)' % (self.__class__.__name__, ",
+    "    if not isinstance(key, str):\n        raise TypeError(",
 ]
 
 
@@ -250,7 +254,13 @@ def markdown(summary: dict, results: list[dict], meta: dict) -> str:
             ranks = "no symptom: not explained | - | - | -"
         lines.append(f"| {r['case']} | {r['prompt']} | {r['pos']} (`{tok}`) | {r['dlogprob']:.2f} | {ranks} | "
                      f"{', '.join(r['new_kinds']) or '-'} | {r['named']} |")
-    lines += ["", meta["notes"], ""]
+    router = [r for r in results if r["kind"] == "router" and r["symptom"]]
+
+    def span(key, fmt="{:d}"):
+        vals = [r[key] for r in router]
+        return "-" if not vals else (fmt.format(min(vals)) + "-" + fmt.format(max(vals)))
+    lines += ["", meta["notes"].format(router_dl=span("dlogprob", "{:.1f}"), router_alone=span("rank_all"),
+                                       router_ref=span("rank_ref")), ""]
     return "\n".join(lines)
 
 
@@ -355,14 +365,15 @@ Components that feed a broken one are amplified by it, which is how a culprit ge
 
 Router faults are where the ranking misses. A selection bias of +1 puts the favoured expert into every
 token's top 2 with its own raw score as gate weight; on the demo model (16 routed experts, 2 active, plus
-a shared expert) almost none of these faults moves any token by a nat (see the count above), so there is
-nothing for root cause to explain, and the overloaded-expert detector names the favoured expert in all of
-them. The few with a symptom here all hit one token (prompt 3, position 9) by 1.1-1.8 nats, through
-re-routing in later layers: the ranking alone names the later experts whose choice flipped (L5E13,
-L5E14) and the previous token above the faulty layer's router (ranks 4-9); against the clean model it
-names, for layer-2 faults, the experts the bias displaced in that layer (L2E5, L2E7, L2E2): the right
-layer, not the favoured expert's row. Ranking and detectors together find every fault ("top 3 alone or
-named by an anomaly"), which is why the UI shows the Anomalies tab beside the root cause."""
+a shared expert) most of these faults move no token by a nat (the count above), so there is nothing for
+root cause to explain, and the overloaded-expert detector names the favoured expert in all of them. Where
+one does move a token (by {router_dl} nats here), ablating the layer's router or the favoured expert largely
+undoes it, but that effect is smaller than the ordinary effect of the model's important heads, experts
+and previous tokens, so the culprit ranks {router_alone} alone. Against the clean model the ordinary
+effects cancel, but ablation effects interact: every head or expert whose output now passes through the
+changed routing (upstream ones too) changes its effect, and some of those changes are larger than the
+fault's own, so the culprit ranks {router_ref}. Ranking and detectors together find every fault ("top 3
+alone or named by an anomaly")."""
 
 
 if __name__ == "__main__":
