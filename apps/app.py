@@ -138,6 +138,12 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         value = current if current in ids else (ids[0] if ids else None)
         return runs_table(store), gr.Dropdown(choices=choices, value=value)
 
+    def reference_choices() -> list[tuple[str, str]]:
+        return [("none", "")] + run_choices(store)
+
+    def refresh_reference(current: str | None):
+        return gr.Dropdown(choices=reference_choices(), value=current or "")
+
     def pick_from_table(evt: gr.SelectData, table: pl.DataFrame | None):
         row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
         rid = evt.row_value[0] if getattr(evt, "row_value", None) else None
@@ -423,8 +429,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
                 with gr.Row():
                     rc_steps = gr.Slider(4, 64, value=16, step=4, label="IG steps")
                     rc_ref = gr.Dropdown(label="Against a known-good run (optional: rank what differs from it)",
-                                         choices=[("none", "")] + run_choices(store), value="",
-                                         allow_custom_value=True)
+                                         choices=reference_choices(), value="", allow_custom_value=True)
                     rc_btn = gr.Button("Explain this token (root cause)", elem_id="explain-button")
                 rc_msg = gr.Markdown(elem_classes=["wb-message"])
                 with gr.Row():
@@ -498,11 +503,8 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
                 sql_out = gr.Dataframe(interactive=False, label="Rows", wrap=True)
 
         # -- wiring ----------------------------------------------------------------------------------
-        def reference_choices(current: str | None):
-            return gr.Dropdown(choices=[("none", "")] + run_choices(store), value=current or "")
-
         (refresh_btn.click(refresh_runs, run_pick, [runs_df, run_pick], api_name=False)
-         .then(reference_choices, rc_ref, rc_ref, api_name=False))
+         .then(refresh_reference, rc_ref, rc_ref, api_name=False))
         runs_df.select(pick_from_table, runs_df, [run_pick, tabs], api_name=False)
         run_outputs = [strip, pos, run_head, conf_plot, summary_json, step]
         tok_outputs = [tok_info, topk_plot, heads_plot, route_plot, attr_plot, comp_plot]
@@ -538,13 +540,13 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         (rec_btn.click(record_stream, [rec_prompt, rec_max, rec_temp, rec_top_p, rec_seed, rec_ckpt],
                        [rec_strip, rec_status, rec_id], api_name="record")
          .then(refresh_runs, run_pick, [runs_df, run_pick], api_name=False)
-         .then(reference_choices, rc_ref, rc_ref, api_name=False))
+         .then(refresh_reference, rc_ref, rc_ref, api_name=False))
         # API only: read a run back (gradio_client)
         api_run = gr.Textbox(visible=False)
         api_tokens = gr.Dataframe(visible=False)
         api_run.submit(read_tokens, api_run, api_tokens, api_name="tokens")
         app.load(refresh_runs, run_pick, [runs_df, run_pick], api_name=False).then(
-            reference_choices, rc_ref, rc_ref, api_name=False)
+            refresh_reference, rc_ref, rc_ref, api_name=False)
 
     return app
 

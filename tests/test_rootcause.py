@@ -241,6 +241,11 @@ def test_root_cause_against_a_reference(tiny, tmp_path, capsys):
     # the CLI takes a reference run id or a checkpoint folder
     ckpt = save_checkpoint(tiny, tmp_path / "ckpt")
     a = workbench.record(list(range(30, 46)), model=str(ckpt), max_new_tokens=2, db=db)
+    twin = workbench.record(list(range(30, 46)), model=str(ckpt), max_new_tokens=2, db=db)
+    with pytest.raises(ValueError, match="same weights"):  # a run id resolves in the run's database
+        a.root_cause(pos, reference=twin.run_id)
+    with pytest.raises(ValueError, match="neither a run"):
+        run.root_cause(pos, reference="nope")
     with faults.bias_router(clean, 1, 6, amount=2.0):
         save_checkpoint(clean, tmp_path / "biased")
     assert cli_main(["explain", a.run_id, str(pos), "--json", "--steps", "4", "--reference",

@@ -103,7 +103,7 @@ class RunDiff:
 
 def _token_frame(store: Store, a: str, b: str) -> pl.DataFrame:
     cols = ["pos", "token_id", "text", "is_prompt", "confidence", "logprob", "entropy"]
-    ta, tb = (query.columns_of(store, "tokens", r, cols, ["pos"]) for r in (a, b))
+    ta, tb = (query.table(store, "tokens", r, "pos", cols=cols) for r in (a, b))
     j = ta.join(tb, on="pos", how="full", coalesce=True, suffix="_b")
     j = j.rename({c: f"{c}_a" for c in ("token_id", "text", "is_prompt", "confidence", "logprob", "entropy")})
     return j.sort("pos").with_columns(

@@ -38,9 +38,18 @@ def run_row(store: Store, run_id: str) -> dict:
     return df.row(0, named=True)
 
 
-def table(store: Store, name: str, run_id: str, order: str) -> pl.DataFrame:
-    """All rows of one run from a signal table, ordered."""
-    return store.sql(f"SELECT * EXCLUDE (run_id) FROM {name} WHERE run_id = ? ORDER BY {order}", [run_id])
+def table(store: Store, name: str, run_id: str, order: str, cols: list[str] | None = None) -> pl.DataFrame:
+    """All rows of one run from a signal table, ordered: every column but run_id, or ``cols``
+    (names from the schema, never user text)."""
+    if cols is None:
+        what = "* EXCLUDE (run_id)"
+    else:
+        from .schema import columns
+        bad = [c for c in cols if c not in columns(name)]
+        if bad:
+            raise ValueError(f"{name} has no column(s) {bad}")
+        what = ", ".join(dict.fromkeys(cols))
+    return store.sql(f"SELECT {what} FROM {name} WHERE run_id = ? ORDER BY {order}", [run_id])
 
 
 def tokens(store: Store, run_id: str) -> pl.DataFrame:
@@ -152,17 +161,6 @@ def step_signals(store: Store, run_id: str, step: int, produced: int, newest: in
                                "WHERE run_id = $r AND step = $t ORDER BY layer, pos", r | {"t": step}),
         "timing": store.sql("SELECT kind, wall_ms FROM steps WHERE run_id = $r AND step = $t", r | {"t": step}),
     }
-
-
-def columns_of(store: Store, table_name: str, run_id: str, cols: list[str], order: list[str]) -> pl.DataFrame:
-    """Some columns of one run's rows of a signal table (names from the schema, never user text)."""
-    from .schema import columns
-    known = set(columns(table_name))
-    bad = [c for c in [*cols, *order] if c not in known]
-    if bad:
-        raise ValueError(f"{table_name} has no column(s) {bad}")
-    return store.sql(f"SELECT {', '.join(dict.fromkeys(cols))} FROM {table_name} WHERE run_id = ? "
-                     f"ORDER BY {', '.join(order)}", [run_id])
 
 
 # -- two runs side by side (diff) -----------------------------------------------------------------

@@ -127,7 +127,7 @@ def at_step(store: Store, run_id: str, t: int) -> StepState:
 
 def _signal_frame(store: Store, table: str, run_id: str) -> pl.DataFrame:
     keys, exact, tol = SIGNALS[table]
-    return query.columns_of(store, table, run_id, [*keys, *exact, *tol], list(keys))
+    return query.table(store, table, run_id, ", ".join(keys), cols=[*keys, *exact, *tol])
 
 
 def _differs(a: Any, b: Any, tol: float) -> tuple[bool, float | None]:
@@ -286,7 +286,7 @@ def replay_run(store: Store, run_id: str, *, model=None, tokenizer=None, tol: fl
                  seed=int(info["seed"] or 0), probes=params.get("probes") or PROBES, topk=int(params.get("topk", 5)),
                  parent_run_id=run_id, progress=progress)
     div = first_divergence(store, run_id, new.run_id, tol, n_prompt=len(ids))
-    ta, tb = (query.columns_of(store, "tokens", r, ["pos", "token_id"], ["pos"]) for r in (run_id, new.run_id))
+    ta, tb = (query.table(store, "tokens", r, "pos", cols=["pos", "token_id"]) for r in (run_id, new.run_id))
     return {
         "match": div is None, "run_id": new.run_id, "parent_run_id": run_id, "first_divergence": div,
         "tokens_match": ta.equals(tb), "n_tokens": [ta.height, tb.height], "tolerance": tol,

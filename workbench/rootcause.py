@@ -175,6 +175,7 @@ def component_ablation(model: nn.Module, ids: torch.Tensor, target_id: int,
     col = {c: k for k, c in enumerate(comps)}
     seq = ids.size(1)
     state: dict = {"mask": None}
+    scores_of: dict[int, torch.Tensor] = {}  # layer -> this forward's gate scores (after expert ablation)
 
     def heads(z: torch.Tensor, name: str, **_) -> torch.Tensor:  # z: [B, T, H, v]
         i = int(name.split(".")[1])
@@ -185,14 +186,14 @@ def component_ablation(model: nn.Module, ids: torch.Tensor, target_id: int,
         i = int(name.split(".")[1])
         cols = [col[("expert", i, None, j)] for j in range(scores.size(1))]
         keep = state["mask"][:, cols][torch.arange(scores.size(0), device=scores.device) // seq]  # [B*T, E]
-        state[i] = scores.masked_fill(keep.to(scores.device) < 0.5, float("-inf"))
-        return state[i]
+        scores_of[i] = scores.masked_fill(keep.to(scores.device) < 0.5, float("-inf"))
+        return scores_of[i]
 
     def router(sel: torch.Tensor, name: str, **_) -> torch.Tensor:  # sel: [B*T, E], scores + bias, grouped
         i = int(name.split(".")[1])
         gate = model.layers[i].ffn.gate
         keep = state["mask"][torch.arange(sel.size(0)) // seq, col[("router", i, None, None)]].to(sel.device)
-        raw = gate.selection(state[i], torch.zeros_like(gate.bias))  # no balancing bias
+        raw = gate.selection(scores_of[i], torch.zeros_like(gate.bias))  # no balancing bias
         return torch.where(keep[:, None] < 0.5, raw, sel)
 
     def shared(out: torch.Tensor, name: str, **_) -> torch.Tensor:  # out: [B*T, D]
@@ -237,19 +238,33 @@ def rank_causes(token_scores: np.ndarray, token_method: str, delta: float, comps
     return frame.with_columns(pl.arange(1, frame.height + 1, dtype=pl.Int32).alias("rank")).select(COLUMNS)
 
 
-def reference_model(reference, like: nn.Module) -> nn.Module:
-    """The module of ``reference`` (a Run, a module, or a checkpoint folder), checked against ``like``."""
+def reference_model(reference, run) -> nn.Module:
+    """The known-good module to compare ``run`` with, checked against the run's model.
+
+    Args:
+        reference: a ``Run``, a run id of ``run``'s database, a module, or a checkpoint folder.
+    """
+    from pathlib import Path
+
+    like = run.model()
+    if isinstance(reference, (str, Path)) and not (Path(reference) / "config.json").exists():
+        from .query import RunNotFound
+        from .run import Run
+        try:
+            reference = Run(run.store, str(reference))
+        except RunNotFound:
+            raise ValueError(f"reference {str(reference)!r} is neither a run in {run.store.path} nor a checkpoint "
+                             "folder (config.json + model.safetensors)") from None
     if isinstance(reference, nn.Module):
         ref = reference
-    elif hasattr(reference, "model") and hasattr(reference, "run_id"):
+    elif hasattr(reference, "run_id"):
+        if reference.info.get("checkpoint_sha256") == run.info.get("checkpoint_sha256"):
+            raise ValueError(f"reference run {reference.run_id} was recorded with the same weights as run "
+                             f"{run.run_id} (same checkpoint hash): every score would be 0; pick a run of a "
+                             "different model")
         ref = reference.model()
     else:
-        from pathlib import Path
-
         from model import load_checkpoint
-        if not (Path(reference) / "config.json").exists():
-            raise FileNotFoundError(f"reference {str(reference)!r} is not a run, a module or a checkpoint folder "
-                                    "(config.json + model.safetensors)")
         ref = load_checkpoint(reference)
     if ref is like:
         raise ValueError("the reference is the run's own model: pass a different (known-good) model or run")
@@ -273,7 +288,7 @@ def root_cause(run, pos: int, *, steps: int = 32, mode: str = "auto", batch_size
         batch_size: forward rows per IG / ablation batch.
         baseline_token: token id of the IG baseline sequence.
         store: replace the run's ``attributions`` rows for this position with the result.
-        reference: a known-good ``Run``, module or checkpoint folder of the same architecture: scores
+        reference: a known-good ``Run`` (or its id), module or checkpoint folder of the same architecture: scores
             become this model's attributions minus the reference's on the same tokens (see the module doc).
     Returns: columns target_pos, kind (token|head|expert|shared_expert|router), layer, head, expert,
         source_pos, score (nats of the target logprob), rank (1 = most responsible), method, delta.
@@ -299,10 +314,7 @@ def root_cause(run, pos: int, *, steps: int = 32, mode: str = "auto", batch_size
     ig_mode = ("frozen" if has_moe else "plain") if mode == "auto" else mode
     if not has_moe:
         ig_mode = "plain"  # nothing to freeze
-    if hasattr(reference, "run_id") and reference.info.get("checkpoint_sha256") == run.info.get("checkpoint_sha256"):
-        raise ValueError(f"reference run {reference.run_id} was recorded with the same weights as run {run.run_id} "
-                         "(same checkpoint hash): every score would be 0; pick a run of a different model")
-    ref = None if reference is None else reference_model(reference, model)
+    ref = None if reference is None else reference_model(reference, run)
     scores, delta, _ = integrated_gradients(model, ids, target, steps=steps, mode=ig_mode, batch_size=batch_size,
                                             baseline_token=baseline_token)
     comps, effects = component_ablation(model, ids, target, batch_size=batch_size)

@@ -12,14 +12,8 @@ def _num(v):
 def main(args) -> int:
     from workbench.run import Workbench
 
-    from pathlib import Path
-
-    wb = Workbench(args.db)
-    run = wb.run(args.run_id)
-    reference = args.reference
-    if reference is not None and not (Path(reference) / "config.json").exists():
-        reference = wb.run(reference)  # a run id (a clear error if it is neither)
-    df = run.root_cause(args.pos, steps=args.steps, mode=args.mode, reference=reference)
+    run = Workbench(args.db).run(args.run_id)
+    df = run.root_cause(args.pos, steps=args.steps, mode=args.mode, reference=args.reference)
     tokens = run.tokens()
     texts = dict(zip(tokens["pos"].to_list(), tokens["text"].to_list()))
     target = tokens.filter(tokens["pos"] == args.pos).row(0, named=True)
