@@ -7,7 +7,7 @@ nucleus (top-p), seeded through a private ``torch.Generator``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -61,21 +61,33 @@ def stream(model: Transformer, prompt: Sequence[int], max_new_tokens: int = 64, 
     prompt = check_prompt(prompt, max_new_tokens, model.args.max_seq_len)
     total = len(prompt) + max_new_tokens
     device = next(model.parameters()).device
-    gen = torch.Generator().manual_seed(seed)
     model.setup_cache(1, total)
     try:
         with torch.inference_mode():
-            ids, pos = prompt, 0
-            for index in range(max_new_tokens):
-                logits = model(torch.tensor([ids], device=device), start_pos=pos)[0]  # [T, V]
-                nxt = sample(logits[-1].cpu(), temperature, top_p, gen)
-                yield Step(index, pos, ids, logits, nxt)
-                pos += len(ids)
-                ids = [nxt]
-                if eos_id is not None and nxt == eos_id:
-                    return
+            yield from decode(lambda ids, pos, _: model(torch.tensor([ids], device=device), start_pos=pos)[0],
+                              prompt, max_new_tokens, temperature, top_p, seed, eos_id)
     finally:
         model.clear_cache()
+
+
+def decode(forward: Callable[[list[int], int, int], torch.Tensor], prompt: list[int], max_new_tokens: int,
+           temperature: float, top_p: float, seed: int, eos_id: int | None) -> Iterator[Step]:
+    """The step loop every generator shares: feed the prompt, then each sampled token, until
+    ``max_new_tokens`` steps or ``eos_id``.
+
+    Args:
+        forward: ``(ids, start_pos, step_index) -> logits [len(ids), V]``, the model with its cache.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    ids, pos = prompt, 0
+    for index in range(max_new_tokens):
+        logits = forward(ids, pos, index)
+        nxt = sample(logits[-1].cpu(), temperature, top_p, gen)
+        yield Step(index, pos, ids, logits, nxt)
+        pos += len(ids)
+        ids = [nxt]
+        if eos_id is not None and nxt == eos_id:
+            return
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from model.generate import Step, check_prompt, sample
+from model.generate import Step, check_prompt, decode
 from probes.signals import attention_received, attention_stats, kv_token_norms
 
 from .recorder import add_received, attention_rows, kv_rows, kv_token_cols, steps_rows
@@ -90,27 +90,23 @@ class HFModel(torch.nn.Module):
 
         prompt = check_prompt(prompt, max_new_tokens, self.args.max_seq_len)
         observe = self._listener is not None and self._listener.wants_attention
-        gen = torch.Generator().manual_seed(seed)
         cache = DynamicCache(config=self.hf.config)
+
+        def forward(ids: list[int], pos: int, index: int) -> torch.Tensor:
+            nonlocal cache
+            # the prompt goes in blocks of query rows when attention is observed: eager attention then
+            # materialises [H, chunk, S] per layer instead of [H, T, T]
+            chunk = self.attn_chunk if observe and index == 0 else len(ids)
+            parts = []
+            for c0 in range(0, len(ids), chunk):
+                logits, cache = self._forward(ids[c0:c0 + chunk], cache, pos + c0, observe)
+                parts.append(logits)
+            if self._listener is not None:
+                self._listener.cache = cache
+            return torch.cat(parts) if len(parts) > 1 else parts[0]
+
         with torch.inference_mode():
-            ids, pos = prompt, 0
-            for index in range(max_new_tokens):
-                # the prompt goes in blocks of query rows when attention is observed: eager attention then
-                # materialises [H, chunk, S] per layer instead of [H, T, T]
-                chunk = self.attn_chunk if observe and index == 0 else len(ids)
-                parts = []
-                for c0 in range(0, len(ids), chunk):
-                    logits, cache = self._forward(ids[c0:c0 + chunk], cache, pos + c0, observe)
-                    parts.append(logits)
-                logits = torch.cat(parts) if len(parts) > 1 else parts[0]
-                if self._listener is not None:
-                    self._listener.cache = cache
-                nxt = sample(logits[-1].cpu(), temperature, top_p, gen)
-                yield Step(index, pos, ids, logits, nxt)
-                pos += len(ids)
-                ids = [nxt]
-                if eos_id is not None and nxt == eos_id:
-                    return
+            yield from decode(forward, prompt, max_new_tokens, temperature, top_p, seed, eos_id)
 
 
 class HFRecorder:
