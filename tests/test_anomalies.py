@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import workbench
-from model import ModelArgs, Transformer
 from probes import attach
 from workbench import anomalies as an
 from workbench.cli import main as cli_main
+from helpers import tiny_model
 
 
 def tokens_frame(conf: list[float], rank: list[int] | None = None, logprob: list[float] | None = None,
@@ -130,7 +130,7 @@ def test_unknown_threshold_is_a_clear_error():
 
 @pytest.fixture(scope="module")
 def tiny():
-    return Transformer(ModelArgs.preset("tiny")).init_weights(seed=1, std=0.1).eval()
+    return tiny_model()
 
 
 def test_detect_stores_and_reuses(tiny, tmp_path):

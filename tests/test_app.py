@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-import socket
 import time
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -13,20 +11,10 @@ import polars as pl
 import pytest
 
 import workbench
-from model import ModelArgs, Transformer, load_tokenizer, save_checkpoint
+from model import load_tokenizer, save_checkpoint
 from workbench import query
 from workbench.sqlsafe import SqlError, readonly_sql, run_readonly
-
-
-def tiny_model(seed: int = 1) -> Transformer:
-    args = dataclasses.replace(ModelArgs.preset("tiny"), vocab_size=4096)
-    return Transformer(args).init_weights(seed=seed, std=0.1).eval()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers import tiny_model, free_port
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +22,7 @@ def served(tmp_path_factory):
     from apps.app import build_app
 
     db = tmp_path_factory.mktemp("app") / "wb.duckdb"
-    model = tiny_model()
+    model = tiny_model(vocab_size=4096)
     seed_run = workbench.record("x = 1\n", model=model, tokenizer=load_tokenizer(), max_new_tokens=4, db=db)
     app = build_app(seed_run.store, model=model, tokenizer=load_tokenizer())
     port = free_port()
@@ -112,7 +100,7 @@ def test_strip_buckets():
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    r = workbench.record([3, 4, 5, 6], model=tiny_model(2), max_new_tokens=3,
+    r = workbench.record([3, 4, 5, 6], model=tiny_model(2, vocab_size=4096), max_new_tokens=3,
                          db=tmp_path_factory.mktemp("sql") / "s.duckdb")
     return r.store
 
@@ -175,7 +163,7 @@ def test_demo_records_each_prompt_once(tmp_path, monkeypatch, capsys):
     from workbench.commands import demo
 
     ckpt = tmp_path / "ckpt"
-    save_checkpoint(tiny_model(3), ckpt)
+    save_checkpoint(tiny_model(3, vocab_size=4096), ckpt)
     monkeypatch.setattr(model_pkg, "load_checkpoint", lambda *a, **k: model_pkg.checkpoint.load_checkpoint(ckpt))
     prompts = tmp_path / "prompts"
     prompts.mkdir()

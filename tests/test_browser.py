@@ -5,10 +5,8 @@ is bundled); otherwise it goes to the test's tmp folder.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
-import socket
 from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -16,7 +14,8 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import pytest
 
 import workbench
-from model import ModelArgs, Transformer, load_tokenizer
+from model import load_tokenizer
+from helpers import tiny_model, free_port
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -31,12 +30,6 @@ pytestmark = [pytest.mark.browser,
                                  reason=f"Debian chromium not installed at {CHROMIUM} (apt-get install chromium)")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from apps.app import build_app
@@ -45,9 +38,7 @@ def server(tmp_path_factory):
     if FOR_README and DEMO.exists():
         model, tok, prompt, n = None, None, (ROOT / "data" / "prompts" / "01_fibonacci.txt").read_text(), 40
     else:
-        args = dataclasses.replace(ModelArgs.preset("tiny"), vocab_size=4096)
-        model, tok, prompt, n = Transformer(args).init_weights(seed=1, std=0.1).eval(), load_tokenizer(), \
-            "def fibonacci(n):\n", 12
+        model, tok, prompt, n = tiny_model(vocab_size=4096), load_tokenizer(), "def fibonacci(n):\n", 12
     xss = workbench.record("print('hi')\n", model=model, tokenizer=tok, max_new_tokens=4, db=db)
     # untrusted text where a model's token and a prompt would put it
     xss.store.execute("UPDATE tokens SET text = ? WHERE run_id = ? AND pos = 2", [XSS, xss.run_id])
@@ -56,7 +47,7 @@ def server(tmp_path_factory):
     if FOR_README:  # show an attribution heat map in the picture too
         run.root_cause(run.info["n_prompt_tokens"] + 2, steps=16)
     app = build_app(run.store)
-    port = _free_port()
+    port = free_port()
     app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     yield f"http://127.0.0.1:{port}/", run, xss
     app.close()

@@ -16,10 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import ModelArgs, MoE, Transformer, load_checkpoint, load_tokenizer
+from model import MoE, Transformer, load_checkpoint, load_tokenizer
 from model.checkpoint import DEFAULT_CHECKPOINT
 from model.evaluate import Bigram, evaluate, model_nll_bits, token_bytes
 from model.train import EOT, corpus_files, read_text
+from helpers import tiny_model
 
 CKPT = DEFAULT_CHECKPOINT / "model.safetensors"
 needs_ckpt = pytest.mark.skipif(not CKPT.exists(), reason=f"no bundled checkpoint at {CKPT} (run `workbench train`)")
@@ -27,7 +28,7 @@ SLICE = 20_000  # validation tokens scored by the checkpoint tests (keeps them w
 
 
 def _tiny() -> Transformer:
-    return Transformer(ModelArgs.preset("tiny")).init_weights(seed=1, std=0.1).eval()
+    return tiny_model()
 
 
 def test_windowed_nll_matches_reference():

@@ -7,12 +7,13 @@ import plotly.graph_objects as go
 import polars as pl
 import pytest
 
-from model import ModelArgs, Transformer, save_checkpoint
+from model import save_checkpoint
 from workbench import cli
 from workbench.diff import diff_runs
 from workbench.recorder import record
 from workbench.run import Workbench
 from workbench.store import Store
+from helpers import tiny_model
 
 PROMPT = [5, 17, 42, 7, 99, 3, 64, 12]
 EDIT = 4  # position changed in the edited prompt
@@ -22,7 +23,7 @@ NEW = 10
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("diff")
-    model = Transformer(ModelArgs.preset("tiny")).init_weights(seed=1, std=0.1).eval()
+    model = tiny_model()
     ckpt = str(save_checkpoint(model, root / "ckpt"))
     store = Store(root / "wb.duckdb")
     edited = list(PROMPT)

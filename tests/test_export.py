@@ -5,18 +5,19 @@ import duckdb
 import polars as pl
 import pytest
 
-from model import ModelArgs, Transformer, save_checkpoint
+from model import save_checkpoint
 from workbench import cli
 from workbench.export import RUN_TABLES, export_parquet
 from workbench.recorder import record
 from workbench.schema import columns
 from workbench.store import Store
+from helpers import tiny_model
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
-    model = Transformer(ModelArgs.preset("tiny")).init_weights(seed=1, std=0.1).eval()
+    model = tiny_model()
     ckpt = str(save_checkpoint(model, root / "ckpt"))
     store = Store(root / "wb.duckdb")
     # an all-digit id: DuckDB's Hive reader would type it BIGINT unless told otherwise

@@ -16,18 +16,19 @@ import pytest
 import torch
 
 import workbench
-from model import ModelArgs, MoE, Transformer
+from model import MoE, Transformer
 from model.model import apply_rotary_emb
 from probes import attach
 from probes.signals import attention_stats, routing_records, token_confidence
+from helpers import tiny_model
 
 PROMPT = [5, 17, 101, 3, 3, 250, 42, 9, 77, 18, 200, 64]
 NEW = 6
 CHUNK = 3
 
 
-def tiny_model() -> Transformer:
-    m = Transformer(ModelArgs.preset("tiny")).init_weights(seed=1, std=0.1).eval()
+def biased_tiny_model() -> Transformer:
+    m = tiny_model()
     with torch.no_grad():
         for layer in m.layers:
             if isinstance(layer.ffn, MoE):  # a non-zero selection bias, so score and selection differ
@@ -56,7 +57,7 @@ def reference_probs(attn, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Ten
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    model = tiny_model()
+    model = biased_tiny_model()
     for layer in model.layers:
         layer.attn.attn_chunk = CHUNK
     run = workbench.record(PROMPT, model=model, max_new_tokens=NEW, db=tmp_path_factory.mktemp("db") / "w.duckdb")
@@ -264,7 +265,7 @@ def test_probe_functions_on_random_tensors():
 
 def test_chunked_prefill_equals_whole():
     """A prefill longer than attn_chunk (query rows in blocks, with or without probes) gives the same logits."""
-    model = tiny_model()
+    model = biased_tiny_model()
     x = torch.randint(0, 256, (2, 50), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = model(x)

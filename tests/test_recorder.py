@@ -5,7 +5,6 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import polars as pl
@@ -17,13 +16,13 @@ from model import ModelArgs, Transformer, save_checkpoint
 from model.tokenizer import DEFAULT_TOKENIZER
 from workbench.recorder import MAX_PROMPT_CHARS, PROBES
 from workbench.store import Store
+from helpers import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def tiny(vocab: int = 256) -> Transformer:
-    args = replace(ModelArgs.preset("tiny"), vocab_size=vocab)
-    return Transformer(args).init_weights(seed=1, std=0.1).eval()
+    return tiny_model(vocab_size=vocab)
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,14 @@ from workbench import cli
 from workbench.recorder import record
 from workbench.replay import at_step, first_divergence, replay_run, step_range
 from workbench.store import Store
+from helpers import tiny_model
 
 PROMPT = [5, 17, 42, 7, 99, 3]
 NEW = 6
 
 
 def tiny() -> Transformer:
-    return Transformer(ModelArgs.preset("tiny")).init_weights(seed=1, std=0.1).eval()
+    return tiny_model()
 
 
 @pytest.fixture(scope="module")

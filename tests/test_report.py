@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from model import ModelArgs, Transformer, save_checkpoint
+from model import save_checkpoint
 from workbench import cli
 from workbench.recorder import record
 from workbench.report import build_report, script_json, write_report
 from workbench.store import Store
+from helpers import tiny_model
 
 EVIL = "</script><script>alert(1)</script>"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -23,7 +24,7 @@ RC = {"steps": 4}  # IG steps: enough to produce a ranking, fast on two busy cor
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("report")
-    model = Transformer(ModelArgs.preset("tiny")).init_weights(seed=1, std=0.1).eval()
+    model = tiny_model()
     ckpt = str(save_checkpoint(model, root / "ckpt"))
     store = Store(root / "wb.duckdb")
     run = record([5, 17, 42, 7, 99, 3], model=ckpt, max_new_tokens=6, db=store)

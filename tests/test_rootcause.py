@@ -15,12 +15,13 @@ from workbench import faults, query
 from workbench.cli import main as cli_main
 from workbench.rootcause import (component_ablation, frozen_routing, integrated_gradients, real_routing,
                                  target_fn)
+from helpers import tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
-    return Transformer(ModelArgs.preset("tiny")).init_weights(seed=1, std=0.1).eval()
+    return tiny_model()
 
 
 @pytest.fixture(scope="module")

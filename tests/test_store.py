@@ -18,6 +18,7 @@ import workbench
 from workbench.query import RunNotFound
 from workbench.schema import SCHEMA_VERSION, TABLES, columns
 from workbench.store import Store, StoreError
+from helpers import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -180,8 +181,6 @@ def test_schema_doc_matches_schema_and_its_queries_run(tmp_path):
     """docs/schema.md names every table and column of workbench/schema.py, in order; its SQL runs."""
     import re
 
-    from model import ModelArgs, Transformer
-
     doc = (ROOT / "docs" / "schema.md").read_text()
     sections = re.split(r"^### `(\w+)`.*$", doc, flags=re.M)
     documented = {sections[i]: re.findall(r"^\| (\w+) \|", sections[i + 1], flags=re.M)
@@ -190,7 +189,7 @@ def test_schema_doc_matches_schema_and_its_queries_run(tmp_path):
     for table in TABLES:
         assert [c for c in documented[table] if c != "column"] == columns(table), table
     assert f"{SCHEMA_VERSION} today" in doc
-    model = Transformer(ModelArgs.preset("tiny")).init_weights(seed=1, std=0.1).eval()
+    model = tiny_model()
     store = Store(tmp_path / "w.duckdb")
     workbench.record([1, 2, 3, 4, 5], model=model, max_new_tokens=4, db=store)
     queries = re.findall(r"```sql\n(.*?)```", doc, flags=re.S)
