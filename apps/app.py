@@ -5,7 +5,7 @@ Every number on screen comes from ``workbench.query`` frames, ``workbench.figure
 reaches the page through components that render text (HighlightedText, Dataframe with ``str``
 columns, JSON) or escaped HTML, never as markup.
 
-    python -m apps.app --db data/workbench.duckdb      # or: workbench ui
+    python -m workbench.apps.app --db data/workbench.duckdb      # or: workbench ui
 """
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
             raise gr.Error(str(e)) from None
         if model is not None and not isinstance(model, (str, Path)):
             if not model_sha:
-                from model import state_sha256
+                from workbench.model import state_sha256
                 model_sha.append(state_sha256(model))
             if run.info["checkpoint_sha256"] == model_sha[0]:
                 run = Run(store, run_id, model=model, tokenizer=tokenizer)
@@ -126,7 +126,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         if model is not None:
             return model
         if not loaded:
-            from model import load_checkpoint
+            from workbench.model import load_checkpoint
             loaded.append(load_checkpoint())  # FileNotFoundError if not bundled: shown by the Record tab
         return loaded[0]
 

@@ -34,9 +34,9 @@ def one(length: int, probes: bool, threads: int) -> dict:
     """Run in the child: load, prefill once, report seconds and peak RSS."""
     import torch
 
-    from model import DEFAULT_CHECKPOINT, ModelArgs, Transformer, load_checkpoint
-    from probes import attach
-    from probes.signals import attention_stats
+    from workbench.model import DEFAULT_CHECKPOINT, ModelArgs, Transformer, load_checkpoint
+    from workbench.probes import attach
+    from workbench.probes.signals import attention_stats
 
     torch.set_num_threads(threads)
     if (DEFAULT_CHECKPOINT / "model.safetensors").exists():

@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from model import DEFAULT_CHECKPOINT, ModelArgs, Transformer, generate, load_checkpoint, load_tokenizer  # noqa: E402
+from workbench.model import DEFAULT_CHECKPOINT, ModelArgs, Transformer, generate, load_checkpoint, load_tokenizer  # noqa: E402
 from workbench.recorder import PROBES, record  # noqa: E402
 from workbench.store import Store  # noqa: E402
 

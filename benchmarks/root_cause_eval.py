@@ -40,7 +40,7 @@ import polars as pl  # noqa: E402
 import torch  # noqa: E402
 
 import workbench  # noqa: E402
-from model import MoE, load_checkpoint, load_tokenizer  # noqa: E402
+from workbench.model import MoE, load_checkpoint, load_tokenizer  # noqa: E402
 from workbench import faults  # noqa: E402
 
 SECTION = "## Root cause (fault injection)"
@@ -87,7 +87,7 @@ def load_model(folder: Path):
         return load_checkpoint(folder), str(folder)
     from safetensors.torch import load_file
 
-    from model import ModelArgs, Transformer
+    from workbench.model import ModelArgs, Transformer
     state = load_file(str(folder / "state.safetensors"))
     model = Transformer(ModelArgs.preset("demo"))
     model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})

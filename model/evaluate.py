@@ -112,13 +112,10 @@ def model_nll_bits(model: Transformer, stream: torch.Tensor, seq_len: int = 512,
     Returns:
         (bits [len(stream) - 1], {layer index: counts [E]}).
     """
-    from probes.hooks import attach
-
     counts: dict[int, torch.Tensor] = {}
     n_experts = model.args.n_routed_experts
 
-    def count(idx: torch.Tensor, name: str, **_) -> None:
-        layer = int(name.split(".")[1])
+    def count(layer: int, idx: torch.Tensor) -> None:
         counts[layer] = counts.get(layer, 0) + torch.bincount(idx.flatten().cpu(), minlength=n_experts)
 
     device = next(model.parameters()).device
@@ -126,14 +123,20 @@ def model_nll_bits(model: Transformer, stream: torch.Tensor, seq_len: int = 512,
     full = [w for w in wins if w[0].numel() == seq_len]
     groups = [full[i: i + batch] for i in range(0, len(full), batch)] + [[w] for w in wins if w[0].numel() < seq_len]
     bits = []
-    has_moe = any(isinstance(layer.ffn, MoE) for layer in model.layers)
-    with torch.inference_mode(), attach(model, {"layers.*.ffn.gate.hook_indices": count} if has_moe else {}):
-        for g in groups:
-            x = torch.stack([w[0] for w in g]).to(device)
-            y = torch.stack([w[1] for w in g]).to(device)
-            logits = model(x)
-            nll = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none") / math.log(2)
-            bits.append(nll.cpu())
+    # plain torch hooks on the gates' hook points: model/ stays free of probes/
+    handles = [layer.ffn.gate.hook_indices.register_forward_hook(lambda _m, _a, idx, i=i: count(i, idx))
+               for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoE)]
+    try:
+        with torch.inference_mode():
+            for g in groups:
+                x = torch.stack([w[0] for w in g]).to(device)
+                y = torch.stack([w[1] for w in g]).to(device)
+                logits = model(x)
+                nll = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none") / math.log(2)
+                bits.append(nll.cpu())
+    finally:
+        for h in handles:
+            h.remove()
     # groups keep the windows in order (full ones first, then at most one partial at the end)
     return torch.cat(bits), counts
 
@@ -220,7 +223,7 @@ def evaluate(model: Transformer | str | Path | None = None, tokenizer=None, max_
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m model.evaluate [--model PATH] [--max-tokens N]``: print the result as JSON."""
+    """``python -m workbench.model.evaluate [--model PATH] [--max-tokens N]``: print the result as JSON."""
     import argparse
     import json
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 
-from model import ModelArgs, Transformer
+from workbench.model import ModelArgs, Transformer
 
 
 def tiny_model(seed: int = 1, **overrides) -> Transformer:

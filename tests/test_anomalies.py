@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import workbench
-from probes import attach
+from workbench.probes import attach
 from workbench import anomalies as an
 from workbench.cli import main as cli_main
 from helpers import tiny_model

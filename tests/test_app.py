@@ -11,7 +11,7 @@ import polars as pl
 import pytest
 
 import workbench
-from model import load_tokenizer, save_checkpoint
+from workbench.model import load_tokenizer, save_checkpoint
 from workbench import query
 from workbench.sqlsafe import SqlError, readonly_sql, run_readonly
 from helpers import tiny_model, free_port
@@ -19,7 +19,7 @@ from helpers import tiny_model, free_port
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from apps.app import build_app
+    from workbench.apps.app import build_app
 
     db = tmp_path_factory.mktemp("app") / "wb.duckdb"
     model = tiny_model(vocab_size=4096)
@@ -87,7 +87,7 @@ def test_empty_prompt_is_a_clear_error(served):
 
 
 def test_strip_buckets():
-    from apps.app import BUCKETS, bucket, strip_value
+    from workbench.apps.app import BUCKETS, bucket, strip_value
 
     assert [bucket(x) for x in (None, float("nan"), 0.0, 0.19, 0.2, 0.5, 0.79, 0.8, 1.0)] == \
         ["no prediction", "no prediction", "< 0.2", "< 0.2", "0.2-0.5", "0.5-0.8", "0.5-0.8", "≥ 0.8", "≥ 0.8"]
@@ -153,13 +153,13 @@ def test_sql_row_and_time_limits(store):
 # -- commands -----------------------------------------------------------------------------------------
 
 def test_launch_rejects_bad_auth(tmp_path):
-    from apps.app import launch
+    from workbench.apps.app import launch
     with pytest.raises(ValueError, match="USER:PASS"):
         launch(tmp_path / "x.duckdb", auth="nopassword")
 
 
 def test_demo_records_each_prompt_once(tmp_path, monkeypatch, capsys):
-    import model as model_pkg
+    import workbench.model as model_pkg
     from workbench.commands import demo
 
     ckpt = tmp_path / "ckpt"

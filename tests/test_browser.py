@@ -14,7 +14,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import pytest
 
 import workbench
-from model import load_tokenizer
+from workbench.model import load_tokenizer
 from helpers import tiny_model, free_port
 
 CHROMIUM = "/usr/bin/chromium"
@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.browser,
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from apps.app import build_app
+    from workbench.apps.app import build_app
 
     db = tmp_path_factory.mktemp("browser") / "wb.duckdb"
     if FOR_README and DEMO.exists():

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD = r"""
 import sys, time
 import torch
-from model import ModelArgs, Transformer, load_tokenizer
+from workbench.model import ModelArgs, Transformer, load_tokenizer
 import workbench
 m = Transformer(ModelArgs.preset("tiny")).init_weights(seed=1, std=0.1).eval()
 workbench.record(list(range(1, 9)), model=m, tokenizer=load_tokenizer(), max_new_tokens=30, db=sys.argv[1],

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import MoE, Transformer, load_checkpoint, load_tokenizer
-from model.checkpoint import DEFAULT_CHECKPOINT
-from model.evaluate import Bigram, evaluate, model_nll_bits, token_bytes
-from model.train import EOT, corpus_files, read_text
+from workbench.model import MoE, Transformer, load_checkpoint, load_tokenizer
+from workbench.model.checkpoint import DEFAULT_CHECKPOINT
+from workbench.model.evaluate import Bigram, evaluate, model_nll_bits, token_bytes
+from workbench.model.train import EOT, corpus_files, read_text
 from helpers import tiny_model
 
 CKPT = DEFAULT_CHECKPOINT / "model.safetensors"
@@ -138,7 +138,7 @@ def test_eval_cli_errors_and_escaping(tmp_path, capsys, monkeypatch):
             "bits_per_byte": {"model": 1.0, "bigram": 2.0, "gzip": 3.0}, "bits_per_token": {"model": 3, "bigram": 6},
             "expert_load": [{"layer": 1, "share": [0.5, 0.5], "min_share_vs_uniform": 1.0}],
             "sample": {"prompt": "def fibonacci(n):", "continuation": "\n    x = a[bold]b[/bold]\n", "tokens": 9}}
-    monkeypatch.setattr("model.evaluate.evaluate", lambda *a, **k: fake)
+    monkeypatch.setattr("workbench.model.evaluate.evaluate", lambda *a, **k: fake)
     assert cli.main(["eval"]) == 0
     out = capsys.readouterr().out
     assert "x = a[bold]b[/bold]" in out  # token text is shown as text, never as rich markup

@@ -7,7 +7,7 @@ import plotly.graph_objects as go
 import polars as pl
 import pytest
 
-from model import save_checkpoint
+from workbench.model import save_checkpoint
 from workbench import cli
 from workbench.diff import diff_runs
 from workbench.recorder import record

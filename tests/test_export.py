@@ -5,7 +5,7 @@ import duckdb
 import polars as pl
 import pytest
 
-from model import save_checkpoint
+from workbench.model import save_checkpoint
 from workbench import cli
 from workbench.export import RUN_TABLES, export_parquet
 from workbench.recorder import record

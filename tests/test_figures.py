@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 
 import workbench
-from model import ModelArgs, Transformer, load_tokenizer
+from workbench.model import ModelArgs, Transformer, load_tokenizer
 from workbench import figures, query
 
 XSS = "<img src=x onerror=alert(1)>"

@@ -16,7 +16,7 @@ from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, 
                           LlamaForCausalLM)
 
 import workbench  # noqa: E402
-from model.tokenizer import train_tokenizer  # noqa: E402
+from workbench.model.tokenizer import train_tokenizer  # noqa: E402
 from workbench.hf import HFModel, is_foreign_folder, load_hf  # noqa: E402
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n",

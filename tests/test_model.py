@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import Gate, ModelArgs, Transformer, generate
-from model.generate import sample, stream
-from probes import attach, hook_points
+from workbench.model import Gate, ModelArgs, Transformer, generate
+from workbench.model.generate import sample, stream
+from workbench.probes import attach, hook_points
 
 
 def tiny(**kw) -> Transformer:

@@ -7,8 +7,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 
-from model import ModelArgs, Transformer, export_hf, generate, load_checkpoint  # noqa: E402
-from model.generate import stream  # noqa: E402
+from workbench.model import ModelArgs, Transformer, export_hf, generate, load_checkpoint  # noqa: E402
+from workbench.model.generate import stream  # noqa: E402
 
 BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import workbench
-from model import MoE, Transformer
-from model.model import apply_rotary_emb
-from probes import attach
-from probes.signals import attention_stats, routing_records, token_confidence
+from workbench.model import MoE, Transformer
+from workbench.model.model import apply_rotary_emb
+from workbench.probes import attach
+from workbench.probes.signals import attention_stats, routing_records, token_confidence
 from helpers import tiny_model
 
 PROMPT = [5, 17, 101, 3, 3, 250, 42, 9, 77, 18, 200, 64]

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import workbench
-from model import ModelArgs, Transformer, save_checkpoint
-from model.tokenizer import DEFAULT_TOKENIZER
+from workbench.model import ModelArgs, Transformer, save_checkpoint
+from workbench.model.tokenizer import DEFAULT_TOKENIZER
 from workbench.recorder import MAX_PROMPT_CHARS, PROBES
 from workbench.store import Store
 from helpers import tiny_model
@@ -137,7 +137,7 @@ def test_bfloat16_run(tmp_path):
 
 def test_model_identity_follows_weight_changes(tmp_path):
     """An in-memory model's checkpoint_sha256 is its weights' hash, recomputed after an in-place edit."""
-    from model import state_sha256
+    from workbench.model import state_sha256
 
     model, db = tiny(), Store(tmp_path / "w.duckdb")
     a = workbench.record([1, 2], model=model, max_new_tokens=1, db=db).info["checkpoint_sha256"]

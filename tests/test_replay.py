@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 
-from model import ModelArgs, Transformer, load_checkpoint, save_checkpoint, stream
-from probes import attach
-from probes.signals import attention_stats
+from workbench.model import ModelArgs, Transformer, load_checkpoint, save_checkpoint, stream
+from workbench.probes import attach
+from workbench.probes.signals import attention_stats
 from workbench import cli
 from workbench.recorder import record
 from workbench.replay import at_step, first_divergence, replay_run, step_range

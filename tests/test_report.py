@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from model import save_checkpoint
+from workbench.model import save_checkpoint
 from workbench import cli
 from workbench.recorder import record
 from workbench.report import build_report, script_json, write_report

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import workbench
-from model import ModelArgs, Transformer
-from probes import attach
+from workbench.model import ModelArgs, Transformer
+from workbench.probes import attach
 from workbench import faults, query
 from workbench.cli import main as cli_main
 from workbench.rootcause import (component_ablation, frozen_routing, integrated_gradients, real_routing,
@@ -186,7 +186,7 @@ def test_faults_are_undone_and_router_bias_takes_over(tiny, ids):
 
 
 def test_explain_cli(tiny, tmp_path, capsys):
-    from model import save_checkpoint
+    from workbench.model import save_checkpoint
 
     db = tmp_path / "w.duckdb"
     mem = workbench.record(list(range(60, 72)), model=tiny, max_new_tokens=2, db=db)
@@ -208,7 +208,7 @@ def test_explain_cli(tiny, tmp_path, capsys):
 def test_root_cause_against_a_reference(tiny, tmp_path, capsys):
     import copy
 
-    from model import save_checkpoint
+    from workbench.model import save_checkpoint
 
     db = tmp_path / "w.duckdb"
     clean = copy.deepcopy(tiny)

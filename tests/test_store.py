@@ -117,7 +117,7 @@ def test_cli_errors_are_one_line(tmp_path):
 CHILD = textwrap.dedent("""
     import sys, time, torch
     import workbench
-    from model import ModelArgs, Transformer
+    from workbench.model import ModelArgs, Transformer
     from workbench.store import Store
 
     db = sys.argv[1]

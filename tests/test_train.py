@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import model.train as mt
-from model import MoE, load_checkpoint, load_tokenizer
+import workbench.model.train as mt
+from workbench.model import MoE, load_checkpoint, load_tokenizer
 
 # warmup longer than every run here: the learning rate then depends on the step only, not on the total
 # number of steps, so a 4-step run extended to 6 follows the same schedule as a 6-step run.

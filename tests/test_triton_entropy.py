@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 SCRIPT = r"""
 import torch
-from probes.triton_entropy import row_stats
+from workbench.probes.triton_entropy import row_stats
 g = torch.Generator().manual_seed(0)
 for shape in [(3, 4, 37), (2, 2, 2100)]:  # one block, and several blocks of keys with a ragged tail
     p = torch.rand(shape, generator=g).mul(4).softmax(-1)

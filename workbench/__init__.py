@@ -8,8 +8,8 @@
 
 Re-exports what a notebook needs from ``model`` and ``probes`` too.
 """
-from model import (ModelArgs, Transformer, generate, load_checkpoint, load_tokenizer)  # noqa: F401
-from probes import attach, hook_points  # noqa: F401
+from workbench.model import (ModelArgs, Transformer, generate, load_checkpoint, load_tokenizer)  # noqa: F401
+from workbench.probes import attach, hook_points  # noqa: F401
 
 from .query import RunNotFound
 from .recorder import PROBES, record

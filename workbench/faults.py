@@ -16,8 +16,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from model import MoE
-from probes import attach
+from workbench.model import MoE
+from workbench.probes import attach
 
 
 def _check_layer(model: nn.Module, layer: int) -> None:

@@ -86,7 +86,7 @@ def _check_pos(tokens: pl.DataFrame, pos: int) -> dict:
 @lru_cache(maxsize=8)
 def _tokenizer_for(model_path: str):
     """The checkpoint folder's tokenizer; the bundled one for an in-memory module (not a folder)."""
-    from model import load_tokenizer
+    from workbench.model import load_tokenizer
     folder = Path(model_path)
     if (folder / "tokenizer.json").exists():
         return load_tokenizer(folder / "tokenizer.json")

@@ -21,8 +21,8 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from model.generate import Step, check_prompt, decode
-from probes.signals import attention_received, attention_stats, kv_token_norms
+from workbench.model.generate import Step, check_prompt, decode
+from workbench.probes.signals import attention_received, attention_stats, kv_token_norms
 
 from .recorder import add_received, attention_rows, kv_rows, kv_token_cols, steps_rows
 

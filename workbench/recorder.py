@@ -19,9 +19,9 @@ import numpy as np
 import polars as pl
 import torch
 
-from model import MoE, Transformer, file_sha256, load_checkpoint, load_tokenizer, state_sha256, stream
-from probes import attach
-from probes.signals import (attention_received, attention_stats, kv_token_norms, routing_records,
+from workbench.model import MoE, Transformer, file_sha256, load_checkpoint, load_tokenizer, state_sha256, stream
+from workbench.probes import attach
+from workbench.probes.signals import (attention_received, attention_stats, kv_token_norms, routing_records,
                             token_confidence)
 
 from .store import Rows, Store, Writer

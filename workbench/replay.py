@@ -220,7 +220,7 @@ def _resolve_for_replay(info: dict, model):
     """The module to re-run a recorded run with, after checking its identity against the record."""
     import torch
 
-    from model import file_sha256, load_checkpoint, state_sha256
+    from workbench.model import file_sha256, load_checkpoint, state_sha256
 
     want = info["checkpoint_sha256"]
     dtype = getattr(torch, info["dtype"] or "float32", None)

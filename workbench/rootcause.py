@@ -52,8 +52,8 @@ import polars as pl
 import torch
 from torch import nn
 
-from model import MoE
-from probes import attach
+from workbench.model import MoE
+from workbench.probes import attach
 
 MODES = ("auto", "frozen", "plain")
 METHOD = {"frozen": "ig_routing_frozen", "plain": "ig_plain"}
@@ -264,7 +264,7 @@ def reference_model(reference, run) -> nn.Module:
                              "different model")
         ref = reference.model()
     else:
-        from model import load_checkpoint
+        from workbench.model import load_checkpoint
         ref = load_checkpoint(reference)
     if ref is like:
         raise ValueError("the reference is the run's own model: pass a different (known-good) model or run")

@@ -59,7 +59,7 @@ class Run:
     def model(self):
         """The module to re-run this run with: the in-memory one it was recorded with, else its checkpoint."""
         if self._model is None:
-            from model import load_checkpoint
+            from workbench.model import load_checkpoint
             path = self.info["model"]
             if not Path(path).exists():
                 raise FileNotFoundError(f"run {self.run_id} was recorded from {path!r}, which is not a checkpoint "
@@ -70,7 +70,7 @@ class Run:
 
     def tokenizer(self):
         if self._tokenizer is None:
-            from model import load_tokenizer
+            from workbench.model import load_tokenizer
             path = Path(self.info["model"]) / "tokenizer.json"
             self._tokenizer = load_tokenizer(path if path.exists() else None)
         return self._tokenizer

@@ -36,7 +36,7 @@ def already_recorded(wb, prompt: str, sha: str, max_new_tokens: int) -> str | No
 
 
 def main(args) -> int:
-    from model import file_sha256, load_checkpoint
+    from workbench.model import file_sha256, load_checkpoint
     from workbench.recorder import record
     from workbench.run import Workbench
 
@@ -56,6 +56,6 @@ def main(args) -> int:
     print(json.dumps({"db": str(wb.path), "runs": wb.runs().height}))
     if args.no_ui:
         return 0
-    from apps.app import launch
+    from workbench.apps.app import launch
     launch(wb.store, args.host, args.port)
     return 0

@@ -5,7 +5,7 @@ import json
 
 
 def main(args) -> int:
-    from model.evaluate import evaluate
+    from workbench.model.evaluate import evaluate
 
     r = evaluate(args.model, max_tokens=args.max_tokens)
     if args.json:

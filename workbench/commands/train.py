@@ -3,7 +3,7 @@ from __future__ import annotations
 
 
 def main(args) -> int:
-    from model.train import train
+    from workbench.model.train import train
 
     out = train(args.out, preset=args.preset, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
                 balance_rate=args.balance_rate, seed=args.seed)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 
 def main(args) -> int:
-    from apps.app import launch
+    from workbench.apps.app import launch
 
     if args.port is not None and not 0 < args.port < 65536:
         raise ValueError(f"--port must be 1..65535, got {args.port}")
