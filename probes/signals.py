@@ -81,22 +81,23 @@ def attention_received(probs: torch.Tensor) -> torch.Tensor:
 
 
 def routing_records(indices: torch.Tensor, weights: torch.Tensor, scores: torch.Tensor,
-                    bias: torch.Tensor) -> dict[str, np.ndarray]:
+                    selection: torch.Tensor) -> dict[str, np.ndarray]:
     """Routing slots of each token, by decreasing gate weight.
 
     Args:
-        indices, weights: [N, K] the gate's chosen experts and mixing weights.
-        scores: [N, E] raw scores (after sigmoid/softmax); bias: [E] selection bias (or [N, E], one per row,
-            when several layers are reduced in one call).
-    Returns: slot, expert, weight, score [N, K] and margin [N]: the lowest chosen selection score
-        (score + bias) minus the best unchosen one, over all experts (negative where group-limited
-        routing overrode a better expert).
+        indices, weights: [N, K] the experts the router chose and their mixing weights.
+        scores: [N, E] raw scores (softmax or sigmoid of the router logits).
+        selection: [N, E] what the top-k ranks by, before group limits: scores + selection bias (or the
+            logits, for a router that chooses by logits).
+    Returns: slot, expert, weight, score [N, K] and margin [N]: the lowest chosen selection score minus
+        the best unchosen one, over all experts (negative where group-limited routing overrode a better
+        expert).
     """
     order = weights.float().argsort(dim=-1, descending=True)
-    idx = indices.gather(1, order)
+    idx = indices.long().gather(1, order)
     w = weights.float().gather(1, order)
-    sel = scores.float() + bias.float()
-    chosen = torch.zeros_like(sel, dtype=torch.bool).scatter_(1, indices, True)
+    sel = selection.float()
+    chosen = torch.zeros_like(sel, dtype=torch.bool).scatter_(1, indices.long(), True)
     last_chosen = sel.masked_fill(~chosen, float("inf")).amin(-1)
     best_other = sel.masked_fill(chosen, float("-inf")).amax(-1)
     n, k = idx.shape

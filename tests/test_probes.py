@@ -258,7 +258,7 @@ def test_probe_functions_on_random_tensors():
     bias = torch.zeros(8)
     idx = scores.topk(2, -1).indices
     w = scores.gather(1, idx)
-    r = routing_records(idx, w, scores, bias)
+    r = routing_records(idx, w, scores, scores + bias)
     srt = scores.sort(-1, descending=True).values
     np.testing.assert_allclose(r["margin"], (srt[:, 1] - srt[:, 2]).numpy(), rtol=1e-6)
 

@@ -1,4 +1,4 @@
-"""MoE observability workbench: record a DeepSeek-V3-style model's signals into DuckDB, then look.
+"""MoE observability workbench: record a Mixture-of-Experts model's signals into DuckDB, then look.
 
     import workbench
     run = workbench.record("def fibonacci(n):", max_new_tokens=32)
@@ -11,11 +11,12 @@ Re-exports what a notebook needs from ``model`` and ``probes`` too.
 from workbench.model import (ModelArgs, Transformer, generate, load_checkpoint, load_tokenizer)  # noqa: F401
 from workbench.probes import attach, hook_points  # noqa: F401
 
+from .adapters import Adapter, ModelSummary, load_adapter
 from .query import RunNotFound
-from .recorder import PROBES, record
-from .run import Run, Workbench, open
+from .run import Run, Workbench, open, record
+from .signals import PROBES, REGISTRY
 from .store import Store, StoreError, default_db
 
-__all__ = ["ModelArgs", "PROBES", "Run", "RunNotFound", "Store", "StoreError", "Transformer", "Workbench",
-           "attach", "default_db", "generate", "hook_points", "load_checkpoint", "load_tokenizer", "open",
-           "record"]
+__all__ = ["Adapter", "ModelArgs", "ModelSummary", "PROBES", "REGISTRY", "Run", "RunNotFound", "Store", "StoreError",
+           "Transformer", "Workbench", "attach", "default_db", "generate", "hook_points", "load_adapter",
+           "load_checkpoint", "load_tokenizer", "open", "record"]

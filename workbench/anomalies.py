@@ -299,29 +299,24 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
     return out.sort(sev, pl.col("pos"), pl.col("layer"), pl.col("head"), pl.col("expert"), nulls_last=False)
 
 
-def detect(run, recompute: bool = False, reference=None, **thresholds) -> pl.DataFrame:
-    """Anomalies of ``run``: the stored ones, or computed from its signals, stored, and returned.
+def detect(store, run_id: str, recompute: bool = False, reference: str | None = None, **thresholds) -> pl.DataFrame:
+    """Anomalies of run ``run_id``: the stored ones, or computed from its signals, stored, and returned.
 
     Computed (and stored, replacing the old rows) when ``recompute`` is set, when thresholds or a
-    ``reference`` run (a ``Run`` or a run id in the same database) are given, or when none are stored.
+    ``reference`` run id (in the same database) are given, or when none are stored. Expert counts come
+    from the run's neutral model summary, never from family-specific config keys.
 
     Returns: the ``anomalies`` rows of the run (without ``run_id``), most severe first.
     """
-    store, run_id = run.store, run.run_id
     if not (recompute or thresholds or reference is not None):
         have = query.anomalies(store, run_id)
         if have.height:
             return have
-    ref_att = None
-    if reference is not None:
-        from .run import Run
-        ref = reference if isinstance(reference, Run) else Run(store, str(reference))
-        ref_att = ref.attention()
-    n_experts = int(run.config.get("n_routed_experts") or 0)
-    if not any(i >= int(run.config.get("n_dense_layers", 0)) for i in range(int(run.config.get("n_layers", 0)))):
-        n_experts = 0
-    df = detect_frames(run.tokens(), run.attention(), run.routing(), n_experts, kv=run.kv(),
-                       reference_attention=ref_att, **thresholds)
+    summary = query.run_summary(store, run_id)
+    ref_att = query.attention(store, query.run_row(store, str(reference))["run_id"]) if reference is not None else None
+    n_experts = summary.n_routed_experts if summary.moe_layers else 0
+    df = detect_frames(query.tokens(store, run_id), query.attention(store, run_id), query.routing(store, run_id),
+                       n_experts, kv=query.kv(store, run_id), reference_attention=ref_att, **thresholds)
     df = df.with_columns(pl.lit(run_id).alias("run_id"),
                          pl.arange(0, df.height, dtype=pl.Int32).alias("anomaly_id"))
     store.replace("anomalies", run_id, df)

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 import polars as pl
 
+from typing import Any
+
 from . import query
-from .replay import first_divergence
+from .signals import TABLES as SIGNAL_TABLES
 from .store import Store
 
 
@@ -163,3 +165,103 @@ def diff_runs(store: Store, a: str, b: str, tol: float = 1e-4) -> RunDiff:
         "first_signal_divergence": first_divergence(store, a, b, tol),
     }
     return RunDiff(a, b, summary, tokens, heads, routing)
+
+
+# -- comparing two runs signal by signal ------------------------------------------------------------
+
+# compared signals per table, from the registry: (key columns, exact columns, columns within a tolerance)
+COMPARED: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
+    name: (t.names("key"), t.names("exact"), t.names("tol")) for name, t in SIGNAL_TABLES.items() if t.names("key")
+    and (t.names("exact") or t.names("tol"))}
+# order among signals of the same step and position: the registry's (the token fed there first, then
+# what it caused)
+_TABLE_ORDER = {name: i for i, name in enumerate(COMPARED)}
+
+
+def _signal_frame(store: Store, table: str, run_id: str) -> pl.DataFrame:
+    keys, exact, tol = COMPARED[table]
+    return query.table(store, table, run_id, ", ".join(keys), cols=[*keys, *exact, *tol])
+
+
+def _differs(a: Any, b: Any, tol: float) -> tuple[bool, float | None]:
+    """(differs, magnitude) for two values; NULL equals NULL and NaN equals NaN (both recorded the same)."""
+    if a is None or b is None:
+        return (a is None) != (b is None), None
+    if isinstance(a, float) or isinstance(b, float):
+        fa, fb = float(a), float(b)
+        if math.isnan(fa) or math.isnan(fb):
+            return math.isnan(fa) != math.isnan(fb), None
+        if math.isinf(fa) or math.isinf(fb):
+            return fa != fb, None
+        d = abs(fa - fb)
+        return d > tol, d
+    return a != b, float(abs(a - b)) if isinstance(a, (int, float)) else None
+
+
+def _plain(x: Any) -> Any:
+    """JSON-safe value: non-finite floats become the strings "nan" / "inf" / "-inf"."""
+    return str(x) if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def first_divergence(store: Store, a: str, b: str, tol: float = 1e-4,
+                     n_prompt: int | None = None) -> dict | None:
+    """The earliest (by step, then position) signal on which run ``b`` departs from run ``a``.
+
+    Discrete signals (token ids, ranks, experts, cache sizes) must be equal; real-valued ones within
+    ``tol`` (absolute). Returns None when everything matches, else ``{"step", "pos", "signal",
+    "magnitude", "a", "b", ...}``; ``signal`` is ``table.column`` and ``magnitude`` the absolute
+    difference (None for a missing row or a NULL/NaN mismatch).
+    """
+    if n_prompt is None:
+        n_prompt = int(query.run_row(store, a)["n_prompt_tokens"] or 0)
+    best: tuple | None = None
+    for table, (keys, exact, tolerant) in COMPARED.items():
+        fa, fb = _signal_frame(store, table, a), _signal_frame(store, table, b)
+        if fa.height == 0 and fb.height == 0:
+            continue
+        # a full join leaves the absent side's columns NULL; the marker columns tell absent from NULL
+        fa = fa.with_columns(pl.lit(True).alias("_a"))
+        fb = fb.with_columns(pl.lit(True).alias("_b"))
+        j = fa.join(fb, on=list(keys), how="full", suffix="_b", coalesce=True, nulls_equal=True) \
+            .with_columns(pl.col("_a").fill_null(False), pl.col("_b").fill_null(False))
+        if "step" in keys:
+            j = j.with_columns(pl.col("step").alias("_step"))
+        elif table == "tokens":  # produced at step pos - n_prompt; the prompt comes with the prefill
+            j = j.with_columns(pl.max_horizontal(pl.col("pos") - n_prompt, pl.lit(0)).alias("_step"))
+        else:  # attention / routing rows belong to the step that fed the position
+            j = j.with_columns(pl.max_horizontal(pl.col("pos") - n_prompt + 1, pl.lit(0)).alias("_step"))
+        if "step" in keys:  # per-step snapshots are ordered at the step's newest fed position
+            j = j.with_columns(pl.when(pl.col("step") == 0).then(n_prompt - 1)
+                               .otherwise(n_prompt + pl.col("step") - 1).alias("_pos"))
+        else:
+            j = j.with_columns(pl.col("pos").alias("_pos"))
+        bad = [~pl.col("_a") | ~pl.col("_b")]
+        for c in exact:
+            bad.append(pl.col(c).is_null() != pl.col(f"{c}_b").is_null())
+            bad.append((pl.col(c) != pl.col(f"{c}_b")).fill_null(False))
+        for c in tolerant:
+            a_, b_ = pl.col(c).cast(pl.Float64), pl.col(f"{c}_b").cast(pl.Float64)
+            bad.append(a_.is_null() != b_.is_null())
+            bad.append((a_.is_nan() != b_.is_nan()).fill_null(False))
+            bad.append(((a_ - b_).abs() > tol).fill_null(False))
+        hits = j.filter(pl.any_horizontal(bad)).sort(["_step", "_pos", *keys])
+        if hits.height == 0:
+            continue
+        row = hits.row(0, named=True)
+        order = (row["_step"], row["_pos"], _TABLE_ORDER[table])
+        if best is not None and order >= best[0]:
+            continue
+        if not row["_a"] or not row["_b"]:
+            hit = {"signal": f"{table}.missing", "magnitude": None,
+                   "a": "present" if row["_a"] else "absent", "b": "present" if row["_b"] else "absent"}
+        else:
+            hit = {}
+            for c in (*exact, *tolerant):
+                differs, mag = _differs(row[c], row[f"{c}_b"], 0.0 if c in exact else tol)
+                if differs:
+                    hit = {"signal": f"{table}.{c}", "magnitude": mag, "a": _plain(row[c]), "b": _plain(row[f"{c}_b"])}
+                    break
+        where = {("cached_pos" if k == "pos" else k): row[k] for k in keys
+                 if k != "step" and not (k == "pos" and table != "kv_tokens")}
+        best = (order, {"step": int(row["_step"]), "pos": int(row["_pos"]), **hit, **where})
+    return best[1] if best else None

@@ -5,8 +5,12 @@ numbers. No front end writes SQL of its own.
 """
 from __future__ import annotations
 
+import json
+
 import polars as pl
 
+from .adapters.base import ModelSummary
+from .signals import TABLES as SIGNAL_TABLES
 from .store import Store
 
 
@@ -52,28 +56,54 @@ def table(store: Store, name: str, run_id: str, order: str, cols: list[str] | No
     return store.sql(f"SELECT {what} FROM {name} WHERE run_id = ? ORDER BY {order}", [run_id])
 
 
+def signal(store: Store, name: str, run_id: str) -> pl.DataFrame:
+    """All rows of one run from a registry signal table, in the table's order."""
+    if name not in SIGNAL_TABLES:
+        raise ValueError(f"no signal table {name!r}; signal tables: {', '.join(SIGNAL_TABLES)}")
+    return table(store, name, run_id, SIGNAL_TABLES[name].order)
+
+
 def tokens(store: Store, run_id: str) -> pl.DataFrame:
-    return table(store, "tokens", run_id, "pos")
+    return signal(store, "tokens", run_id)
 
 
 def attention(store: Store, run_id: str) -> pl.DataFrame:
-    return table(store, "attention", run_id, "pos, layer, head")
+    return signal(store, "attention", run_id)
 
 
 def routing(store: Store, run_id: str) -> pl.DataFrame:
-    return table(store, "routing", run_id, "pos, layer, slot")
+    return signal(store, "routing", run_id)
 
 
 def kv(store: Store, run_id: str) -> pl.DataFrame:
-    return table(store, "kv", run_id, "step, layer")
+    return signal(store, "kv", run_id)
 
 
 def kv_tokens(store: Store, run_id: str) -> pl.DataFrame:
-    return table(store, "kv_tokens", run_id, "step, layer, pos")
+    return signal(store, "kv_tokens", run_id)
 
 
 def steps(store: Store, run_id: str) -> pl.DataFrame:
-    return table(store, "steps", run_id, "step")
+    return signal(store, "steps", run_id)
+
+
+def model_summary(info: dict) -> ModelSummary:
+    """A run's neutral model summary (from ``runs.summary``; rebuilt from ``ModelArgs`` for runs recorded
+    before summaries were stored)."""
+    if info.get("summary"):
+        return ModelSummary.from_dict(json.loads(info["summary"]))
+    c = json.loads(info.get("config") or "{}")
+    n_layers, dense = int(c.get("n_layers", 0)), int(c.get("n_dense_layers", 0))
+    moe = list(range(dense, n_layers)) if c.get("n_routed_experts") else []
+    return ModelSummary(family="deepseek_v3", backend="native", n_layers=n_layers, n_heads=int(c.get("n_heads", 0)),
+                        n_kv_heads=1, vocab_size=int(c.get("vocab_size", 0)), max_seq_len=int(c.get("max_seq_len", 0)),
+                        moe_layers=moe, n_routed_experts=int(c.get("n_routed_experts", 0)) if moe else 0,
+                        n_shared_experts=int(c.get("n_shared_experts", 0)) if moe else 0,
+                        top_k=int(c.get("n_activated_experts", 0)) if moe else 0, selection_bias=bool(moe))
+
+
+def run_summary(store: Store, run_id: str) -> ModelSummary:
+    return model_summary(run_row(store, run_id))
 
 
 def anomalies(store: Store, run_id: str) -> pl.DataFrame:

@@ -1,31 +1,33 @@
 """Root cause of one token: which earlier tokens, heads and experts made the model produce it.
 
-The target is ``log p(token[pos] | tokens[:pos])`` under the run's model (the in-memory module a run
-was recorded with, else its checkpoint), recomputed with a full forward pass without the KV cache.
+The target is ``log p(token[pos] | tokens[:pos])`` under the run's model (the adapter a run was
+recorded with, else its checkpoint), recomputed with a full forward pass without the KV cache. Every
+model goes through its adapter's seams (workbench/adapters), so the same code explains our
+``Transformer`` and every ``transformers`` family the adapters cover.
 
-- Source tokens: captum ``LayerIntegratedGradients`` over ``model.embed`` from a baseline of
+- Source tokens: captum ``LayerIntegratedGradients`` over the input embedding from a baseline of
   ``<|endoftext|>`` tokens (id 0), Gauss-Legendre quadrature, with captum's convergence delta
   (``sum(attr) - (f(x) - f(baseline))``) stored beside every token score.
   MoE caveat: top-k routing is piecewise constant along the integration path, so plain IG ("plain")
   integrates a discontinuous function and its completeness breaks, whatever the number of steps.
   Routing-frozen IG ("frozen") fixes every gate's expert choice to the one it made on the real input
-  (a hook on ``layers.*.ffn.gate.hook_indices``); the gate weights are still computed from the scores
-  of the interpolated input (``scores.gather(indices)``), so they stay differentiable and the frozen
+  (the adapter's ``route`` seam); the gate weights are still computed from the router logits of the
+  interpolated input (``RouterMath.weights_for``), so they stay differentiable and the frozen
   function is smooth: completeness holds to quadrature accuracy. At the real input the frozen and the
   real model agree exactly, so f(x) is the real target. "auto" = frozen for MoE models, plain for
   dense ones.
 - Components: captum ``FeatureAblation`` over a mask with one entry per attention head, routed expert
   and shared-expert block; each perturbation is one row of a batched forward. A head is ablated by
-  zeroing its output (``layers.{i}.attn.hook_z``), the shared experts likewise
-  (``layers.{i}.ffn.shared_experts.hook_out``). A routed expert is ablated the MoE way: removed from
-  the router's choice (its score set to -inf at ``layers.{i}.ffn.gate.hook_scores``, before the
-  biased, group-limited top-k), so the router sends its tokens to the next-best expert, as if the
+  zeroing its output (its slice of the attention output projection's input, the ``head_out`` seam),
+  the shared experts likewise (``shared_out``). A routed expert is ablated the MoE way: removed from
+  the router's choice (its selection score set to -inf before the biased, group-limited top-k, by the
+  layer's ``RouterMath``), so the router sends its tokens to the next-best expert, as if the
   expert did not exist. Zeroing its output instead would leave a hole that no trained MoE ever sees
   and would not undo a router that is biased toward it. A layer's router (kind ``router``) is ablated
   by removing its selection bias (DeepSeek-V3's aux-loss-free balancing term): the experts are chosen
-  by raw affinity (``Gate.selection(scores, 0)``), the gate weights are unchanged (they always come
-  from the raw scores); its score says how much the balancing bias, or a bias gone wrong, shaped the
-  token (0 for a router without one). Routing is otherwise free, so an ablation's effect includes the
+  by raw affinity, the gate weights are unchanged (they always come from the raw scores); its score
+  says how much the balancing bias, or a bias gone wrong, shaped the token. Only families with a
+  selection bias have router components. Routing is otherwise free, so an ablation's effect includes the
   re-routing it causes downstream.
 
 Scores share one unit, nats of the target logprob, so one ranking covers every kind: a token's score
@@ -45,90 +47,65 @@ from __future__ import annotations
 
 import contextlib
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 import polars as pl
 import torch
-from torch import nn
 
-from workbench.model import MoE
-from workbench.probes import attach
+from . import query
+from .adapters import Adapter, Route, adapter_for, load_adapter
 
 MODES = ("auto", "frozen", "plain")
 METHOD = {"frozen": "ig_routing_frozen", "plain": "ig_plain"}
 COLUMNS = ["target_pos", "kind", "layer", "head", "expert", "source_pos", "score", "rank", "method", "delta"]
 
 
-def moe_layers(model: nn.Module) -> list[int]:
-    return [i for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoE)]
-
-
-@contextlib.contextmanager
-def _analysis_mode(model: nn.Module) -> Iterator[None]:
-    """No KV cache (full forward from position 0), no parameter gradients, gradients enabled."""
-    caches = [layer.attn.cache for layer in model.layers]
-    flags = [p.requires_grad for p in model.parameters()]
-    try:
-        for layer in model.layers:
-            layer.attn.cache = None
-        for p in model.parameters():
-            p.requires_grad_(False)
-        with torch.inference_mode(False), torch.enable_grad():
-            yield
-    finally:
-        for layer, c in zip(model.layers, caches):
-            layer.attn.cache = c
-        for p, f in zip(model.parameters(), flags):
-            p.requires_grad_(f)
-
-
-def target_fn(model: nn.Module, target_id: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def target_fn(adapter: Adapter, target_id: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """``f(ids[B, T]) -> [B]``: logprob of ``target_id`` after the last position."""
     def f(ids: torch.Tensor) -> torch.Tensor:
-        logits = model(ids)[:, -1].float()  # [B, V]
+        logits = adapter.forward(ids)[:, -1].float()  # [B, V]
         return torch.log_softmax(logits, dim=-1)[:, target_id]
     return f
 
 
-def real_routing(model: nn.Module, ids: torch.Tensor) -> dict[int, torch.Tensor]:
-    """The expert indices [T, K] every MoE layer chooses on ``ids`` [1, T]."""
-    got: dict[int, torch.Tensor] = {}
-
-    def keep(t: torch.Tensor, name: str, **_) -> None:
-        got[int(name.split(".")[1])] = t.detach().clone()
-
-    if moe_layers(model):
-        with attach(model, {"layers.*.ffn.gate.hook_indices": keep}), torch.no_grad():
-            model(ids)
-    return got
+def real_routing(model, ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    """The expert indices [T, K] every MoE layer chooses on ``ids`` [1, T] (a module or an adapter)."""
+    return adapter_for(model).routing_of(ids)
 
 
 @contextlib.contextmanager
-def frozen_routing(model: nn.Module, indices: dict[int, torch.Tensor]) -> Iterator[None]:
-    """Force every MoE gate to choose the experts in ``indices`` ({layer: [T, K]}) for any batch size.
+def frozen_routing(model, indices: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Force every MoE layer to choose the experts in ``indices`` ({layer: [T, K]}) for any batch size.
 
-    The gate flattens [B, T, D] to [B*T, D] (batch-major), so the recorded [T, K] are tiled B times.
+    Routed rows are batch-major ([B*T]), so the recorded [T, K] are tiled B times; the weights are the
+    router's for those experts, computed from this forward's logits (differentiable).
     """
-    def force(t: torch.Tensor, name: str, **_) -> torch.Tensor:
-        real = indices[int(name.split(".")[1])]
-        n = t.size(0)
+    adapter = adapter_for(model)
+
+    def force(layer: int, r: Route):
+        real = indices.get(layer)
+        if real is None:
+            return None
+        n = r.indices.size(0)
         if n % real.size(0):
             raise ValueError(f"routing-frozen forward: {n} routed rows are not a multiple of the "
                              f"{real.size(0)} recorded tokens")
-        return real.to(t.device).repeat(n // real.size(0), 1)
+        idx = real.to(r.indices.device).repeat(n // real.size(0), 1)
+        return idx, r.math.weights_for(r.logits, idx)
 
     if not indices:
         yield
         return
-    with attach(model, {f"layers.{i}.ffn.gate.hook_indices": force for i in indices}):
+    with adapter.seams({"route": force}):
         yield
 
 
-def integrated_gradients(model: nn.Module, ids: torch.Tensor, target_id: int, *, steps: int = 32,
+def integrated_gradients(model, ids: torch.Tensor, target_id: int, *, steps: int = 32,
                          mode: str = "frozen", batch_size: int | None = 16,
                          baseline_token: int = 0) -> tuple[np.ndarray, float, float]:
-    """IG of the target over ``model.embed`` for each input token.
+    """IG of the target over the input embedding for each input token (a module or an adapter).
 
     Args:
         ids: [1, T] input tokens (the target token follows them).
@@ -139,12 +116,12 @@ def integrated_gradients(model: nn.Module, ids: torch.Tensor, target_id: int, *,
 
     if mode not in ("frozen", "plain"):
         raise ValueError(f"mode must be 'frozen' or 'plain' here, got {mode!r}")
-    f = target_fn(model, target_id)
+    adapter = adapter_for(model)
+    f = target_fn(adapter, target_id)
     base = torch.full_like(ids, baseline_token)
-    with _analysis_mode(model):
-        frozen = real_routing(model, ids) if mode == "frozen" else {}
-    with _analysis_mode(model), frozen_routing(model, frozen):
-        lig = LayerIntegratedGradients(f, model.embed)
+    frozen = adapter.routing_of(ids) if mode == "frozen" else {}
+    with adapter.analysis(), frozen_routing(adapter, frozen):
+        lig = LayerIntegratedGradients(f, adapter.embedding())
         attr, delta = lig.attribute(ids, baselines=base, n_steps=steps, method="gausslegendre",
                                     internal_batch_size=batch_size, return_convergence_delta=True)
         with torch.no_grad():
@@ -152,67 +129,64 @@ def integrated_gradients(model: nn.Module, ids: torch.Tensor, target_id: int, *,
     return attr.sum(-1)[0].detach().double().numpy(), float(delta.reshape(-1)[0]), gap
 
 
-def components(model: nn.Module) -> list[tuple[str, int, int | None, int | None]]:
+def components(model) -> list[tuple[str, int, int | None, int | None]]:
     """(kind, layer, head, expert) for every head, routed expert, shared-expert block and router."""
-    out: list[tuple[str, int, int | None, int | None]] = []
-    for i, layer in enumerate(model.layers):
-        out += [("head", i, h, None) for h in range(layer.attn.n_heads)]
-        if isinstance(layer.ffn, MoE):
-            out += [("expert", i, None, j) for j in range(layer.ffn.n_routed_experts)]
-            out += [("shared_expert", i, None, None), ("router", i, None, None)]
-    return out
+    return adapter_for(model).components()
 
 
-def component_ablation(model: nn.Module, ids: torch.Tensor, target_id: int,
+def component_ablation(model, ids: torch.Tensor, target_id: int,
                        batch_size: int = 16) -> tuple[list[tuple], np.ndarray]:
     """Effect on the target of removing each component, f(x) - f(x without it), via captum FeatureAblation.
 
-    Returns: (components(model), effects [C] in nats).
+    Returns: (components, effects [C] in nats).
     """
     from captum.attr import FeatureAblation
 
-    comps = components(model)
+    adapter = adapter_for(model)
+    comps = adapter.components()
     col = {c: k for k, c in enumerate(comps)}
     seq = ids.size(1)
     state: dict = {"mask": None}
-    scores_of: dict[int, torch.Tensor] = {}  # layer -> this forward's gate scores (after expert ablation)
+    s = adapter.summary
 
-    def heads(z: torch.Tensor, name: str, **_) -> torch.Tensor:  # z: [B, T, H, v]
-        i = int(name.split(".")[1])
-        cols = [col[("head", i, h, None)] for h in range(z.size(2))]
+    def rows_of(n: int, device) -> torch.Tensor:  # batch row of each routed row (batch-major)
+        return torch.arange(n, device=device) // seq
+
+    def heads(layer: int, z: torch.Tensor) -> torch.Tensor:  # z: [B, T, H, d]
+        cols = [col[("head", layer, h, None)] for h in range(z.size(2))]
         return z * state["mask"][:, cols].to(z)[:, None, :, None]
 
-    def experts(scores: torch.Tensor, name: str, **_) -> torch.Tensor:  # scores: [B*T, E]
-        i = int(name.split(".")[1])
-        cols = [col[("expert", i, None, j)] for j in range(scores.size(1))]
-        keep = state["mask"][:, cols][torch.arange(scores.size(0), device=scores.device) // seq]  # [B*T, E]
-        scores_of[i] = scores.masked_fill(keep.to(scores.device) < 0.5, float("-inf"))
-        return scores_of[i]
+    def route(layer: int, r: Route):
+        mask = state["mask"]
+        rows = rows_of(r.indices.size(0), mask.device)
+        keep = mask[:, [col[("expert", layer, None, j)] for j in range(s.n_routed_experts)]][rows] > 0.5  # [N, E]
+        changed = ~keep.all(-1)
+        bias = None
+        rc = col.get(("router", layer, None, None))
+        if rc is not None and r.math.bias is not None:
+            unbiased = mask[rows, rc] < 0.5  # [N]: this row's router loses its selection bias
+            changed = changed | unbiased
+            bias = r.math.bias.float()[None].to(r.logits.device) * (~unbiased).to(r.logits.device, torch.float32)[:, None]
+        if not changed.any():
+            return None
+        idx = r.math.select(r.logits, bias=bias, keep=keep.to(r.logits.device))
+        w = r.math.weights_for(r.logits, idx)
+        changed = changed.to(idx.device)[:, None]
+        return torch.where(changed, idx, r.indices.to(idx.device)), torch.where(changed, w, r.weights.to(w))
 
-    def router(sel: torch.Tensor, name: str, **_) -> torch.Tensor:  # sel: [B*T, E], scores + bias, grouped
-        i = int(name.split(".")[1])
-        gate = model.layers[i].ffn.gate
-        keep = state["mask"][torch.arange(sel.size(0)) // seq, col[("router", i, None, None)]].to(sel.device)
-        raw = gate.selection(scores_of[i], torch.zeros_like(gate.bias))  # no balancing bias
-        return torch.where(keep[:, None] < 0.5, raw, sel)
+    def shared(layer: int, out: torch.Tensor) -> torch.Tensor:  # out: [B*T, D]
+        rows = rows_of(out.size(0), state["mask"].device)
+        return out * state["mask"][rows, col[("shared_expert", layer, None, None)]].to(out)[:, None]
 
-    def shared(out: torch.Tensor, name: str, **_) -> torch.Tensor:  # out: [B*T, D]
-        i = int(name.split(".")[1])
-        rows = torch.arange(out.size(0), device=out.device)
-        return out * state["mask"][rows // seq, col[("shared_expert", i, None, None)]].to(out)[:, None]
-
-    hooks: dict[str, Callable] = {"layers.*.attn.hook_z": heads}
-    if moe_layers(model):
-        hooks.update({"layers.*.ffn.gate.hook_scores": experts, "layers.*.ffn.gate.hook_selection": router,
-                      "layers.*.ffn.shared_experts.hook_out": shared})
-    f = target_fn(model, target_id)
+    seams = {"head_out": heads, "route": route, "shared_out": shared}
+    f = target_fn(adapter, target_id)
 
     def forward(mask: torch.Tensor) -> torch.Tensor:  # mask [B, C] -> [B]
         state["mask"] = mask
         return f(ids.expand(mask.size(0), -1))
 
     ones = torch.ones(1, len(comps))
-    with _analysis_mode(model), torch.no_grad(), attach(model, hooks):
+    with adapter.analysis(), torch.no_grad(), adapter.seams(seams):
         attr = FeatureAblation(forward).attribute(ones, baselines=0.0, perturbations_per_eval=max(1, batch_size))
     return comps, attr[0].double().numpy()
 
@@ -238,97 +212,94 @@ def rank_causes(token_scores: np.ndarray, token_method: str, delta: float, comps
     return frame.with_columns(pl.arange(1, frame.height + 1, dtype=pl.Int32).alias("rank")).select(COLUMNS)
 
 
-def reference_model(reference, run) -> nn.Module:
-    """The known-good module to compare ``run`` with, checked against the run's model.
+def reference_adapter(reference, store, info: dict, like: Adapter) -> Adapter:
+    """The known-good model to compare the run ``info`` with, checked against the run's model ``like``.
 
     Args:
-        reference: a ``Run``, a run id of ``run``'s database, a module, or a checkpoint folder.
+        reference: a run id of ``store``, a module or adapter, or a checkpoint folder.
     """
-    from pathlib import Path
+    from .resolve import load_for_run
 
-    like = run.model()
     if isinstance(reference, (str, Path)) and not (Path(reference) / "config.json").exists():
-        from .query import RunNotFound
-        from .run import Run
         try:
-            reference = Run(run.store, str(reference))
-        except RunNotFound:
-            raise ValueError(f"reference {str(reference)!r} is neither a run in {run.store.path} nor a checkpoint "
+            ref_info = query.run_row(store, str(reference))
+        except query.RunNotFound:
+            raise ValueError(f"reference {str(reference)!r} is neither a run in {store.path} nor a checkpoint "
                              "folder (config.json + model.safetensors)") from None
-    if isinstance(reference, nn.Module):
-        ref = reference
-    elif hasattr(reference, "run_id"):
-        if reference.info.get("checkpoint_sha256") == run.info.get("checkpoint_sha256"):
-            raise ValueError(f"reference run {reference.run_id} was recorded with the same weights as run "
-                             f"{run.run_id} (same checkpoint hash): every score would be 0; pick a run of a "
+        if ref_info.get("checkpoint_sha256") == info.get("checkpoint_sha256"):
+            raise ValueError(f"reference run {ref_info['run_id']} was recorded with the same weights as run "
+                             f"{info['run_id']} (same checkpoint hash): every score would be 0; pick a run of a "
                              "different model")
-        ref = reference.model()
+        ref = load_for_run(ref_info, verify=False)
+    elif isinstance(reference, (str, Path)):
+        ref = load_adapter(reference)
     else:
-        from workbench.model import load_checkpoint
-        ref = load_checkpoint(reference)
-    if ref is like:
+        ref = adapter_for(reference)
+    if ref.module is like.module:
         raise ValueError("the reference is the run's own model: pass a different (known-good) model or run")
-    if not hasattr(ref, "embed") or ref.embed.num_embeddings != like.embed.num_embeddings:
+    if ref.summary.vocab_size != like.summary.vocab_size:
         raise ValueError("the reference model has a different vocabulary; root cause compares two models of one "
                          "architecture on the same tokens")
-    if components(ref) != components(like):
+    if ref.components() != like.components():
         raise ValueError("the reference model has different layers, heads or experts than the run's model")
     return ref
 
 
-def root_cause(run, pos: int, *, steps: int = 32, mode: str = "auto", batch_size: int = 16,
-               baseline_token: int = 0, store: bool = True, reference=None) -> pl.DataFrame:
-    """Ranked causes of the token at ``pos`` of ``run``: source tokens (IG), heads and experts (ablation).
+def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, mode: str = "auto",
+               batch_size: int = 16, baseline_token: int = 0, save: bool = True, reference=None) -> pl.DataFrame:
+    """Ranked causes of the token at ``pos`` of run ``run_id``: source tokens (IG), heads, experts, routers.
 
     Args:
-        run: a ``workbench.Run``; its ``model()`` is used (the module it was recorded with, if any).
+        adapter: the model (adapter or module) to explain with; None reloads the run's checkpoint (hash-checked).
         pos: position of the explained token, 1 <= pos < number of tokens.
         steps: IG integration steps (Gauss-Legendre points).
         mode: "auto" (frozen for MoE, plain for dense), "frozen" or "plain".
         batch_size: forward rows per IG / ablation batch.
         baseline_token: token id of the IG baseline sequence.
-        store: replace the run's ``attributions`` rows for this position with the result.
-        reference: a known-good ``Run`` (or its id), module or checkpoint folder of the same architecture: scores
+        save: replace the run's ``attributions`` rows for this position with the result.
+        reference: a known-good run id, module, adapter or checkpoint folder of the same architecture: scores
             become this model's attributions minus the reference's on the same tokens (see the module doc).
     Returns: columns target_pos, kind (token|head|expert|shared_expert|router), layer, head, expert,
         source_pos, score (nats of the target logprob), rank (1 = most responsible), method, delta.
     """
+    from .resolve import load_for_run
+
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if steps < 1 or batch_size < 1:
         raise ValueError(f"steps and batch_size must be >= 1 (got steps={steps}, batch_size={batch_size})")
-    ids_all = run.tokens()["token_id"].to_list()
+    info = query.run_row(store, run_id)
+    ids_all = query.table(store, "tokens", run_id, "pos", cols=["token_id"])["token_id"].to_list()
     if len(ids_all) < 2:
-        raise ValueError(f"run {run.run_id} has {len(ids_all)} tokens: nothing to explain")
+        raise ValueError(f"run {run_id} has {len(ids_all)} tokens: nothing to explain")
     if not 1 <= pos < len(ids_all):
-        raise ValueError(f"pos must be in 1..{len(ids_all) - 1} for run {run.run_id} (position 0 has no "
+        raise ValueError(f"pos must be in 1..{len(ids_all) - 1} for run {run_id} (position 0 has no "
                          f"preceding context), got {pos}")
-    model = run.model()
-    vocab = model.embed.num_embeddings
+    model = adapter_for(adapter) if adapter is not None else load_for_run(info)
+    vocab = model.summary.vocab_size
     if not 0 <= baseline_token < vocab:
         raise ValueError(f"baseline_token {baseline_token} is outside the vocabulary of {vocab}")
-    device = next(model.parameters()).device
-    ids = torch.tensor([ids_all[:pos]], device=device)
+    ids = torch.tensor([ids_all[:pos]], device=model.device)
     target = int(ids_all[pos])
-    has_moe = bool(moe_layers(model))
+    has_moe = bool(model.summary.moe_layers)
     ig_mode = ("frozen" if has_moe else "plain") if mode == "auto" else mode
     if not has_moe:
         ig_mode = "plain"  # nothing to freeze
-    ref = None if reference is None else reference_model(reference, run)
+    ref = None if reference is None else reference_adapter(reference, store, info, model)
     scores, delta, _ = integrated_gradients(model, ids, target, steps=steps, mode=ig_mode, batch_size=batch_size,
                                             baseline_token=baseline_token)
     comps, effects = component_ablation(model, ids, target, batch_size=batch_size)
     token_method, suffix = METHOD[ig_mode], ""
     if ref is not None:
-        ref_ids = ids.to(next(ref.parameters()).device)
+        ref_ids = ids.to(ref.device)
         r_scores, r_delta, _ = integrated_gradients(ref, ref_ids, target, steps=steps, mode=ig_mode,
                                                     batch_size=batch_size, baseline_token=baseline_token)
         effects = effects - component_ablation(ref, ref_ids, target, batch_size=batch_size)[1]
         scores, delta, suffix = scores - r_scores, delta - r_delta, "_vs_reference"
     df = rank_causes(scores, token_method + suffix, delta, comps, effects, pos, "ablation" + suffix)
-    if store:
+    if save:
         stamp = datetime.now(timezone.utc).replace(tzinfo=None)
-        run.store.replace("attributions", run.run_id,
-                          df.with_columns(pl.lit(run.run_id).alias("run_id"), pl.lit(stamp).alias("created_at")),
-                          where="AND target_pos = ?", params=[pos])
+        store.replace("attributions", run_id,
+                      df.with_columns(pl.lit(run_id).alias("run_id"), pl.lit(stamp).alias("created_at")),
+                      where="AND target_pos = ?", params=[pos])
     return df

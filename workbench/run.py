@@ -1,8 +1,9 @@
-"""``Workbench`` (a database) and ``Run`` (one recorded generation): the objects people use.
+"""The user-facing facade: ``record``, ``Workbench`` (a database) and ``Run`` (one recorded generation).
 
-Both are thin: reads go through ``workbench.query``, figures through ``workbench.figures``, analyses
-through their own modules. A ``Run`` returned by ``record`` keeps the module it was recorded with, so
-root cause runs on that same model.
+All thin, and on top of everything else: reads go through ``workbench.query``, figures through
+``workbench.figures``, analyses (anomalies, root cause, replay, diff) through their own modules, which
+take a store and a run id and never import this one. A ``Run`` returned by ``record`` keeps the adapter
+it was recorded with, so root cause runs on that same model.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 import polars as pl
 
 from . import query
+from .adapters import Adapter, ModelSummary
+from .signals import PROBES, TABLES
 from .store import Store
 
 
@@ -23,7 +26,10 @@ class Run:
         self.store = store
         self.run_id = run_id
         self.info = query.run_row(store, run_id)  # raises RunNotFound
-        self._model = model
+        self._adapter: Adapter | None = None
+        if model is not None:
+            from .adapters import adapter_for
+            self._adapter = adapter_for(model)
         self._tokenizer = tokenizer
 
     # -- metadata ---------------------------------------------------------------------------------
@@ -45,7 +51,13 @@ class Run:
 
     @property
     def config(self) -> dict:
+        """The model's own config (family-specific keys); consumers read ``model_summary`` instead."""
         return json.loads(self.info["config"] or "{}")
+
+    @property
+    def model_summary(self) -> ModelSummary:
+        """The neutral model summary stored with the run (family, layers, heads, MoE layers, experts, top-k)."""
+        return query.model_summary(self.info)
 
     @property
     def text(self) -> str:
@@ -56,17 +68,19 @@ class Run:
         t = self.tokens()
         return "".join(t.filter(~pl.col("is_prompt"))["text"].to_list())
 
+    def adapter(self) -> Adapter:
+        """The adapter to re-run this run with: the one it was recorded with, else its checkpoint (hash-checked)."""
+        if self._adapter is None:
+            from .resolve import load_for_run
+            try:
+                self._adapter = load_for_run(self.info)
+            except ValueError as e:
+                raise FileNotFoundError(f"{e}") from None
+        return self._adapter
+
     def model(self):
-        """The module to re-run this run with: the in-memory one it was recorded with, else its checkpoint."""
-        if self._model is None:
-            from workbench.model import load_checkpoint
-            path = self.info["model"]
-            if not Path(path).exists():
-                raise FileNotFoundError(f"run {self.run_id} was recorded from {path!r}, which is not a checkpoint "
-                                        "folder here; pass the module to workbench.record to analyse it")
-            dtype = {"bfloat16": __import__("torch").bfloat16}.get(self.info["dtype"])
-            self._model = load_checkpoint(path, **({"dtype": dtype} if dtype else {}))
-        return self._model
+        """The module this run ran (``adapter().module``)."""
+        return self.adapter().module
 
     def tokenizer(self):
         if self._tokenizer is None:
@@ -75,43 +89,41 @@ class Run:
             self._tokenizer = load_tokenizer(path if path.exists() else None)
         return self._tokenizer
 
-    # -- signals ----------------------------------------------------------------------------------
-    def tokens(self) -> pl.DataFrame:
-        return query.tokens(self.store, self.run_id)
-
-    def attention(self) -> pl.DataFrame:
-        return query.attention(self.store, self.run_id)
-
-    def routing(self) -> pl.DataFrame:
-        return query.routing(self.store, self.run_id)
-
-    def kv(self) -> pl.DataFrame:
-        return query.kv(self.store, self.run_id)
-
-    def kv_tokens(self) -> pl.DataFrame:
-        return query.kv_tokens(self.store, self.run_id)
-
-    def steps(self) -> pl.DataFrame:
-        return query.steps(self.store, self.run_id)
+    # -- signals: one accessor per registry table (tokens, attention, routing, kv, kv_tokens, steps, ...) --
+    def signal(self, table: str) -> pl.DataFrame:
+        """All rows of one signal table for this run (see ``workbench.signals.REGISTRY``)."""
+        return query.signal(self.store, table, self.run_id)
 
     def expert_load(self) -> pl.DataFrame:
         return query.expert_load(self.store, self.run_id)
 
     # -- analyses ---------------------------------------------------------------------------------
-    def anomalies(self, recompute: bool = False, **thresholds) -> pl.DataFrame:
+    def anomalies(self, recompute: bool = False, reference=None, **thresholds) -> pl.DataFrame:
         """Anomalies of this run (detected and stored on first call, or when ``recompute``)."""
         from .anomalies import detect
-        return detect(self, recompute=recompute, **thresholds)
+        ref = getattr(reference, "run_id", reference)
+        return detect(self.store, self.run_id, recompute=recompute, reference=ref, **thresholds)
 
-    def root_cause(self, pos: int, **kw) -> pl.DataFrame:
-        """Ranked causes of the token at ``pos``: source tokens (IG), heads and experts (ablation)."""
+    def root_cause(self, pos: int, reference=None, **kw) -> pl.DataFrame:
+        """Ranked causes of the token at ``pos``: source tokens (IG), heads, experts, routers (ablation).
+
+        ``reference``: a known-good ``Run`` or run id, module, adapter or checkpoint folder (see rootcause)."""
         from .rootcause import root_cause
-        return root_cause(self, pos, **kw)
+        if isinstance(reference, Run):
+            reference = reference._adapter or reference.run_id
+        if "store" in kw:  # the older keyword
+            kw["save"] = kw.pop("store")
+        return root_cause(self.store, self.run_id, pos, adapter=self.adapter(), reference=reference, **kw)
 
     def at_step(self, t: int):
         """The state of the generation after step ``t``, from the database alone."""
         from .replay import at_step
         return at_step(self.store, self.run_id, t)
+
+    def replay(self, **kw) -> dict:
+        """Re-run this run and compare it with the record (see ``workbench.replay.replay_run``)."""
+        from .replay import replay_run
+        return replay_run(self.store, self.run_id, model=kw.pop("model", self._adapter), **kw)
 
     def report(self, out: str | Path | None = None, format: str = "html") -> Path | str:
         from .report import write_report
@@ -119,6 +131,8 @@ class Run:
 
     # -- figures ----------------------------------------------------------------------------------
     def __getattr__(self, name: str):
+        if name in TABLES:
+            return lambda: self.signal(name)
         if name.startswith("fig_"):
             from . import figures
             fn = getattr(figures, name, None)
@@ -132,7 +146,7 @@ class Run:
         gen = t.filter(~pl.col("is_prompt"))
         return {
             "run_id": self.run_id, "status": self.info["status"], "model": self.info["model"],
-            "dtype": self.info["dtype"], "prompt_tokens": int(t["is_prompt"].sum()) if t.height else 0,
+            "architecture": self.model_summary.describe(), "dtype": self.info["dtype"], "prompt_tokens": int(t["is_prompt"].sum()) if t.height else 0,
             "generated_tokens": gen.height,
             "mean_confidence": float(gen["confidence"].mean()) if gen.height else None,
             "low_confidence_tokens": int((gen["confidence"] < 0.2).sum()) if gen.height else 0,
@@ -183,11 +197,45 @@ class Workbench:
         return readonly_sql(self.store, query_text, **kw)
 
     def record(self, prompt, **kw) -> Run:
-        from .recorder import record
         return record(prompt, db=self.store, **kw)
 
     def __repr__(self) -> str:
         return f"Workbench({self.store.path}, {self.runs().height} runs)"
+
+
+def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_tokens: int = 64,
+           temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, db=None, dtype: str | None = None,
+           probes=PROBES, topk: int = 5, progress: bool = False, on_token=None, parent_run_id: str | None = None,
+           run_id: str | None = None, detect: bool = True, backend: str = "auto") -> Run:
+    """Generate from ``prompt`` with probes attached and store every signal; returns the ``Run``.
+
+    Args:
+        prompt: text (encoded with ``tokenizer``) or token ids.
+        model: None (bundled demo), a checkpoint folder (ours, or any ``transformers`` causal LM), a loaded
+            module (our ``Transformer`` or a ``transformers`` model) or an adapter.
+        tokenizer: a ``tokenizers.Tokenizer`` or a path; None: the checkpoint folder's (an error if it has
+            none), the bundled one for the bundled model.
+        db: database path or ``Store`` (default ``$WORKBENCH_DB`` or ``data/workbench.duckdb``).
+        dtype: "float32" / "bfloat16" / "float16" to run the model in that dtype.
+        probes: signals to record (``workbench.signals.PROBES``: all of them by default).
+        on_token: called as ``on_token(pos, text)`` for each generated token (live streaming).
+        detect: run the anomaly detectors once the run completes (``Run.anomalies()`` recomputes on demand).
+        backend: "auto" | "native" | "transformers": how a DeepseekV3 folder is run.
+    """
+    from .recorder import record_run
+
+    rid, store, adapter, tok = record_run(
+        prompt, model=model, tokenizer=tokenizer, max_new_tokens=max_new_tokens, temperature=temperature,
+        top_p=top_p, seed=seed, db=db, dtype=dtype, probes=probes, topk=topk, progress=progress, on_token=on_token,
+        parent_run_id=parent_run_id, run_id=run_id, backend=backend)
+    run = Run(store, rid, model=adapter, tokenizer=tok)
+    if detect:
+        try:  # the runs table shows anomaly counts; a detector bug must not lose the recording
+            run.anomalies()
+        except Exception as e:  # noqa: BLE001
+            import warnings
+            warnings.warn(f"anomaly detection failed for run {rid}: {e}")
+    return run
 
 
 def open(db: str | Path | None = None) -> Workbench:  # noqa: A001 - the documented name

@@ -6,7 +6,9 @@ Conventions: ``pos`` is the 0-based position in the sequence, ``layer`` the 0-ba
 """
 from __future__ import annotations
 
-SCHEMA_VERSION = 1
+from .signals import TABLES as SIGNAL_TABLES
+
+SCHEMA_VERSION = 2
 
 TABLES: dict[str, str] = {
     "meta": """
@@ -17,7 +19,7 @@ TABLES: dict[str, str] = {
         created_at TIMESTAMP,
         status VARCHAR,            -- running | complete | failed | interrupted
         model VARCHAR,             -- checkpoint path or a module's class name
-        config VARCHAR,            -- ModelArgs as JSON
+        config VARCHAR,            -- the model's own config as JSON (ModelArgs, or a transformers config)
         checkpoint_sha256 VARCHAR,
         dtype VARCHAR,
         device VARCHAR,
@@ -29,59 +31,9 @@ TABLES: dict[str, str] = {
         error VARCHAR,
         n_prompt_tokens INTEGER,
         n_tokens INTEGER,          -- prompt + generated tokens recorded so far
-        pid INTEGER                -- recording process, to tell a live run from an interrupted one""",
-    "tokens": """
-        run_id VARCHAR,
-        pos INTEGER,
-        step INTEGER,              -- step that produced (or, for the prompt, fed) this token
-        token_id INTEGER,
-        text VARCHAR,
-        is_prompt BOOLEAN,
-        prob DOUBLE,               -- p(token) under the distribution at pos-1; NULL at pos 0
-        logprob DOUBLE,
-        confidence DOUBLE,         -- max prob of that distribution
-        entropy DOUBLE,            -- nats
-        rank INTEGER,              -- 1 = the argmax
-        topk_ids INTEGER[],
-        topk_probs DOUBLE[]""",
-    "attention": """
-        run_id VARCHAR,
-        pos INTEGER,               -- query position
-        layer INTEGER,
-        head INTEGER,
-        entropy DOUBLE,            -- nats, over the keys 0..pos
-        norm_entropy DOUBLE,       -- entropy / log(pos + 1); NULL at pos 0
-        max_weight DOUBLE,
-        sink_weight DOUBLE         -- weight on position 0""",
-    "routing": """
-        run_id VARCHAR,
-        pos INTEGER,
-        layer INTEGER,
-        slot INTEGER,              -- 0..K-1, by decreasing gate weight
-        expert INTEGER,
-        weight DOUBLE,             -- gate weight used to mix the expert's output
-        score DOUBLE,              -- raw score (sigmoid or softmax of the router logit)
-        margin DOUBLE              -- last chosen minus best unchosen selection score (score + bias)""",
-    "kv": """
-        run_id VARCHAR,
-        step INTEGER,
-        layer INTEGER,
-        cached_tokens INTEGER,
-        bytes BIGINT""",
-    "kv_tokens": """
-        run_id VARCHAR,
-        step INTEGER,
-        layer INTEGER,
-        pos INTEGER,               -- cached token
-        latent_norm DOUBLE,        -- L2 norm of its cached kv latent
-        rope_norm DOUBLE,          -- L2 norm of its cached rope key
-        attn_received DOUBLE       -- attention it has received so far, summed over heads and queries""",
-    "steps": """
-        run_id VARCHAR,
-        step INTEGER,
-        kind VARCHAR,              -- prefill | decode
-        n_tokens INTEGER,
-        wall_ms DOUBLE""",
+        pid INTEGER,               -- recording process, to tell a live run from an interrupted one
+        summary VARCHAR,           -- the neutral model summary as JSON (docs/schema.md); every consumer reads it
+        notes VARCHAR              -- what the recorder could not see (e.g. MoE blocks no adapter recognises)""",
     "anomalies": """
         run_id VARCHAR,
         anomaly_id INTEGER,
@@ -109,8 +61,19 @@ TABLES: dict[str, str] = {
         created_at TIMESTAMP""",
 }
 
+# the signal tables come from the registry (workbench/signals.py), after runs and before the derived ones
+TABLES = {k: v for k, v in TABLES.items() if k in ("meta", "runs")} | \
+    {name: "\n        " + t.ddl().replace(",\n", ",\n        ") for name, t in SIGNAL_TABLES.items()} | \
+    {k: v for k, v in TABLES.items() if k not in ("meta", "runs")}
+
 # columns that identify a row, for idempotent replacement of derived tables
 DERIVED = ("anomalies", "attributions")
+
+# what a database of an older schema_version needs to read as this one (tables are created if missing)
+MIGRATIONS = {
+    2: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS summary VARCHAR",
+        "ALTER TABLE runs ADD COLUMN IF NOT EXISTS notes VARCHAR"],
+}
 
 
 def ddl() -> str:

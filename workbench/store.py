@@ -15,7 +15,6 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,7 +22,8 @@ import duckdb
 import numpy as np
 import polars as pl
 
-from .schema import SCHEMA_VERSION, TABLES, columns, ddl
+from .rows import Rows
+from .schema import MIGRATIONS, SCHEMA_VERSION, TABLES, columns, ddl
 
 REPO_DATA = Path(__file__).resolve().parent.parent / "data"
 
@@ -172,6 +172,7 @@ class Store:
         try:
             existing = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables "
                                                   "WHERE table_schema = 'main'").fetchall()}
+            version = SCHEMA_VERSION
             if "meta" in existing:
                 row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
                 version = int(row[0]) if row else 0
@@ -184,7 +185,11 @@ class Store:
                 raise StoreError(f"{self.path} is a DuckDB file but not a workbench database "
                                  f"(tables: {', '.join(sorted(existing)[:5])})")
             con.execute(ddl())
-            con.execute("INSERT INTO meta VALUES ('schema_version', ?) ON CONFLICT DO NOTHING", [str(SCHEMA_VERSION)])
+            for v in range(version + 1, SCHEMA_VERSION + 1):  # an older database is brought up to date
+                for stmt in MIGRATIONS.get(v, []):
+                    con.execute(stmt)
+            con.execute("INSERT INTO meta VALUES ('schema_version', ?) ON CONFLICT DO UPDATE SET value = excluded.value",
+                        [str(SCHEMA_VERSION)])
             self._mark_interrupted(con)
         except StoreError:
             raise
@@ -322,25 +327,6 @@ class Writer:
         self._thread.join()
         if self.error is not None:
             raise StoreError(f"writing to {self.store.path} failed: {self.error}")
-
-
-@dataclass
-class Rows:
-    """One table's rows as numpy columns (2-D arrays for list columns), not yet a frame.
-
-    The recorder hands these to the ``Writer``, which concatenates many steps' columns and builds one
-    frame per table per transaction in its own thread: building a polars frame per table per step cost
-    more than a small model's decode step.
-    """
-
-    run_id: str
-    cols: dict[str, np.ndarray]
-    dtypes: dict[str, Any] = field(default_factory=dict)  # polars dtypes where numpy's is not enough
-    nan_to_null: tuple[str, ...] = ()
-
-    @property
-    def height(self) -> int:
-        return len(next(iter(self.cols.values())))
 
 
 def _rows_frame(parts: list[Rows]) -> pl.DataFrame:

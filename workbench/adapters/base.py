@@ -1,0 +1,205 @@
+"""The adapter interface: what the recorder, root cause, replay, diff and fault injection ask of a model.
+
+An adapter wraps one loaded model and offers:
+
+- ``summary``: the neutral ``ModelSummary`` stored with every run (no family-specific config keys);
+- ``stream(...)``: generation with the model's KV cache, yielding ``model.generate.Step`` objects;
+- ``forward(ids)``: logits [B, T, V] of a full forward without cache (differentiable; root cause);
+- ``embedding()``: the input-embedding module (captum's ``LayerIntegratedGradients`` target);
+- ``seams(listeners)``: a context manager that attaches listeners to the model's seams for the block;
+- ``kv_state()``: the KV cache after a step, per layer;
+- ``router(layer)``: the layer's ``RouterMath`` (checked against the router module when loaded).
+
+Seams and what a listener receives (``layer`` is the 0-based block; a listener may return a
+replacement where noted, which is how ablations and faults intervene):
+
+- ``attn_probs(layer, probs [Tc, H, S], q_start)``: one block of query rows of batch row 0 (recording).
+- ``head_out(layer, z [B, T, H, d]) -> z | None``: each head's output before the output projection.
+- ``route(layer, Route) -> (indices, weights) | None``: what the experts are about to receive.
+- ``shared_out(layer, out [N, D]) -> out | None``: the shared experts' output (batch-major rows).
+- ``resid_post(layer, h [B, T, D])``: the residual stream after the block.
+
+Dimension letters: B batch, T tokens, S cached keys, H heads, d head dim, N = B*T routed rows,
+E routed experts, K experts per token.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from .routing import RouterMath
+
+SEAMS = ("attn_probs", "head_out", "route", "shared_out", "resid_post")
+
+
+@dataclass
+class ModelSummary:
+    """The facts about a model that every consumer reads (stored as JSON in ``runs.summary``).
+
+    ``moe_layers`` lists the blocks whose routing is recorded; ``unrouted_layers`` those that hold
+    experts no adapter recognised (recorded without routing, and said so in ``notes``).
+    """
+
+    family: str
+    backend: str  # native | transformers
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    max_seq_len: int
+    moe_layers: list[int] = field(default_factory=list)
+    n_routed_experts: int = 0
+    n_shared_experts: int = 0
+    top_k: int = 0
+    selection_bias: bool = False
+    unrouted_layers: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers or self.unrouted_layers)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelSummary":
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def describe(self) -> str:
+        """One line for a header: "mixtral, 2 layers x 4 heads, MoE in 2 layers: 8 experts top-2"."""
+        s = f"{self.family}, {self.n_layers} layers x {self.n_heads} heads"
+        if self.moe_layers:
+            s += f", MoE in {len(self.moe_layers)} layers: {self.n_routed_experts} experts top-{self.top_k}"
+            if self.n_shared_experts:
+                s += f" + {self.n_shared_experts} shared"
+        if self.unrouted_layers:
+            s += f", unrecognised MoE blocks in layers {self.unrouted_layers} (no routing recorded)"
+        elif not self.moe_layers:
+            s += ", dense"
+        return s
+
+
+@dataclass
+class Route:
+    """One MoE layer's routing in one forward: what the router computed and the experts will receive."""
+
+    layer: int
+    logits: torch.Tensor  # [N, E]
+    indices: torch.Tensor  # [N, K]
+    weights: torch.Tensor  # [N, K]
+    math: RouterMath
+
+
+Listener = Callable[..., object]
+
+
+class Adapter:
+    """Base class: the seams are dispatched here; subclasses attach them to their model's modules."""
+
+    summary: ModelSummary
+    module: nn.Module
+    checkpoint_path: str | None = None
+
+    # -- subclasses -------------------------------------------------------------------------------
+    def stream(self, prompt: Sequence[int], max_new_tokens: int, temperature: float, top_p: float, seed: int,
+               eos_id: int | None) -> Iterator:
+        raise NotImplementedError
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def embedding(self) -> nn.Module:
+        raise NotImplementedError
+
+    def kv_state(self) -> list[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
+        """(layer, cached tokens, bytes, first cached tensor [S, *], second [S, *]) per cached layer."""
+        raise NotImplementedError
+
+    def router(self, layer: int) -> RouterMath:
+        raise NotImplementedError
+
+    def _attach(self, seam: str, fn: Listener) -> list:
+        """Register ``fn`` on the model's modules for one seam; returns removable handles."""
+        raise NotImplementedError
+
+    def state_sha256(self) -> str:
+        raise NotImplementedError
+
+    def _without_cache(self) -> contextlib.AbstractContextManager:
+        """Detach the generation cache while full forwards run (a model that keeps one overrides this)."""
+        return contextlib.nullcontext()
+
+    # -- shared -----------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.module.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    @contextlib.contextmanager
+    def seams(self, listeners: dict[str, Listener]) -> Iterator[None]:
+        """Attach ``{seam: fn}`` for the duration of the block (removed whatever happens inside)."""
+        unknown = set(listeners) - set(SEAMS)
+        if unknown:
+            raise KeyError(f"unknown seams {sorted(unknown)}; an adapter offers {SEAMS}")
+        handles: list = []
+        try:
+            for seam, fn in listeners.items():
+                if seam == "route" and not self.summary.moe_layers:
+                    continue
+                if seam == "shared_out" and not self.summary.n_shared_experts:
+                    continue
+                handles += self._attach(seam, fn)
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    @contextlib.contextmanager
+    def analysis(self) -> Iterator[None]:
+        """Full forwards from position 0, gradients on, no parameter gradients (root cause)."""
+        flags = [p.requires_grad for p in self.module.parameters()]
+        try:
+            for p in self.module.parameters():
+                p.requires_grad_(False)
+            with self._without_cache(), torch.inference_mode(False), torch.enable_grad():
+                yield
+        finally:
+            for p, f in zip(self.module.parameters(), flags):
+                p.requires_grad_(f)
+
+    def components(self) -> list[tuple[str, int, int | None, int | None]]:
+        """(kind, layer, head, expert) for every head, routed expert, shared-expert block and router."""
+        s = self.summary
+        out: list[tuple[str, int, int | None, int | None]] = []
+        for i in range(s.n_layers):
+            out += [("head", i, h, None) for h in range(s.n_heads)]
+            if i in s.moe_layers:
+                out += [("expert", i, None, j) for j in range(s.n_routed_experts)]
+                if s.n_shared_experts:
+                    out.append(("shared_expert", i, None, None))
+                if self.router(i).has_bias:
+                    out.append(("router", i, None, None))
+        return out
+
+    def routing_of(self, ids: torch.Tensor) -> dict[int, torch.Tensor]:
+        """The expert indices [T, K] every MoE layer chooses on ``ids`` [1, T] (a full forward)."""
+        got: dict[int, torch.Tensor] = {}
+
+        def keep(layer: int, r: Route) -> None:
+            got[layer] = r.indices.detach().clone()
+
+        with self.analysis(), torch.no_grad(), self.seams({"route": keep}):
+            self.forward(ids)
+        return got
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.summary.describe()})"

@@ -1,0 +1,110 @@
+"""The adapter for our own ``Transformer`` (workbench.model), DeepseekV3 folders loaded natively included.
+
+Its seams are the model's ``hook_*`` points: attention probabilities (``attn.hook_attn_probs``, which
+switches MLA to the explicit-softmax path only while listened to), per-head outputs (``attn.hook_z``),
+the gate (its logits at ``gate.hook_logits``, its ``(weights, indices)`` output, replaceable), the shared
+experts' output and the residual stream after each block. The KV state is the latent cache itself.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from workbench.model import MoE, Transformer, state_sha256, stream
+
+from .base import Adapter, Listener, ModelSummary, Route
+from .routing import RouterMath
+
+
+def _hook(module: nn.Module, fn) -> object:
+    return module.register_forward_hook(fn, with_kwargs=True)
+
+
+class NativeAdapter(Adapter):
+    """Adapter over ``workbench.model.Transformer``."""
+
+    def __init__(self, model: Transformer, family: str = "deepseek_v3"):
+        self.module = model
+        self.module._workbench_adapter = self  # adapter_for(module) finds it again
+        self.checkpoint_path = getattr(model, "checkpoint_path", None)
+        a = model.args
+        moe = [i for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoE)]
+        self.summary = ModelSummary(
+            family=family, backend="native", n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=1,
+            vocab_size=a.vocab_size, max_seq_len=a.max_seq_len, moe_layers=moe,
+            n_routed_experts=a.n_routed_experts if moe else 0, n_shared_experts=a.n_shared_experts if moe else 0,
+            top_k=a.n_activated_experts if moe else 0, selection_bias=bool(moe))
+
+    def router(self, layer: int) -> RouterMath:
+        g = self.module.layers[layer].ffn.gate
+        return RouterMath(n_experts=g.weight.size(0), top_k=g.topk, score=g.score_func, bias=g.bias,
+                          n_group=g.n_groups, topk_group=g.topk_groups,
+                          group_score="top2" if g.score_func == "sigmoid" else "max",
+                          norm=g.norm_topk_prob and (g.score_func == "sigmoid" or g.topk > 1), eps=1e-20,
+                          scale=g.route_scale)
+
+    def stream(self, prompt: Sequence[int], max_new_tokens: int, temperature: float, top_p: float, seed: int,
+               eos_id: int | None) -> Iterator:
+        return stream(self.module, prompt, max_new_tokens, temperature, top_p, seed, eos_id)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.module(ids)
+
+    def embedding(self) -> nn.Module:
+        return self.module.embed
+
+    @contextlib.contextmanager
+    def _without_cache(self) -> Iterator[None]:
+        caches = [layer.attn.cache for layer in self.module.layers]
+        try:
+            for layer in self.module.layers:
+                layer.attn.cache = None
+            yield
+        finally:
+            for layer, c in zip(self.module.layers, caches):
+                layer.attn.cache = c
+
+    def kv_state(self) -> list[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
+        out = []
+        for i, layer in enumerate(self.module.layers):
+            c = layer.attn.cache
+            if c is not None:
+                n = c.length
+                out.append((i, n, n * c.bytes_per_token(), c.kv[0, :n], c.pe[0, :n]))
+        return out
+
+    def state_sha256(self) -> str:
+        return state_sha256(self.module)
+
+    def _attach(self, seam: str, fn: Listener) -> list:
+        layers = self.module.layers
+        if seam == "attn_probs":
+            return [_hook(l.attn.hook_attn_probs, lambda _m, _a, kw, out, i=i: fn(i, out[0], kw["q_start"]))
+                    for i, l in enumerate(layers)]
+        if seam == "head_out":
+            return [_hook(l.attn.hook_z, lambda _m, _a, _kw, z, i=i: fn(i, z)) for i, l in enumerate(layers)]
+        if seam == "resid_post":
+            return [_hook(l.hook_resid_post, lambda _m, _a, _kw, h, i=i: fn(i, h)) for i, l in enumerate(layers)]
+        if seam == "shared_out":
+            return [_hook(layers[i].ffn.shared_experts.hook_out, lambda _m, _a, _kw, o, i=i: fn(i, o))
+                    for i in self.summary.moe_layers]
+        if seam == "route":
+            handles = []
+            for i in self.summary.moe_layers:
+                gate, math = layers[i].ffn.gate, self.router(i)
+                seen: dict = {}
+                handles.append(_hook(gate.hook_logits, lambda _m, _a, _kw, lg, seen=seen: seen.__setitem__("l", lg)))
+
+                def on_gate(_m, _a, _kw, out, i=i, seen=seen, math=math):
+                    weights, indices = out
+                    new = fn(i, Route(i, seen["l"], indices, weights, math))
+                    if new is not None:
+                        idx, w = new
+                        return w.type_as(weights), idx
+                    return None
+                handles.append(_hook(gate, on_gate))
+            return handles
+        raise KeyError(seam)

@@ -1,0 +1,65 @@
+"""Which model a recorded run ran with: reload it (checked against the recorded weights hash) as an adapter.
+
+Used by replay, root cause and ``Run``: a run records its model's label (a checkpoint folder or a module's
+class name), the weights' sha256, the dtype and the backend (``params.backend``); a run recorded from an
+in-memory module can only be re-run with a module (or folder) whose weights hash the same.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from workbench.model import file_sha256
+
+from .adapters import Adapter, adapter_for, load_adapter
+
+
+def run_dtype(info: dict) -> torch.dtype:
+    dtype = getattr(torch, info.get("dtype") or "float32", None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"run {info['run_id']} has an unknown dtype {info.get('dtype')!r}")
+    return dtype
+
+
+def run_backend(info: dict) -> str:
+    return json.loads(info.get("params") or "{}").get("backend") or "auto"
+
+
+def load_for_run(info: dict, model=None, verify: bool = True) -> Adapter:
+    """The adapter to re-run the run described by ``info`` (its ``runs`` row) with.
+
+    Args:
+        model: None to reload the run's checkpoint folder; or a folder / module / adapter to use instead.
+        verify: refuse a model whose weights hash differs from the recorded ``checkpoint_sha256``.
+    Raises:
+        ValueError: the model is not available here, or its weights differ from the recorded ones.
+    """
+    want = info.get("checkpoint_sha256")
+    dtype = run_dtype(info)
+    rid = info["run_id"]
+    if model is None or isinstance(model, (str, Path)):
+        path = Path(model if model is not None else (info.get("model") or ""))
+        if not (path / "config.json").exists():
+            if model is not None:
+                raise FileNotFoundError(f"{path} is not a checkpoint folder (no config.json)")
+            raise ValueError(f"run {rid} was recorded from {info.get('model')!r}, an in-memory module or a checkpoint "
+                             "that is not here; pass model=<module or checkpoint folder> to re-run it")
+        if verify:
+            have = file_sha256(path)
+            if have != want:
+                raise ValueError(f"checkpoint {path} has sha256 {have[:12]}..., but run {rid} was recorded with "
+                                 f"{str(want)[:12]}...: the weights changed, so a re-run would not be comparable")
+        return load_adapter(path, dtype=dtype, backend=run_backend(info))
+    adapter = adapter_for(model)
+    if adapter.dtype != dtype:
+        adapter = adapter_for(copy.deepcopy(adapter.module).to(dtype))  # leave the caller's module as it was
+    if verify:
+        ckpt = adapter.checkpoint_path
+        ok = adapter.state_sha256() == want or (ckpt is not None and Path(ckpt).is_dir() and file_sha256(ckpt) == want)
+        if not ok:
+            raise ValueError(f"the module passed has weights whose sha256 differs from the one run {rid} was "
+                             f"recorded with ({str(want)[:12]}...)")
+    return adapter

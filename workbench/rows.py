@@ -1,0 +1,103 @@
+"""Row builders: one step's reductions as numpy columns (``Rows``), the shape every signal table is stored in.
+
+The recorder hands ``Rows`` to the store's ``Writer``, which concatenates many steps' columns and builds
+one frame per table per transaction in its own thread: building a polars frame per table per step cost
+more than a small model's decode step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import polars as pl
+import torch
+
+from workbench.probes.signals import token_confidence
+
+
+@dataclass
+class Rows:
+    """One table's rows as numpy columns (2-D arrays for list columns), not yet a frame."""
+
+    run_id: str
+    cols: dict[str, np.ndarray]
+    dtypes: dict[str, Any] = field(default_factory=dict)  # polars dtypes where numpy's is not enough
+    nan_to_null: tuple[str, ...] = ()
+
+    @property
+    def height(self) -> int:
+        return len(next(iter(self.cols.values())))
+
+
+def add_received(received: dict[int, torch.Tensor], layer: int, got: torch.Tensor) -> None:
+    """Add one block's attention-received [S] to a layer's running total (grown geometrically)."""
+    acc = received.get(layer)
+    if acc is None or acc.numel() < got.numel():
+        grown = torch.zeros(max(got.numel(), 2 * (acc.numel() if acc is not None else 0), 64))
+        if acc is not None:
+            grown[: acc.numel()] = acc
+        acc = grown
+    acc[: got.numel()] += got.float().cpu()
+    received[layer] = acc
+
+
+def attention_rows(run_id: str, recs: list[dict]) -> Rows:
+    """``attention`` rows from ``attention_stats`` records, each tagged with its layer."""
+    h = recs[0]["entropy"].shape[1]
+    return Rows(run_id, {
+        "pos": np.concatenate([np.repeat(r["pos"], h) for r in recs]),
+        "layer": np.concatenate([np.full(r["entropy"].size, r["layer"], np.int32) for r in recs]),
+        "head": np.tile(np.arange(h, dtype=np.int32), sum(r["entropy"].shape[0] for r in recs)),
+        **{c: np.concatenate([r[c].ravel() for r in recs])
+           for c in ("entropy", "norm_entropy", "max_weight", "sink_weight")},
+    }, nan_to_null=("norm_entropy",))
+
+
+def kv_token_cols(layer: int, n: int, norms: dict[str, np.ndarray], received: dict[int, torch.Tensor]) -> dict:
+    """One layer's ``kv_tokens`` columns for its n cached tokens."""
+    recv = received.get(layer, torch.zeros(n))
+    recv = torch.nn.functional.pad(recv, (0, max(0, n - recv.numel())))[:n]
+    return {"layer": np.full(n, layer, np.int32), "pos": np.arange(n, dtype=np.int32), **norms,
+            "attn_received": recv.numpy().astype(np.float64)}
+
+
+def kv_rows(run_id: str, step: int, rows: list[tuple[int, int, int]], tok_cols: list[dict]) -> dict[str, Rows]:
+    """``kv`` rows from (layer, cached_tokens, bytes) and ``kv_tokens`` rows from ``kv_token_cols``."""
+    out: dict[str, Rows] = {}
+    if rows:
+        out["kv"] = Rows(run_id, {"step": np.full(len(rows), step, np.int32),
+                                  **{c: np.array([r[j] for r in rows], np.int32 if j < 2 else np.int64)
+                                     for j, c in enumerate(("layer", "cached_tokens", "bytes"))}})
+    if tok_cols:
+        cols = {c: np.concatenate([t[c] for t in tok_cols]) for c in tok_cols[0]}
+        out["kv_tokens"] = Rows(run_id, {"step": np.full(len(cols["pos"]), step, np.int32), **cols})
+    return out
+
+
+def steps_rows(run_id: str, step: int, n_fed: int, wall_ms: float) -> Rows:
+    return Rows(run_id, {"step": np.array([step], np.int32),
+                         "kind": np.array(["prefill" if step == 0 else "decode"], dtype=object),
+                         "n_tokens": np.array([n_fed], np.int32), "wall_ms": np.array([wall_ms])})
+
+
+def token_frame(run_id: str, step: int, positions: list[int], token_ids: list[int], texts: list[str],
+                is_prompt: list[bool], logits: torch.Tensor | None, k: int) -> pl.DataFrame | Rows:
+    """Token rows; ``logits`` [n, V] are the distributions that produced them (None: position 0)."""
+    n = len(positions)
+    schema = {"prob": pl.Float64, "logprob": pl.Float64, "confidence": pl.Float64, "entropy": pl.Float64,
+              "rank": pl.Int32, "topk_ids": pl.List(pl.Int32), "topk_probs": pl.List(pl.Float64)}
+    if logits is None:
+        # typed Series built eagerly: a lazy with_columns per decode step costs milliseconds
+        series = [pl.Series("run_id", [run_id], pl.String).new_from_index(0, n), pl.Series("pos", positions, pl.Int32),
+                  pl.Series("step", [step] * n, pl.Int32), pl.Series("token_id", token_ids, pl.Int32),
+                  pl.Series("text", texts, pl.String), pl.Series("is_prompt", is_prompt, pl.Boolean)]
+        return pl.DataFrame(series + [pl.Series(c, [None] * n, t) for c, t in schema.items()])
+    sig = token_confidence(logits, torch.tensor(token_ids), k)
+    # NaN stays NaN (not NULL): the anomaly detectors look for non-finite values
+    return Rows(run_id, {
+        "pos": np.asarray(positions, np.int32), "step": np.full(n, step, np.int32),
+        "token_id": np.asarray(token_ids, np.int32), "text": np.asarray(texts, dtype=object),
+        "is_prompt": np.asarray(is_prompt, bool), **{c: sig[c] for c in ("prob", "logprob", "confidence", "entropy")},
+        "rank": sig["rank"], "topk_ids": sig["topk_ids"], "topk_probs": sig["topk_probs"],
+    }, dtypes={"text": pl.String, "topk_ids": schema["topk_ids"], "topk_probs": schema["topk_probs"]})
