@@ -211,8 +211,8 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         if not run_id:
             return None, None, gr.CheckboxGroup(choices=[])
         run = get_run(run_id)
-        cfg = run.config
-        choices = [f"L{l}H{h}" for l in range(cfg.get("n_layers", 0)) for h in range(cfg.get("n_heads", 0))]
+        ms = run.model_summary
+        choices = [f"L{l}H{h}" for l in range(ms.n_layers) for h in range(ms.n_heads)]
         chosen = [c for c in (heads or []) if c in choices]
         pairs = [tuple(int(x) for x in c[1:].split("H")) for c in chosen]
         return (run.fig_head_entropy(), run.fig_entropy_along(heads=pairs or None, normalised=normalised),
@@ -317,7 +317,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
     def record_stream(prompt: str, max_new_tokens: float, temperature: float, top_p: float, seed: float,
                       checkpoint: str, progress=gr.Progress()):
         """Record in a thread; yield the tokens committed so far, coloured by confidence, as they land."""
-        from workbench.recorder import record
+        from workbench.run import record
 
         if not prompt or not prompt.strip():
             raise gr.Error("empty prompt: type some text to record")

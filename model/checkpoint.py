@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import re
 from pathlib import Path
 
@@ -218,10 +219,16 @@ def load_checkpoint(path: str | Path | None = None, dtype: torch.dtype = torch.f
     return model.to(device=device, dtype=dtype).eval()
 
 
-def save_checkpoint(model: Transformer, folder: str | Path, extra: dict | None = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` (fp32 unless the model is in another dtype)."""
+def save_checkpoint(model: Transformer, folder: str | Path, extra: dict | None = None, tokenizer=None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` (fp32 unless the model is in another dtype), and
+    ``tokenizer.json`` when ``tokenizer`` (a ``tokenizers.Tokenizer`` or a tokenizer.json path) is given."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None:
+        if isinstance(tokenizer, (str, Path)):
+            shutil.copyfile(tokenizer, folder / "tokenizer.json")
+        else:
+            tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "config.json").write_text(json.dumps(model.args.to_dict(), indent=2) + "\n")
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     if model.args.tie_embeddings:

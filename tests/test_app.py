@@ -11,6 +11,7 @@ import polars as pl
 import pytest
 
 import workbench
+from workbench.model.tokenizer import DEFAULT_TOKENIZER
 from workbench.model import load_tokenizer, save_checkpoint
 from workbench import query
 from workbench.sqlsafe import SqlError, readonly_sql, run_readonly
@@ -163,7 +164,7 @@ def test_demo_records_each_prompt_once(tmp_path, monkeypatch, capsys):
     from workbench.commands import demo
 
     ckpt = tmp_path / "ckpt"
-    save_checkpoint(tiny_model(3, vocab_size=4096), ckpt)
+    save_checkpoint(tiny_model(3, vocab_size=4096), ckpt, tokenizer=DEFAULT_TOKENIZER)
     monkeypatch.setattr(model_pkg, "load_checkpoint", lambda *a, **k: model_pkg.checkpoint.load_checkpoint(ckpt))
     prompts = tmp_path / "prompts"
     prompts.mkdir()

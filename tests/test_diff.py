@@ -7,10 +7,11 @@ import plotly.graph_objects as go
 import polars as pl
 import pytest
 
+from workbench.model.tokenizer import DEFAULT_TOKENIZER
 from workbench.model import save_checkpoint
 from workbench import cli
 from workbench.diff import diff_runs
-from workbench.recorder import record
+from workbench import record
 from workbench.run import Workbench
 from workbench.store import Store
 from helpers import tiny_model
@@ -24,7 +25,7 @@ NEW = 10
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("diff")
     model = tiny_model()
-    ckpt = str(save_checkpoint(model, root / "ckpt"))
+    ckpt = str(save_checkpoint(model, root / "ckpt", tokenizer=DEFAULT_TOKENIZER))
     store = Store(root / "wb.duckdb")
     edited = list(PROMPT)
     edited[EDIT] = 200

@@ -5,10 +5,12 @@ import duckdb
 import polars as pl
 import pytest
 
+from workbench.model.tokenizer import DEFAULT_TOKENIZER
 from workbench.model import save_checkpoint
 from workbench import cli
 from workbench.export import RUN_TABLES, export_parquet
-from workbench.recorder import record
+from workbench import record
+from workbench.schema import SCHEMA_VERSION
 from workbench.schema import columns
 from workbench.store import Store
 from helpers import tiny_model
@@ -18,7 +20,7 @@ from helpers import tiny_model
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     model = tiny_model()
-    ckpt = str(save_checkpoint(model, root / "ckpt"))
+    ckpt = str(save_checkpoint(model, root / "ckpt", tokenizer=DEFAULT_TOKENIZER))
     store = Store(root / "wb.duckdb")
     # an all-digit id: DuckDB's Hive reader would type it BIGINT unless told otherwise
     a = record([5, 17, 42, 7], model=ckpt, max_new_tokens=4, db=store, run_id="200747441128", detect=False)
@@ -58,7 +60,7 @@ def test_all_runs_round_trip_through_duckdb(env, tmp_path):
         assert got.height == want.height, table
         assert same_rows(want, got), table
     meta = duckdb.sql(f"SELECT * FROM read_parquet('{tmp_path / 'pq' / 'meta' / 'data.parquet'}')").fetchall()
-    assert ("schema_version", "1") in meta
+    assert ("schema_version", str(SCHEMA_VERSION)) in meta
 
 
 def test_one_run_and_idempotent_reexport(env, tmp_path):

@@ -14,7 +14,9 @@ import torch
 import workbench
 from workbench.model import ModelArgs, Transformer, save_checkpoint
 from workbench.model.tokenizer import DEFAULT_TOKENIZER
-from workbench.recorder import MAX_PROMPT_CHARS, PROBES
+from workbench.recorder import MAX_PROMPT_CHARS
+from workbench.signals import PROBES, SIGNALS
+from workbench.signals import TABLES as SIGNAL_TABLES
 from workbench.store import Store
 from helpers import tiny_model
 
@@ -29,7 +31,7 @@ def tiny(vocab: int = 256) -> Transformer:
 def checkpoint(tmp_path_factory) -> Path:
     """A tiny checkpoint folder (ours) holding the bundled tokenizer (vocab 4096)."""
     folder = tmp_path_factory.mktemp("ckpt")
-    save_checkpoint(tiny(4096), folder)
+    save_checkpoint(tiny(4096), folder, tokenizer=DEFAULT_TOKENIZER)
     shutil.copy(DEFAULT_TOKENIZER, folder / "tokenizer.json")
     return folder
 
@@ -64,9 +66,8 @@ def test_probe_subsets(tmp_path):
     full = workbench.record([1, 2, 3, 4], model=model, max_new_tokens=3, db=db)
     for probe in PROBES:
         run = workbench.record([1, 2, 3, 4], model=model, max_new_tokens=3, db=db, probes=[probe])
-        heights = {"tokens": run.tokens().height, "attention": run.attention().height,
-                   "routing": run.routing().height, "kv": run.kv().height, "steps": run.steps().height}
-        assert {k for k, v in heights.items() if v} == {probe}
+        heights = {t: run.signal(t).height for t in SIGNAL_TABLES}
+        assert {k for k, v in heights.items() if v} == {t.name for t in SIGNALS[probe].tables}
         if probe == "tokens":
             assert run.tokens()["token_id"].to_list() == full.tokens()["token_id"].to_list()
 

@@ -7,12 +7,15 @@ import shutil
 import pytest
 import torch
 
+from workbench.model.tokenizer import DEFAULT_TOKENIZER
 from workbench.model import ModelArgs, Transformer, load_checkpoint, save_checkpoint, stream
 from workbench.probes import attach
 from workbench.probes.signals import attention_stats
 from workbench import cli
-from workbench.recorder import record
-from workbench.replay import at_step, first_divergence, replay_run, step_range
+from workbench import record
+from workbench.diff import first_divergence
+from workbench.signals import TABLES as SIGNAL_TABLES
+from workbench.replay import at_step, replay_run, step_range
 from workbench.store import Store
 from helpers import tiny_model
 
@@ -27,7 +30,7 @@ def tiny() -> Transformer:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("replay")
-    ckpt = save_checkpoint(tiny(), root / "ckpt")
+    ckpt = save_checkpoint(tiny(), root / "ckpt", tokenizer=DEFAULT_TOKENIZER)
     store = Store(root / "wb.duckdb")
     run = record(PROMPT, model=str(ckpt), max_new_tokens=NEW, db=store)
     return {"root": root, "ckpt": ckpt, "store": store, "run": run}
@@ -116,7 +119,7 @@ def test_replay_of_a_greedy_run_matches_exactly(env, capsys):
 def test_first_divergence_names_step_position_signal_and_magnitude(env):
     store, run = env["store"], env["run"]
     rid, n = run.run_id, len(PROMPT)
-    for table in ("runs", "tokens", "attention", "routing", "kv", "kv_tokens", "steps"):
+    for table in ("runs", *SIGNAL_TABLES):
         store.execute(f"INSERT INTO {table} SELECT * REPLACE ('edited' AS run_id) FROM {table} WHERE run_id = ?",
                       [rid])
     assert first_divergence(store, rid, "edited") is None

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from workbench.model.tokenizer import DEFAULT_TOKENIZER
 from workbench.model import save_checkpoint
 from workbench import cli
-from workbench.recorder import record
+from workbench import record
 from workbench.report import build_report, script_json, write_report
 from workbench.store import Store
 from helpers import tiny_model
@@ -25,7 +26,7 @@ RC = {"steps": 4}  # IG steps: enough to produce a ranking, fast on two busy cor
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("report")
     model = tiny_model()
-    ckpt = str(save_checkpoint(model, root / "ckpt"))
+    ckpt = str(save_checkpoint(model, root / "ckpt", tokenizer=DEFAULT_TOKENIZER))
     store = Store(root / "wb.duckdb")
     run = record([5, 17, 42, 7, 99, 3], model=ckpt, max_new_tokens=6, db=store)
     # a model can emit any text: make one generated token a script-injection attempt

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import workbench
+from workbench.model.tokenizer import DEFAULT_TOKENIZER
 from workbench.model import ModelArgs, Transformer
 from workbench.probes import attach
 from workbench import faults, query
@@ -193,7 +194,7 @@ def test_explain_cli(tiny, tmp_path, capsys):
     # the CLI loads the model itself: a run recorded from an in-memory module cannot be explained there
     assert cli_main(["explain", mem.run_id, "5", "--json", "--db", str(db)]) == 2
     assert "not a checkpoint" in capsys.readouterr().err
-    ckpt = save_checkpoint(tiny, tmp_path / "ckpt")
+    ckpt = save_checkpoint(tiny, tmp_path / "ckpt", tokenizer=DEFAULT_TOKENIZER)
     run = workbench.record(list(range(60, 72)), model=str(ckpt), max_new_tokens=2, db=db)
     assert cli_main(["explain", run.run_id, "6", "--json", "--steps", "8", "--db", str(db)]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -240,7 +241,7 @@ def test_root_cause_against_a_reference(tiny, tmp_path, capsys):
     with pytest.raises(ValueError, match="vocabulary"):
         run.root_cause(pos, reference=other)
     # the CLI takes a reference run id or a checkpoint folder
-    ckpt = save_checkpoint(tiny, tmp_path / "ckpt")
+    ckpt = save_checkpoint(tiny, tmp_path / "ckpt", tokenizer=DEFAULT_TOKENIZER)
     a = workbench.record(list(range(30, 46)), model=str(ckpt), max_new_tokens=2, db=db)
     twin = workbench.record(list(range(30, 46)), model=str(ckpt), max_new_tokens=2, db=db)
     with pytest.raises(ValueError, match="same weights"):  # a run id resolves in the run's database
@@ -248,7 +249,7 @@ def test_root_cause_against_a_reference(tiny, tmp_path, capsys):
     with pytest.raises(ValueError, match="neither a run"):
         run.root_cause(pos, reference="nope")
     with faults.bias_router(clean, 1, 6, amount=2.0):
-        save_checkpoint(clean, tmp_path / "biased")
+        save_checkpoint(clean, tmp_path / "biased", tokenizer=DEFAULT_TOKENIZER)
     assert cli_main(["explain", a.run_id, str(pos), "--json", "--steps", "4", "--reference",
                      str(tmp_path / "biased"), "--db", str(db)]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -22,13 +22,18 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt from a file")
-    p.add_argument("--model", default=None, help="checkpoint folder (ours or Hugging Face); default: bundled demo")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the checkpoint's or the bundled one)")
+    p.add_argument("--model", default=None, help="checkpoint folder (ours, or any transformers causal LM, MoE or "
+                                                  "dense); default: bundled demo")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the model folder's; required when "
+                                                      "the folder has none)")
+    p.add_argument("--backend", default="auto", choices=["auto", "native", "transformers"],
+                   help="how a DeepseekV3 folder runs: our own Transformer (auto, native) or transformers")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="run the model in this dtype")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="run the model in this dtype")
     p.add_argument("--json", action="store_true", help="print a JSON object (with run_id) as the last line")
     _db(p)
 

@@ -55,8 +55,13 @@ def _layout(fig: go.Figure, title: str, height: int = 380, **kw) -> go.Figure:
     return fig
 
 
-def _config(store: Store, run_id: str) -> dict:
-    return json.loads(query.run_row(store, run_id)["config"] or "{}")
+def _n_experts(store: Store, run_id: str) -> int:
+    return query.run_summary(store, run_id).n_routed_experts
+
+
+def _no_routing(store: Store, run_id: str) -> go.Figure:
+    """An empty figure that says why a run has no routing rows (never "dense" for a MoE model)."""
+    return _empty(query.no_routing_reason(store, run_id))
 
 
 def _max_pos_at(store: Store, run_id: str, step: int | None) -> int | None:
@@ -100,7 +105,7 @@ def _decode(store: Store, run_id: str, ids: list[int], tokens: pl.DataFrame) -> 
     info = query.run_row(store, run_id)
     try:
         tok = _tokenizer_for(str(info["model"]))
-        vocab = json.loads(info["config"] or "{}").get("vocab_size") or 0
+        vocab = query.model_summary(info).vocab_size
         if tok.get_vocab_size() < vocab:  # not this model's tokenizer: its ids would decode wrongly
             raise LookupError("tokenizer smaller than the model's vocabulary")
         return [tok.decode([int(i)]) for i in ids]
@@ -246,8 +251,8 @@ def fig_token_routing(store: Store, run_id: str, pos: int) -> go.Figure:
     """Gate weight per MoE layer x expert for the token at ``pos`` (blank: not chosen)."""
     r = query.token_routing(store, run_id, pos)
     if r.height == 0:
-        return _empty(f"no routing rows at position {pos} (dense model or dense layers only)")
-    n_exp = _config(store, run_id).get("n_routed_experts") or int(r["expert"].max()) + 1
+        return _empty(f"no routing rows at position {pos}: " + query.no_routing_reason(store, run_id))
+    n_exp = _n_experts(store, run_id) or int(r["expert"].max()) + 1
     z, layers, experts = _heatmap(r, "layer", "expert", "weight", n_cols=n_exp)
     margins = dict(zip(r["layer"].to_list(), r["margin"].to_list()))
     fig = go.Figure(go.Heatmap(
@@ -274,8 +279,8 @@ def fig_expert_load(store: Store, run_id: str, step: int | None = None) -> go.Fi
         load = (r.group_by("layer", "expert").agg(pl.len().alias("slots"))
                 .with_columns((pl.col("slots") / pl.col("slots").sum().over("layer")).alias("share")))
     if load.height == 0:
-        return _empty("no routing rows (dense model)")
-    n_exp = _config(store, run_id).get("n_routed_experts") or int(load["expert"].max()) + 1
+        return _no_routing(store, run_id)
+    n_exp = _n_experts(store, run_id) or int(load["expert"].max()) + 1
     z, layers, experts = _heatmap(load, "layer", "expert", "share", n_cols=n_exp, fill=0.0)
     fig = go.Figure(go.Heatmap(z=z, x=experts, y=[f"L{l}" for l in layers], colorscale="YlOrRd",
                                colorbar={"title": "share"}, zmin=0,
@@ -294,11 +299,11 @@ def fig_coactivation(store: Store, run_id: str, layer: int | None = None) -> go.
     """How often two experts are chosen for the same token in ``layer`` (default: the first MoE layer)."""
     layer = _first_moe_layer(store, run_id) if layer is None else layer
     if layer is None:
-        return _empty("no routing rows (dense model)")
+        return _no_routing(store, run_id)
     c = query.coactivation(store, run_id, layer)
     if c.height == 0:
         return _empty(f"no co-activations in layer {layer} (not a MoE layer, or top-1 routing)")
-    n_exp = _config(store, run_id).get("n_routed_experts") or int(max(c["a"].max(), c["b"].max())) + 1
+    n_exp = _n_experts(store, run_id) or int(max(c["a"].max(), c["b"].max())) + 1
     z, rows, cols = _heatmap(c, "a", "b", "count", n_rows=n_exp, n_cols=n_exp, fill=0)
     fig = go.Figure(go.Heatmap(z=z, x=cols, y=rows, colorscale="Purples", colorbar={"title": "tokens"},
                                hovertemplate="experts %{y} & %{x}: %{z} tokens<extra></extra>"))
@@ -311,13 +316,13 @@ def fig_load_along(store: Store, run_id: str, layer: int | None = None, window: 
     """Each expert's share of slots in consecutive windows of ``window`` positions, in ``layer``."""
     layer = _first_moe_layer(store, run_id) if layer is None else layer
     if layer is None:
-        return _empty("no routing rows (dense model)")
+        return _no_routing(store, run_id)
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     d = query.load_along_run(store, run_id, layer, window)
     if d.height == 0:
         return _empty(f"no routing rows in layer {layer}")
-    n_exp = _config(store, run_id).get("n_routed_experts") or int(d["expert"].max()) + 1
+    n_exp = _n_experts(store, run_id) or int(d["expert"].max()) + 1
     z, experts, starts = _heatmap(d, "expert", "window_start", "share", n_rows=n_exp, fill=0.0)
     fig = go.Figure(go.Heatmap(z=z, x=starts, y=experts, colorscale="YlOrRd", zmin=0, colorbar={"title": "share"},
                                hovertemplate="positions %{x}+, expert %{y}<br>share %{z:.3f}<extra></extra>"))

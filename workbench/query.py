@@ -106,6 +106,17 @@ def run_summary(store: Store, run_id: str) -> ModelSummary:
     return model_summary(run_row(store, run_id))
 
 
+def no_routing_reason(store: Store, run_id: str) -> str:
+    """Why a run has (or may have) no routing rows, in words for a figure or a header."""
+    s = run_summary(store, run_id)
+    if s.unrouted_layers:
+        return (f"routing not recorded: {s.family} has MoE blocks in layers {s.unrouted_layers} that no adapter "
+                "recognises")
+    if not s.moe_layers:
+        return f"no routing: {s.family} is a dense model (no MoE layers)"
+    return "no routing rows recorded for this run (the routing probe was off)"
+
+
 def anomalies(store: Store, run_id: str) -> pl.DataFrame:
     return store.sql("""SELECT * EXCLUDE (run_id) FROM anomalies WHERE run_id = ?
                         ORDER BY CASE severity WHEN 'critical' THEN 0 WHEN 'warning' THEN 1 ELSE 2 END,

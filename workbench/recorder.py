@@ -96,10 +96,11 @@ def eos_of(tokenizer, adapter: Adapter) -> int | None:
     return eos
 
 
-def model_identity(model, adapter: Adapter) -> tuple[str, str]:
-    """(label, sha256) of a run's model: a folder's file hash, else the in-memory weights' hash."""
+def model_identity(model, adapter: Adapter, dtype_changed: bool) -> tuple[str, str]:
+    """(label, sha256) of a run's model: its checkpoint folder's file hash when it runs as loaded from one
+    (a folder given, or a module loaded from a folder and not cast), else the in-memory weights' hash."""
     folder = adapter.checkpoint_path
-    if folder and Path(folder).is_dir() and (model is None or isinstance(model, (str, Path))):
+    if folder and Path(folder).is_dir() and (isinstance(model, (str, Path)) or not dtype_changed):
         return str(folder), file_sha256(folder)
     return str(folder or type(adapter.module).__name__), _state_sha(adapter)
 
@@ -140,7 +141,7 @@ def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_t
     store = db if isinstance(db, Store) else Store(db)
     adapter = load_adapter(model, DTYPES[dtype], backend=backend)
     tokenizer = resolve_tokenizer(tokenizer, adapter, bundled=model is None)
-    label, sha = model_identity(model, adapter)
+    label, sha = model_identity(model, adapter, dtype_changed=dtype is not None)
     ids = list(prompt) if not isinstance(prompt, str) else tokenizer.encode(prompt).ids
     if not ids:
         raise ValueError("the prompt encodes to no tokens")

@@ -45,8 +45,9 @@ def load_for_run(info: dict, model=None, verify: bool = True) -> Adapter:
         if not (path / "config.json").exists():
             if model is not None:
                 raise FileNotFoundError(f"{path} is not a checkpoint folder (no config.json)")
-            raise ValueError(f"run {rid} was recorded from {info.get('model')!r}, an in-memory module or a checkpoint "
-                             "that is not here; pass model=<module or checkpoint folder> to re-run it")
+            raise ValueError(f"run {rid} was recorded from {info.get('model')!r}, which is not a checkpoint folder here "
+                             "(an in-memory module, or a folder on another machine); pass model=<module or "
+                             "checkpoint folder> to re-run it")
         if verify:
             have = file_sha256(path)
             if have != want:

@@ -109,8 +109,9 @@ class Run:
 
         ``reference``: a known-good ``Run`` or run id, module, adapter or checkpoint folder (see rootcause)."""
         from .rootcause import root_cause
-        if isinstance(reference, Run):
-            reference = reference._adapter or reference.run_id
+        if isinstance(reference, Run):  # its live adapter, unless the run id's checks (same weights) must speak
+            same = reference.info["checkpoint_sha256"] == self.info["checkpoint_sha256"]
+            reference = reference.run_id if same or reference._adapter is None else reference._adapter
         if "store" in kw:  # the older keyword
             kw["save"] = kw.pop("store")
         return root_cause(self.store, self.run_id, pos, adapter=self.adapter(), reference=reference, **kw)

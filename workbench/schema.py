@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .signals import TABLES as SIGNAL_TABLES
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 1
 
 TABLES: dict[str, str] = {
     "meta": """
@@ -69,11 +69,10 @@ TABLES = {k: v for k, v in TABLES.items() if k in ("meta", "runs")} | \
 # columns that identify a row, for idempotent replacement of derived tables
 DERIVED = ("anomalies", "attributions")
 
-# what a database of an older schema_version needs to read as this one (tables are created if missing)
-MIGRATIONS = {
-    2: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS summary VARCHAR",
-        "ALTER TABLE runs ADD COLUMN IF NOT EXISTS notes VARCHAR"],
-}
+# columns added at the end of a table since a database may have been created (same schema_version:
+# old queries keep working); applied, idempotently, on every open. New tables come from ddl() itself.
+ADDED_COLUMNS = ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS summary VARCHAR",
+                 "ALTER TABLE runs ADD COLUMN IF NOT EXISTS notes VARCHAR"]
 
 
 def ddl() -> str:

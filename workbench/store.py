@@ -23,7 +23,7 @@ import numpy as np
 import polars as pl
 
 from .rows import Rows
-from .schema import MIGRATIONS, SCHEMA_VERSION, TABLES, columns, ddl
+from .schema import ADDED_COLUMNS, SCHEMA_VERSION, TABLES, columns, ddl
 
 REPO_DATA = Path(__file__).resolve().parent.parent / "data"
 
@@ -172,7 +172,6 @@ class Store:
         try:
             existing = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables "
                                                   "WHERE table_schema = 'main'").fetchall()}
-            version = SCHEMA_VERSION
             if "meta" in existing:
                 row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
                 version = int(row[0]) if row else 0
@@ -185,11 +184,9 @@ class Store:
                 raise StoreError(f"{self.path} is a DuckDB file but not a workbench database "
                                  f"(tables: {', '.join(sorted(existing)[:5])})")
             con.execute(ddl())
-            for v in range(version + 1, SCHEMA_VERSION + 1):  # an older database is brought up to date
-                for stmt in MIGRATIONS.get(v, []):
-                    con.execute(stmt)
-            con.execute("INSERT INTO meta VALUES ('schema_version', ?) ON CONFLICT DO UPDATE SET value = excluded.value",
-                        [str(SCHEMA_VERSION)])
+            for stmt in ADDED_COLUMNS:  # a database made before a column was added gets it (idempotent)
+                con.execute(stmt)
+            con.execute("INSERT INTO meta VALUES ('schema_version', ?) ON CONFLICT DO NOTHING", [str(SCHEMA_VERSION)])
             self._mark_interrupted(con)
         except StoreError:
             raise

@@ -37,7 +37,7 @@ def already_recorded(wb, prompt: str, sha: str, max_new_tokens: int) -> str | No
 
 def main(args) -> int:
     from workbench.model import file_sha256, load_checkpoint
-    from workbench.recorder import record
+    from workbench.run import record
     from workbench.run import Workbench
 
     if args.max_new_tokens < 1:

@@ -6,12 +6,12 @@ from pathlib import Path
 
 
 def main(args) -> int:
-    from workbench.recorder import record
+    from workbench.run import record
 
     prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
     run = record(prompt, model=args.model, tokenizer=args.tokenizer, max_new_tokens=args.max_new_tokens,
                  temperature=args.temperature, top_p=args.top_p, seed=args.seed, db=args.db, dtype=args.dtype,
-                 progress=True)
+                 backend=args.backend, progress=True)
     info = run.refresh().info
     out = {"run_id": run.run_id, "status": info["status"], "db": str(run.store.path),
            "prompt_tokens": info["n_prompt_tokens"], "tokens": info["n_tokens"], "text": run.generated_text}
