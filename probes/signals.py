@@ -41,16 +41,21 @@ def token_confidence(logits: torch.Tensor, next_ids: torch.Tensor, k: int = 5) -
     }
 
 
-def attention_stats(probs: torch.Tensor, q_start: int) -> dict[str, np.ndarray]:
+def attention_stats(probs: torch.Tensor, q_start: int, window: int | None = None) -> dict[str, np.ndarray]:
     """Per query row x head statistics of causal attention probabilities.
 
     Args:
-        probs: [Tc, H, S] attention probabilities of queries q_start..q_start+Tc-1 over keys 0..S-1
-            (keys after a query are zero).
+        probs: [Tc, H, S] attention probabilities of queries q_start..q_start+Tc-1 over S keys: positions
+            0..S-1, or, when S is shorter than q_start + Tc (a sliding-window cache holding the newest S), the
+            S positions that end at the last query; keys after a query are zero.
         q_start: absolute position of the first query row.
+        window: the layer's sliding attention window (None: full causal attention).
     Returns: pos [Tc], entropy / norm_entropy / max_weight / sink_weight [Tc, H]. norm_entropy is
-        entropy / log(number of visible keys), NaN where only one key is visible.
+        entropy / log(number of visible keys), NaN where only one key is visible; sink_weight is the weight
+        on position 0 (0 once a sliding window has moved past it).
     """
+    tc, s = probs.size(0), probs.size(-1)
+    offset = max(0, q_start + tc - s)  # position of key 0
     if probs.is_cuda and _fused_rows_available():
         from .triton_entropy import row_stats
         entropy, max_weight, sink = row_stats(probs)  # one fused pass over each row
@@ -58,8 +63,12 @@ def attention_stats(probs: torch.Tensor, q_start: int) -> dict[str, np.ndarray]:
         probs = probs.float()
         entropy = -torch.special.xlogy(probs, probs).sum(-1)  # [Tc, H]
         max_weight, sink = probs.amax(-1), probs[..., 0]
-    pos = np.arange(q_start, q_start + probs.size(0), dtype=np.int32)
-    n_keys = torch.arange(q_start + 1, q_start + probs.size(0) + 1, dtype=torch.float32, device=probs.device)[:, None]
+    if offset > 0:
+        sink = torch.zeros_like(sink)
+    pos = np.arange(q_start, q_start + tc, dtype=np.int32)
+    n_keys = torch.arange(q_start + 1, q_start + tc + 1, dtype=torch.float32, device=probs.device)[:, None] - offset
+    if window is not None:
+        n_keys = n_keys.clamp(max=window)
     norm = torch.where(n_keys > 1, entropy / torch.log(n_keys.clamp(min=2)), torch.full_like(entropy, float("nan")))
     # one stacked conversion instead of four: this runs per layer at every decode step
     stats = torch.stack([entropy, norm, max_weight, sink]).cpu().numpy().astype(np.float64)  # [4, Tc, H]
@@ -87,8 +96,7 @@ def routing_records(indices: torch.Tensor, weights: torch.Tensor, scores: torch.
     Args:
         indices, weights: [N, K] the experts the router chose and their mixing weights.
         scores: [N, E] raw scores (softmax or sigmoid of the router logits).
-        selection: [N, E] what the top-k ranks by, before group limits: scores + selection bias (or the
-            logits, for a router that chooses by logits).
+        selection: [N, E] what the top-k ranks by, before group limits: scores + selection bias.
     Returns: slot, expert, weight, score [N, K] and margin [N]: the lowest chosen selection score minus
         the best unchosen one, over all experts (negative where group-limited routing overrode a better
         expert).

@@ -52,7 +52,7 @@ def save_tokenizer(folder: Path) -> int:
     return tok.get_vocab_size()
 
 
-def make_folder(family: str, folder: Path, seed: int = 0, tokenizer: bool = True) -> Path:
+def make_folder(family: str, folder: Path, seed: int = 0, tokenizer: bool = True, std: float = 0.15) -> Path:
     """Save a tiny random ``family`` model (and a tokenizer) to ``folder``; weights are scaled up from the
     default init so routing, attention and the next token depend visibly on the input."""
     import transformers
@@ -70,7 +70,7 @@ def make_folder(family: str, folder: Path, seed: int = 0, tokenizer: bool = True
             elif name.endswith("sinks"):
                 p.normal_(0, 0.5)
             else:
-                p.normal_(0, 0.3 if p.ndim > 1 else 0.1)
+                p.normal_(0, std if p.ndim > 1 else 0.1)
         for name, b in hf.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.rand(b.shape) * 0.2)

@@ -30,15 +30,17 @@ class Rows:
         return len(next(iter(self.cols.values())))
 
 
-def add_received(received: dict[int, torch.Tensor], layer: int, got: torch.Tensor) -> None:
-    """Add one block's attention-received [S] to a layer's running total (grown geometrically)."""
+def add_received(received: dict[int, torch.Tensor], layer: int, got: torch.Tensor, offset: int = 0) -> None:
+    """Add one block's attention-received [S] (keys from position ``offset``) to a layer's running total
+    by position (grown geometrically)."""
     acc = received.get(layer)
-    if acc is None or acc.numel() < got.numel():
-        grown = torch.zeros(max(got.numel(), 2 * (acc.numel() if acc is not None else 0), 64))
+    end = offset + got.numel()
+    if acc is None or acc.numel() < end:
+        grown = torch.zeros(max(end, 2 * (acc.numel() if acc is not None else 0), 64))
         if acc is not None:
             grown[: acc.numel()] = acc
         acc = grown
-    acc[: got.numel()] += got.float().cpu()
+    acc[offset:end] += got.float().cpu()
     received[layer] = acc
 
 
@@ -54,11 +56,12 @@ def attention_rows(run_id: str, recs: list[dict]) -> Rows:
     }, nan_to_null=("norm_entropy",))
 
 
-def kv_token_cols(layer: int, n: int, norms: dict[str, np.ndarray], received: dict[int, torch.Tensor]) -> dict:
-    """One layer's ``kv_tokens`` columns for its n cached tokens."""
-    recv = received.get(layer, torch.zeros(n))
-    recv = torch.nn.functional.pad(recv, (0, max(0, n - recv.numel())))[:n]
-    return {"layer": np.full(n, layer, np.int32), "pos": np.arange(n, dtype=np.int32), **norms,
+def kv_token_cols(layer: int, n: int, norms: dict[str, np.ndarray], received: dict[int, torch.Tensor],
+                  first_pos: int = 0) -> dict:
+    """One layer's ``kv_tokens`` columns for its n cached tokens (positions first_pos..first_pos+n-1)."""
+    recv = received.get(layer, torch.zeros(0))
+    recv = torch.nn.functional.pad(recv, (0, max(0, first_pos + n - recv.numel())))[first_pos:first_pos + n]
+    return {"layer": np.full(n, layer, np.int32), "pos": np.arange(first_pos, first_pos + n, dtype=np.int32), **norms,
             "attn_received": recv.numpy().astype(np.float64)}
 
 

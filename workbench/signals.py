@@ -99,25 +99,30 @@ class AttentionProbe(Probe):
     def __init__(self, adapter: Adapter, run_id: str):
         super().__init__(adapter, run_id)
         self.blocks: list[dict] = []
-        self.single: list[tuple[int, int, torch.Tensor]] = []  # decode rows (layer, pos, [H, S])
+        self.single: list[tuple[int, int, torch.Tensor, int | None]] = []  # decode rows (layer, pos, [H, S], window)
 
     def listeners(self) -> dict:
         return {"attn_probs": self.on_probs}
 
-    def on_probs(self, layer: int, p: torch.Tensor, q_start: int) -> None:
+    def on_probs(self, layer: int, p: torch.Tensor, q_start: int, window: int | None = None) -> None:
         if p.size(0) == 1:  # a decode step: reduced for all layers at once in collect (cheaper)
-            self.single.append((layer, q_start, p[0].detach()))
+            self.single.append((layer, q_start, p[0].detach(), window))
         else:
-            self.blocks.append({"layer": layer, **attention_stats(p.detach(), q_start)})
+            self.blocks.append({"layer": layer, **attention_stats(p.detach(), q_start, window)})
 
     def collect(self, s: StepInfo) -> dict:
-        if self.single:
-            # one query row per layer, same position: one [1, layers*H, S] reduction instead of one per layer
-            rows, h = self.single, self.single[0][2].size(0)
-            st = attention_stats(torch.cat([r[2] for r in rows])[None], rows[0][1])
-            for i, (layer, q, _) in enumerate(rows):
+        # one query row per layer, same position: one [1, layers*H, S] reduction per cache length and window
+        # instead of one per layer
+        groups: dict[tuple, list] = defaultdict(list)
+        for row in self.single:
+            groups[(row[2].size(-1), row[3])].append(row)
+        for (_, window), rows in groups.items():
+            h = rows[0][2].size(0)
+            st = attention_stats(torch.cat([r[2] for r in rows])[None], rows[0][1], window)
+            for i, (layer, q, _, _) in enumerate(rows):
                 self.blocks.append({"layer": layer, "pos": np.array([q], np.int32),
                                     **{c: st[c][:, i * h:(i + 1) * h] for c in st if c != "pos"}})
+        self.blocks.sort(key=lambda b: (int(b["pos"][0]), b["layer"]))
         out = {"attention": attention_rows(s.run_id, self.blocks)} if self.blocks else {}
         self.blocks, self.single = [], []
         return out
@@ -182,20 +187,21 @@ class ResidNormProbe(Probe):
 class KVProbe(Probe):
     def __init__(self, adapter: Adapter, run_id: str):
         super().__init__(adapter, run_id)
-        self.received: dict[int, torch.Tensor] = {}
+        self.received: dict[int, torch.Tensor] = {}  # by absolute position
 
     def listeners(self) -> dict:
         return {"attn_probs": self.on_probs}
 
-    def on_probs(self, layer: int, p: torch.Tensor, q_start: int) -> None:
-        add_received(self.received, layer, attention_received(p.detach()))
+    def on_probs(self, layer: int, p: torch.Tensor, q_start: int, window: int | None = None) -> None:
+        # key j is position j, or q_end - S + j once a sliding-window cache holds only the newest S
+        add_received(self.received, layer, attention_received(p.detach()), max(0, q_start + p.size(0) - p.size(-1)))
 
     def collect(self, s: StepInfo) -> dict:
         rows, tok = [], []
-        for layer, n, nbytes, first, second in self.adapter.kv_state():
+        for layer, n, nbytes, first, second, first_pos in self.adapter.kv_state():
             rows.append((layer, n, nbytes))
             if s.final or s.index == 0:
-                tok.append(kv_token_cols(layer, n, kv_token_norms(first, second), self.received))
+                tok.append(kv_token_cols(layer, n, kv_token_norms(first, second), self.received, first_pos))
         return kv_rows(s.run_id, s.index, rows, tok)
 
 
@@ -256,8 +262,8 @@ REGISTRY: tuple[Signal, ...] = (
         _c("expert", "INTEGER", "", "exact"),
         _c("weight", "DOUBLE", "gate weight the expert's output is mixed with (what the experts received)", "tol"),
         _c("score", "DOUBLE", "raw score (softmax or sigmoid of the router logit)", "tol"),
-        _c("margin", "DOUBLE", "last chosen minus best unchosen selection score (score + bias; logits for a "
-                               "router that chooses by logits)", "tol")), "pos, layer, slot",
+        _c("margin", "DOUBLE", "last chosen minus best unchosen selection score (score + bias)", "tol")),
+        "pos, layer, slot",
         "per position x MoE layer x slot: the router's actual selection"),), ("route",), RoutingProbe,
         "expert routing"),
     Signal("resid_norm", (Table("resid_norm", (

@@ -13,9 +13,12 @@ An adapter wraps one loaded model and offers:
 Seams and what a listener receives (``layer`` is the 0-based block; a listener may return a
 replacement where noted, which is how ablations and faults intervene):
 
-- ``attn_probs(layer, probs [Tc, H, S], q_start)``: one block of query rows of batch row 0 (recording).
+- ``attn_probs(layer, probs [Tc, H, S], q_start, window)``: one block of query rows of batch row 0
+  (recording); the S keys end at the last query; ``window`` is the layer's sliding window or None.
 - ``head_out(layer, z [B, T, H, d]) -> z | None``: each head's output before the output projection.
 - ``route(layer, Route) -> (indices, weights) | None``: what the experts are about to receive.
+  Listeners run in the order they were attached, each seeing the previous one's replacement; one that
+  re-routes (``RouterMath.route``) recomputes the weights from the logits.
 - ``shared_out(layer, out [N, D]) -> out | None``: the shared experts' output (batch-major rows).
 - ``resid_post(layer, h [B, T, D])``: the residual stream after the block.
 
@@ -117,8 +120,9 @@ class Adapter:
     def embedding(self) -> nn.Module:
         raise NotImplementedError
 
-    def kv_state(self) -> list[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
-        """(layer, cached tokens, bytes, first cached tensor [S, *], second [S, *]) per cached layer."""
+    def kv_state(self) -> list[tuple[int, int, int, torch.Tensor, torch.Tensor, int]]:
+        """(layer, cached tokens, bytes, first cached tensor [S, *], second [S, *], position of the first
+        cached token) per cached layer (the position is > 0 once a sliding-window cache drops old tokens)."""
         raise NotImplementedError
 
     def router(self, layer: int) -> RouterMath:

@@ -8,7 +8,7 @@ DeepSeek-V2/V3 all follow it. The seams:
 
 - routing: a forward hook on the router keeps its logits; a forward pre-hook on ``experts`` sees the
   indices and weights the experts actually receive (and may replace them: ablation, frozen routing,
-  faults). The layer's ``RouterMath`` (softmax / sigmoid / top-k-softmax, selection bias, groups,
+  faults). The layer's ``RouterMath`` (softmax / sigmoid, selection bias, groups,
   renormalisation, scale) is found by matching candidate rules against the router's own output on
   random inputs when the model loads, so the margin and re-routing use the router's real arithmetic;
   a router no rule reproduces is recorded without routing, with a warning and a note on the run;
@@ -100,7 +100,7 @@ def infer_router_math(router: nn.Module, hidden_size: int, seed: int = 0) -> Rou
         if out is None:
             return None
         logits, weights, indices = out
-        candidates = product(("softmax", "sigmoid", "topk_softmax"), ("max", "top2"),
+        candidates = product(("softmax", "sigmoid"), ("max", "top2"),
                              (bool(norm_attr),) if norm_attr is not None else (True, False))
         for score, group_score, norm in candidates:
             if n_group == 1 and group_score == "top2":
@@ -188,9 +188,8 @@ class HFAdapter(Adapter):
             parts = []
             for c0 in range(0, len(ids), chunk):
                 self._pos = pos + c0
-                out = self.module(torch.tensor([ids[c0:c0 + chunk]], device=device), past_key_values=cache,
-                                  use_cache=True)
-                cache = out.past_key_values
+                out = self.module(torch.tensor([ids[c0:c0 + chunk]], device=device), cache=cache, use_cache=True)
+                cache = out.cache
                 parts.append(out.logits[0].float())
             self._cache = cache
             return torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -201,7 +200,7 @@ class HFAdapter(Adapter):
         finally:
             self._cache = None
 
-    def kv_state(self) -> list[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
+    def kv_state(self) -> list[tuple[int, int, int, torch.Tensor, torch.Tensor, int]]:
         out = []
         for i, layer in enumerate(getattr(self._cache, "layers", None) or []):
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
@@ -211,7 +210,9 @@ class HFAdapter(Adapter):
             nbytes = keys.numel() * keys.element_size() + values.numel() * values.element_size()
             # [B, Hkv, S, d] -> [S, Hkv*d]: a token's cached vectors over all kv heads (values first, as the
             # latent is for our model)
-            out.append((i, n, nbytes, values[0].transpose(0, 1).flatten(1), keys[0].transpose(0, 1).flatten(1)))
+            seen = int(getattr(layer, "cumulative_length", n))  # a sliding-window layer keeps the newest n
+            out.append((i, n, nbytes, values[0].transpose(0, 1).flatten(1), keys[0].transpose(0, 1).flatten(1),
+                        seen - n))
         return out
 
     def state_sha256(self) -> str:
@@ -220,10 +221,10 @@ class HFAdapter(Adapter):
     # -- seams ----------------------------------------------------------------------------------------
     def _attach(self, seam: str, fn: Listener) -> list:
         if seam == "attn_probs":
-            def on_attn(_m, _a, out, i):
+            def on_attn(m, _a, out, i):
                 probs = out[1] if isinstance(out, tuple) and len(out) > 1 else None
-                if probs is not None:
-                    fn(i, probs[0].detach().transpose(0, 1), self._pos)  # [H, Tc, S] -> [Tc, H, S]
+                if probs is not None:  # [H, Tc, S] -> [Tc, H, S]
+                    fn(i, probs[0].detach().transpose(0, 1), self._pos, getattr(m, "sliding_window", None))
             handles = [l.self_attn.register_forward_hook(lambda m, a, o, i=i: on_attn(m, a, o, i))
                        for i, l in enumerate(self.layers)]
             self._attn_listeners += 1

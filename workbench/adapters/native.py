@@ -67,13 +67,13 @@ class NativeAdapter(Adapter):
             for layer, c in zip(self.module.layers, caches):
                 layer.attn.cache = c
 
-    def kv_state(self) -> list[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
+    def kv_state(self) -> list[tuple[int, int, int, torch.Tensor, torch.Tensor, int]]:
         out = []
         for i, layer in enumerate(self.module.layers):
             c = layer.attn.cache
             if c is not None:
                 n = c.length
-                out.append((i, n, n * c.bytes_per_token(), c.kv[0, :n], c.pe[0, :n]))
+                out.append((i, n, n * c.bytes_per_token(), c.kv[0, :n], c.pe[0, :n], 0))
         return out
 
     def state_sha256(self) -> str:

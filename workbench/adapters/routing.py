@@ -1,7 +1,8 @@
 """Router arithmetic shared by every adapter: scores, the selection top-k chooses by, and mixing weights.
 
 Every top-k MoE router in the families we read is one point of this small space: a score function
-over the router logits (softmax, sigmoid, or gpt-oss's top-k-then-softmax), an optional selection bias
+over the router logits (softmax or sigmoid; gpt-oss's softmax over the top-k logits is the same rule as a
+softmax over all experts renormalised over the chosen ones), an optional selection bias
 (DeepSeek-V3's aux-loss-free balancing term) that moves the choice but not the weights, optional
 group-limited routing (DeepSeek-V2/V3), optional renormalisation of the chosen weights, and a scale.
 Adapters describe their routers with a ``RouterMath`` and *check* it against the router module's own
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-SCORE_FUNCS = ("softmax", "sigmoid", "topk_softmax")
+SCORE_FUNCS = ("softmax", "sigmoid")
 
 
 @dataclass
@@ -25,8 +26,7 @@ class RouterMath:
 
     Attributes:
         n_experts, top_k: E and K.
-        score: "softmax" / "sigmoid" of the logits, or "topk_softmax" (choose by logits, then softmax
-            over the K chosen logits, as gpt-oss does).
+        score: "softmax" or "sigmoid" of the logits.
         bias: selection bias [E] added to the scores for the choice only (None: no bias).
         n_group, topk_group, group_score: group-limited routing; a group's score is its best expert
             ("max", DeepSeek-V2) or the sum of its two best ("top2", DeepSeek-V3).
@@ -54,14 +54,14 @@ class RouterMath:
         return self.bias is not None
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """Raw per-expert scores [N, E] (for topk_softmax: the softmax over all experts, for display)."""
+        """Raw per-expert scores [N, E]."""
         logits = logits.float()
         return logits.sigmoid() if self.score == "sigmoid" else logits.softmax(dim=-1)
 
     def basis(self, logits: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """What the top-k ranks by, before groups: scores + bias (or the logits, for topk_softmax)."""
+        """What the top-k ranks by, before groups: scores + selection bias."""
         b = self.bias if bias is None else bias
-        base = logits.float() if self.score == "topk_softmax" else self.scores(logits)
+        base = self.scores(logits)
         return base if b is None else base + b.to(base.device, base.dtype)
 
     def selection(self, logits: torch.Tensor, bias: torch.Tensor | None = None,
@@ -93,8 +93,6 @@ class RouterMath:
 
     def weights_for(self, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Mixing weights [N, K] of the experts ``indices`` (differentiable in ``logits``)."""
-        if self.score == "topk_softmax":
-            return logits.float().gather(1, indices).softmax(dim=-1) * self.scale
         w = self.scores(logits).gather(1, indices)
         if self.norm:
             w = w / (w.sum(dim=-1, keepdim=True) + self.eps)
