@@ -1,4 +1,4 @@
-"""Fault-injection evaluation of root cause and the anomaly detectors, on the demo model.
+"""Fault-injection evaluation of root cause and the anomaly detectors, on the demo model or any model folder.
 
 For each injected fault (a broken head, a broken expert, a router biased toward one expert) and its
 prompt: record a clean and a faulty generation with ``workbench.record(model=module)``, find the most
@@ -19,6 +19,11 @@ prompts in rotation.
 
     .venv/bin/python benchmarks/root_cause_eval.py            # writes its section of RESULTS.md
     .venv/bin/python benchmarks/root_cause_eval.py --no-write --per-kind 2
+    .venv/bin/python -m workbench.tiny mixtral /tmp/mixtral   # a tiny random transformers MoE
+    .venv/bin/python benchmarks/root_cause_eval.py --model /tmp/mixtral --kinds head,expert
+
+Every model goes through its adapter (workbench/adapters), so the same faults and the same ranking run
+on our own model and on any transformers MoE family; each model gets its own section of RESULTS.md.
 """
 from __future__ import annotations
 
@@ -40,8 +45,9 @@ import polars as pl  # noqa: E402
 import torch  # noqa: E402
 
 import workbench  # noqa: E402
-from workbench.model import MoE, load_checkpoint, load_tokenizer  # noqa: E402
 from workbench import faults  # noqa: E402
+from workbench.adapters import Adapter, adapter_for, load_adapter  # noqa: E402
+from workbench.model import load_tokenizer  # noqa: E402
 
 SECTION = "## Root cause (fault injection)"
 PROMPTS = [
@@ -81,10 +87,11 @@ class Case:
         return f"{self.kind}: layer {self.layer} {what} {self.index}"
 
 
-def load_model(folder: Path):
-    """A checkpoint folder, or a training-state folder (``state.safetensors``: an intermediate demo model)."""
+def load_model(folder: Path) -> tuple[Adapter, str]:
+    """A checkpoint folder (ours or transformers'), or a training-state folder (``state.safetensors``: an
+    intermediate demo model)."""
     if (folder / "config.json").exists():
-        return load_checkpoint(folder), str(folder)
+        return load_adapter(folder), str(folder)
     from safetensors.torch import load_file
 
     from workbench.model import ModelArgs, Transformer
@@ -92,27 +99,27 @@ def load_model(folder: Path):
     model = Transformer(ModelArgs.preset("demo"))
     model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
     step = json.loads((folder / "state.json").read_text()).get("step") if (folder / "state.json").exists() else "?"
-    return model.eval(), f"{folder} (intermediate training state, step {step})"
+    return adapter_for(model.eval()), f"{folder} (intermediate training state, step {step})"
 
 
-def teacher_forced_logprobs(model, ids: list[int]) -> torch.Tensor:
+def teacher_forced_logprobs(model: Adapter, ids: list[int]) -> torch.Tensor:
     """log p(ids[t] | ids[:t]) for t >= 1 under ``model`` (full forward, no cache)."""
     with torch.no_grad():
-        logits = model(torch.tensor([ids]))[0, :-1].float()
+        logits = model.forward(torch.tensor([ids], device=model.device))[0, :-1].float().cpu()
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
-def draw_case(kind: str, k: int, rng: random.Random, model, clean_routing: dict[int, pl.DataFrame]) -> Case:
+def draw_case(kind: str, k: int, rng: random.Random, model: Adapter, clean_routing: dict[int, pl.DataFrame]) -> Case:
     """The k-th fault of a kind (its own random stream), on prompt k in rotation."""
-    moe = [i for i, l in enumerate(model.layers) if isinstance(l.ffn, MoE)]
+    s = model.summary
     p = k % len(clean_routing)
     if kind == "head":
-        return Case("head", rng.randrange(model.args.n_layers), rng.randrange(model.args.n_heads), p)
-    layer = rng.choice(moe)
+        return Case("head", rng.randrange(s.n_layers), rng.randrange(s.n_heads), p)
+    layer = rng.choice(s.moe_layers)
     if kind == "expert":
         used = sorted(set(clean_routing[p].filter(pl.col("layer") == layer)["expert"].to_list()))
         return Case("expert", layer, rng.choice(used), p)
-    return Case("router", layer, rng.randrange(model.args.n_routed_experts), p)
+    return Case("router", layer, rng.randrange(s.n_routed_experts), p)
 
 
 def culprit_localised(case: Case, anomalies: pl.DataFrame) -> bool:
@@ -201,16 +208,17 @@ def summarise(results: list[dict]) -> dict:
     explained = [r for r in results if r["symptom"]]
     rel = sorted(abs(r["ig_delta"]) / max(abs(r["ig_total"] - r["ig_delta"]), 1e-9) for r in explained)
     return block(results) | {"by_kind": {k: block([r for r in results if r["kind"] == k])
-                                         for k in ("head", "expert", "router")},
+                                         for k in ("head", "expert", "router") if any(r["kind"] == k for r in results)},
                              "median_rel_ig_delta": rel[len(rel) // 2] if rel else float("nan")}
 
 
 def markdown(summary: dict, results: list[dict], meta: dict) -> str:
     s = summary
     lines = [
-        SECTION, "",
+        meta["section"], "",
         f"`benchmarks/root_cause_eval.py` on {meta['checkpoint']} ({meta['when']}, {meta['seconds']:.0f} s, "
-        f"{meta['threads']} CPU threads): {meta['per_kind']} faults of each kind with a symptom (heads scaled "
+        f"{meta['threads']} CPU threads; {meta['architecture']}): {meta['per_kind']} faults of each kind with a "
+        f"symptom ({meta['kinds']}; heads scaled "
         f"x{meta['scale']:g}, routed experts scaled x{meta['scale']:g}, router selection biases of +{meta['amount']:g} "
         f"toward one expert), drawn with seed {meta['seed']} over {meta['prompts']} prompts, greedy generation of "
         f"{meta['max_new_tokens']} tokens. A fault has a symptom when it moves some token's logprob (prompt or "
@@ -259,8 +267,9 @@ def markdown(summary: dict, results: list[dict], meta: dict) -> str:
     def span(key, fmt="{:d}"):
         vals = [r[key] for r in router]
         return "-" if not vals else (fmt.format(min(vals)) + "-" + fmt.format(max(vals)))
-    lines += ["", meta["notes"].format(router_dl=span("dlogprob", "{:.1f}"), router_alone=span("rank_all"),
-                                       router_ref=span("rank_ref")), ""]
+    if meta["notes"]:
+        lines += ["", meta["notes"].format(router_dl=span("dlogprob", "{:.1f}"), router_alone=span("rank_all"),
+                                           router_ref=span("rank_ref")), ""]
     return "\n".join(lines)
 
 
@@ -270,10 +279,10 @@ def _name(t) -> str:
             "shared_expert": f"L{layer} shared", "router": f"L{layer} router"}[kind]
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace this script's section of RESULTS.md (others own the rest of the file), or append it."""
+def write_section(path: Path, text: str, section: str = SECTION) -> None:
+    """Replace this script's section of RESULTS.md for one model (others own the rest of the file), or append it."""
     old = path.read_text() if path.exists() else "# Benchmark results\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
+    pattern = re.compile(rf"^{re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
     new = pattern.sub(lambda _: text.rstrip() + "\n\n", old) if pattern.search(old) else \
         old.rstrip() + "\n\n" + text.rstrip() + "\n"
     path.write_text(new)
@@ -281,7 +290,9 @@ def write_section(path: Path, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", default=str(ROOT / "data" / "demo"))
+    ap.add_argument("--checkpoint", "--model", dest="checkpoint", default=str(ROOT / "data" / "demo"),
+                    help="a checkpoint folder: ours (default: the bundled demo) or any transformers causal LM")
+    ap.add_argument("--kinds", default="head,expert,router", help="fault kinds to draw (head, expert, router)")
     ap.add_argument("--per-kind", type=int, default=5, help="faults with a symptom of each kind")
     ap.add_argument("--max-draws", type=int, default=120, help="faults drawn at most per kind")
     ap.add_argument("--min-effect", type=float, default=1.0,
@@ -307,7 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     t_start = time.perf_counter()
     model, label = load_model(ckpt)
-    reference = copy.deepcopy(model)  # the known-good model; faults are injected into `model` only
+    reference = adapter_for(copy.deepcopy(model.module))  # the known-good model; faults go into `model` only
+    kinds = [k for k in args.kinds.split(",") if k]
+    if not model.summary.moe_layers:
+        kinds = [k for k in kinds if k == "head"]
     tok_path = next((p for p in (ckpt / "tokenizer.json", ckpt.parent / "tokenizer.json") if p.exists()), None)
     tok = load_tokenizer(tok_path)
     prompts = [tok.encode(p).ids for p in PROMPTS[: args.prompts]]
@@ -317,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         clean = [workbench.record(ids, model=model, tokenizer=tok, max_new_tokens=args.max_new_tokens, db=db,
                                   probes=("tokens", "attention", "routing")) for ids in prompts]
         routing = {i: r.routing() for i, r in enumerate(clean)}
-        for n_kind, kind in enumerate(("head", "expert", "router")):
-            rng = random.Random(args.seed * 1000 + n_kind)
+        for kind in kinds:
+            rng = random.Random(args.seed * 1000 + ("head", "expert", "router").index(kind))
             found, seen = 0, set()
             for k in range(args.max_draws):
                 if found == args.per_kind:
@@ -342,11 +356,14 @@ def main(argv: list[str] | None = None) -> int:
             "when": time.strftime("%Y-%m-%d"), "seconds": seconds, "threads": torch.get_num_threads(),
             "per_kind": args.per_kind, "scale": args.scale, "amount": args.amount, "seed": args.seed,
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "steps": args.steps,
-            "min_effect": args.min_effect, "notes": NOTES}
+            "min_effect": args.min_effect, "kinds": ", ".join(kinds), "architecture": model.summary.describe(),
+            "section": SECTION if ckpt.resolve() == (ROOT / "data" / "demo").resolve()
+            else f"{SECTION}: tiny random {model.summary.family}",
+            "notes": NOTES if "router" in kinds and model.summary.backend == "native" else ""}
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "results": results}, indent=1))
     if not args.no_write:
-        write_section(Path(args.out), markdown(summary, results, meta))
+        write_section(Path(args.out), markdown(summary, results, meta), meta["section"])
         print(f"wrote the root-cause section of {args.out}")
     return 0
 

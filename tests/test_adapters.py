@@ -21,7 +21,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import workbench  # noqa: E402
-from families import DENSE_FAMILIES, FAMILIES, MOE_FAMILIES, make_folder  # noqa: E402
+from workbench.tiny import DENSE_FAMILIES, FAMILIES, MOE_FAMILIES, make_folder  # noqa: E402
 from workbench import cli, faults, query  # noqa: E402
 from workbench.adapters import HFAdapter, adapter_for, load_adapter  # noqa: E402
 from workbench.adapters.hf import load_hf  # noqa: E402
@@ -207,8 +207,8 @@ def test_ablations_do_what_they_say(env, family):
     expert = int(run.routing().filter(pl.col("layer") == layer)["expert"][0])
     block = hf.model.layers[layer].mlp
     seen = []
-    with torch.no_grad(), a.seams({"route": lambda i, r: None if i != layer else r.math.route(
-            r.logits, keep=torch.arange(8)[None].ne(expert).expand_as(r.logits))}):
+    with torch.no_grad(), a.seams({"route": lambda i, r: None if i != layer else r.remove(
+            torch.arange(8)[None].ne(expert).expand_as(r.logits))}):
         rec = block.experts.register_forward_pre_hook(lambda m, args: seen.append(args[1].clone()))  # runs after
         removed = base - float(f(ids)[0])
     rec.remove()
@@ -241,8 +241,7 @@ def test_faults_on_transformers_models(env, family):
         biased = workbench.record(ids, model=a, max_new_tokens=2, db=env["store"], detect=False)
     r = biased.routing().filter(pl.col("layer") == layer)
     assert (r.group_by("pos").agg((pl.col("expert") == 5).any())["expert"]).all()  # every token goes to 5
-    # route listeners run in the order they are attached: re-route first, then scale the chosen expert
-    with faults.bias_router(a, layer, 5, amount=50.0), faults.break_expert(a, layer, 5, scale=30.0):
+    with faults.break_expert(a, layer, 5, scale=30.0), faults.bias_router(a, layer, 5, amount=50.0):  # they compose
         broken = workbench.record(ids, model=a, max_new_tokens=2, db=env["store"], detect=False)
     assert not np.allclose(broken.tokens()["logprob"].to_numpy()[1:], biased.tokens()["logprob"].to_numpy()[1:])
     with faults.break_head(a, 0, 1, scale=30.0):

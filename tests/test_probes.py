@@ -69,9 +69,21 @@ def recorded(tmp_path_factory):
     def keep(t, name, **_):
         captured[name] = t[0].detach()
 
-    with torch.no_grad(), attach(model, {"layers.*.hook_resid_pre": keep, "layers.*.hook_resid_mid": keep}):
+    with torch.no_grad(), attach(model, {"layers.*.hook_resid_pre": keep, "layers.*.hook_resid_mid": keep,
+                                         "layers.*.hook_resid_post": keep}):
         logits = model(torch.tensor([seq]))[0]
     return model, run, seq, logits, captured
+
+
+def test_resid_norm_equals_the_residual_streams_norm(recorded):
+    """The registry's resid_norm signal: per fed position x layer, ||h|| after the block."""
+    model, run, seq, _, captured = recorded
+    got = run.resid_norm().sort("layer", "pos")
+    n = len(seq) - 1  # the last token is never fed
+    assert got.height == n * len(model.layers)
+    for i in range(len(model.layers)):
+        ref = captured[f"layers.{i}.hook_resid_post"][:n].norm(dim=-1)
+        np.testing.assert_allclose(got.filter(pl.col("layer") == i)["norm"].to_numpy(), ref.numpy(), rtol=1e-4)
 
 
 def test_sequence_shape(recorded):

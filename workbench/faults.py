@@ -71,10 +71,9 @@ def break_expert(model, layer: int, expert: int, scale: float = 30.0) -> Iterato
     a = adapter_for(model)
     _check_moe(a, layer, expert)
 
-    def fn(i: int, r: Route):
-        if i != layer:
-            return None
-        return r.indices, r.weights * torch.where(r.indices == expert, scale, 1.0).to(r.weights)
+    def fn(i: int, r: Route) -> None:
+        if i == layer:
+            r.scale_expert(expert, scale)
 
     with a.seams({"route": fn}):
         yield
@@ -105,11 +104,9 @@ def bias_router(model, layer: int, expert: int, amount: float = 1.0) -> Iterator
     extra = torch.zeros(a.summary.n_routed_experts)
     extra[expert] = amount
 
-    def fn(i: int, r: Route):
-        if i != layer:
-            return None
-        idx = r.math.select(r.logits, bias=extra.to(r.logits.device))
-        return idx, r.math.weights_for(r.logits, idx)
+    def fn(i: int, r: Route) -> None:
+        if i == layer:
+            r.add_selection(extra)
 
     with a.seams({"route": fn}):
         yield

@@ -84,16 +84,15 @@ def frozen_routing(model, indices: dict[int, torch.Tensor]) -> Iterator[None]:
     """
     adapter = adapter_for(model)
 
-    def force(layer: int, r: Route):
+    def force(layer: int, r: Route) -> None:
         real = indices.get(layer)
         if real is None:
-            return None
+            return
         n = r.indices.size(0)
         if n % real.size(0):
             raise ValueError(f"routing-frozen forward: {n} routed rows are not a multiple of the "
                              f"{real.size(0)} recorded tokens")
-        idx = real.to(r.indices.device).repeat(n // real.size(0), 1)
-        return idx, r.math.weights_for(r.logits, idx)
+        r.freeze(real.to(r.indices.device).repeat(n // real.size(0), 1))
 
     if not indices:
         yield
@@ -156,23 +155,15 @@ def component_ablation(model, ids: torch.Tensor, target_id: int,
         cols = [col[("head", layer, h, None)] for h in range(z.size(2))]
         return z * state["mask"][:, cols].to(z)[:, None, :, None]
 
-    def route(layer: int, r: Route):
+    def route(layer: int, r: Route) -> None:
         mask = state["mask"]
         rows = rows_of(r.indices.size(0), mask.device)
         keep = mask[:, [col[("expert", layer, None, j)] for j in range(s.n_routed_experts)]][rows] > 0.5  # [N, E]
-        changed = ~keep.all(-1)
-        bias = None
+        if not keep.all():
+            r.remove(keep)
         rc = col.get(("router", layer, None, None))
-        if rc is not None and r.math.bias is not None:
-            unbiased = mask[rows, rc] < 0.5  # [N]: this row's router loses its selection bias
-            changed = changed | unbiased
-            bias = r.math.bias.float()[None].to(r.logits.device) * (~unbiased).to(r.logits.device, torch.float32)[:, None]
-        if not changed.any():
-            return None
-        idx = r.math.select(r.logits, bias=bias, keep=keep.to(r.logits.device))
-        w = r.math.weights_for(r.logits, idx)
-        changed = changed.to(idx.device)[:, None]
-        return torch.where(changed, idx, r.indices.to(idx.device)), torch.where(changed, w, r.weights.to(w))
+        if rc is not None and (mask[:, rc] < 0.5).any():
+            r.unbias(mask[rows, rc])  # 0: this row's router loses its selection bias
 
     def shared(layer: int, out: torch.Tensor) -> torch.Tensor:  # out: [B*T, D]
         rows = rows_of(out.size(0), state["mask"].device)

@@ -134,7 +134,7 @@ class RoutingProbe(Probe):
         self.seen: dict[int, list[Route]] = defaultdict(list)
 
     def listeners(self) -> dict:
-        return {"route": self.on_route}
+        return {"routed": self.on_route}
 
     def on_route(self, layer: int, r: Route) -> None:
         self.seen[layer].append(r)
@@ -264,7 +264,7 @@ REGISTRY: tuple[Signal, ...] = (
         _c("score", "DOUBLE", "raw score (softmax or sigmoid of the router logit)", "tol"),
         _c("margin", "DOUBLE", "last chosen minus best unchosen selection score (score + bias)", "tol")),
         "pos, layer, slot",
-        "per position x MoE layer x slot: the router's actual selection"),), ("route",), RoutingProbe,
+        "per position x MoE layer x slot: the router's actual selection"),), ("routed",), RoutingProbe,
         "expert routing"),
     Signal("resid_norm", (Table("resid_norm", (
         POS, LAYER, _c("norm", "DOUBLE", "L2 norm of the residual stream after the block", "tol")),

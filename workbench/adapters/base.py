@@ -16,9 +16,11 @@ replacement where noted, which is how ablations and faults intervene):
 - ``attn_probs(layer, probs [Tc, H, S], q_start, window)``: one block of query rows of batch row 0
   (recording); the S keys end at the last query; ``window`` is the layer's sliding window or None.
 - ``head_out(layer, z [B, T, H, d]) -> z | None``: each head's output before the output projection.
-- ``route(layer, Route) -> (indices, weights) | None``: what the experts are about to receive.
-  Listeners run in the order they were attached, each seeing the previous one's replacement; one that
-  re-routes (``RouterMath.route``) recomputes the weights from the logits.
+- ``route(layer, Route)``: an intervention on one MoE layer's routing. The listener edits the ``Route``
+  (``remove`` experts from the choice, ``unbias`` the selection, ``add_selection``, ``freeze`` the choice,
+  ``scale_expert`` outputs); every listener's edits combine, and the adapter computes the final
+  (indices, weights) once with the layer's ``RouterMath``, so a fault and an ablation compose.
+- ``routed(layer, Route)``: observation of what the experts finally receive (after every edit).
 - ``shared_out(layer, out [N, D]) -> out | None``: the shared experts' output (batch-major rows).
 - ``resid_post(layer, h [B, T, D])``: the residual stream after the block.
 
@@ -36,7 +38,7 @@ from torch import nn
 
 from .routing import RouterMath
 
-SEAMS = ("attn_probs", "head_out", "route", "shared_out", "resid_post")
+SEAMS = ("attn_probs", "head_out", "route", "routed", "shared_out", "resid_post")
 
 
 @dataclass
@@ -90,13 +92,73 @@ class ModelSummary:
 
 @dataclass
 class Route:
-    """One MoE layer's routing in one forward: what the router computed and the experts will receive."""
+    """One MoE layer's routing in one forward: the router's logits and choice, and the edits listeners ask for.
+
+    Edits (all optional, combined across listeners): ``keep`` [N, E] (False removes an expert from a row's
+    choice: its tokens go to the next best expert), ``bias_scale`` [N] (multiplies the layer's selection
+    bias per row: 0 removes it), ``extra`` [E] or [N, E] (added to the selection scores), ``frozen`` [N, K]
+    (the choice, fixed), ``scale`` [E] (multiplies each expert's output, i.e. its mixing weight).
+    """
 
     layer: int
     logits: torch.Tensor  # [N, E]
     indices: torch.Tensor  # [N, K]
     weights: torch.Tensor  # [N, K]
     math: RouterMath
+    keep: torch.Tensor | None = None
+    bias_scale: torch.Tensor | None = None
+    extra: torch.Tensor | None = None
+    frozen: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+
+    def remove(self, keep: torch.Tensor) -> None:
+        keep = keep.to(self.logits.device).bool()
+        self.keep = keep if self.keep is None else self.keep & keep
+
+    def unbias(self, factor: torch.Tensor) -> None:
+        factor = factor.to(self.logits.device, torch.float32)
+        self.bias_scale = factor if self.bias_scale is None else self.bias_scale * factor
+
+    def add_selection(self, extra: torch.Tensor) -> None:
+        extra = extra.to(self.logits.device, torch.float32)
+        self.extra = extra if self.extra is None else self.extra + extra
+
+    def freeze(self, indices: torch.Tensor) -> None:
+        self.frozen = indices.to(self.indices.device)
+
+    def scale_expert(self, expert: int, factor: float) -> None:
+        if self.scale is None:
+            self.scale = torch.ones(self.math.n_experts, device=self.weights.device)
+        self.scale[expert] *= factor
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The final (indices, weights) after every edit; None when nothing was edited."""
+        if all(e is None for e in (self.keep, self.bias_scale, self.extra, self.frozen, self.scale)):
+            return None
+        idx, w = self.indices, self.weights
+        if self.frozen is not None:
+            idx = self.frozen
+            w = self.math.weights_for(self.logits, idx)
+        elif self.keep is not None or self.bias_scale is not None or self.extra is not None:
+            m = self.math
+            bias = m.bias.float().to(self.logits.device) if m.bias is not None else None
+            touched = torch.zeros(idx.size(0), dtype=torch.bool, device=self.logits.device)
+            if self.keep is not None:
+                touched |= ~self.keep.all(-1)
+            if self.bias_scale is not None and bias is not None:
+                touched |= self.bias_scale != 1
+                bias = bias[None] * self.bias_scale[:, None]
+            if self.extra is not None:
+                touched = torch.ones_like(touched)
+                bias = self.extra if bias is None else bias + self.extra
+            new = m.select(self.logits, bias=bias, keep=self.keep)
+            # rows no edit touched keep the router's own output exactly
+            t = touched.to(idx.device)[:, None]
+            idx = torch.where(t, new.to(idx.device), idx)
+            w = torch.where(t, m.weights_for(self.logits, new).to(w), w)
+        if self.scale is not None:
+            w = w * self.scale.to(w)[idx]
+        return idx, w
 
 
 Listener = Callable[..., object]
@@ -155,17 +217,52 @@ class Adapter:
         if unknown:
             raise KeyError(f"unknown seams {sorted(unknown)}; an adapter offers {SEAMS}")
         handles: list = []
+        routing: list[tuple[str, Listener]] = []
         try:
             for seam, fn in listeners.items():
-                if seam == "route" and not self.summary.moe_layers:
+                if seam in ("route", "routed"):
+                    if self.summary.moe_layers:
+                        self._routing_listeners()[seam].append(fn)
+                        routing.append((seam, fn))
                     continue
                 if seam == "shared_out" and not self.summary.n_shared_experts:
                     continue
                 handles += self._attach(seam, fn)
+            if routing and not getattr(self, "_route_handles", None):
+                self._route_handles = self._attach_routing()
             yield
         finally:
             for h in handles:
                 h.remove()
+            lists = self._routing_listeners()
+            for seam, fn in routing:
+                lists[seam].remove(fn)
+            if routing and not (lists["route"] or lists["routed"]):
+                for h in self._route_handles:
+                    h.remove()
+                self._route_handles = []
+
+    def _routing_listeners(self) -> dict[str, list[Listener]]:
+        if not hasattr(self, "_route_lists"):
+            self._route_lists = {"route": [], "routed": []}
+        return self._route_lists
+
+    def _dispatch_route(self, layer: int, logits: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor):
+        """Called by the adapter's routing hook: edits, then observers; (indices, weights) to use, or None."""
+        lists = self._routing_listeners()
+        r = Route(layer, logits, indices, weights, self.router(layer))
+        for fn in lists["route"]:
+            fn(layer, r)
+        new = r.result()
+        if lists["routed"]:
+            final = Route(layer, logits, *(new or (indices, weights)), r.math)
+            for fn in lists["routed"]:
+                fn(layer, final)
+        return new
+
+    def _attach_routing(self) -> list:
+        """Hooks that call ``_dispatch_route`` for every MoE layer; returns removable handles."""
+        raise NotImplementedError
 
     @contextlib.contextmanager
     def analysis(self) -> Iterator[None]:
@@ -201,7 +298,7 @@ class Adapter:
         def keep(layer: int, r: Route) -> None:
             got[layer] = r.indices.detach().clone()
 
-        with self.analysis(), torch.no_grad(), self.seams({"route": keep}):
+        with self.analysis(), torch.no_grad(), self.seams({"routed": keep}):
             self.forward(ids)
         return got
 

@@ -37,7 +37,7 @@ from torch import nn
 from workbench.model import state_sha256
 from workbench.model.generate import check_prompt, decode
 
-from .base import Adapter, Listener, ModelSummary, Route
+from .base import Adapter, Listener, ModelSummary
 from .routing import RouterMath
 
 ROUTER_CLASS = re.compile(r"Top[Kk]Router$")
@@ -253,22 +253,20 @@ class HFAdapter(Adapter):
                     return None if new is None else new.reshape(out.shape)
                 handles.append(shared.register_forward_hook(on_shared))
             return handles
-        if seam == "route":
-            handles = []
-            for i, (_, router, experts, _) in self.moe.items():
-                seen: dict = {}
-                handles.append(router.register_forward_hook(
-                    lambda _m, _a, out, seen=seen: seen.__setitem__("logits", out[0])))
-
-                def on_experts(_m, args, kwargs, i=i, seen=seen):
-                    hidden, idx, w = args[0], args[1], args[2]
-                    new = fn(i, Route(i, seen["logits"], idx, w, self.router(i)))
-                    if new is None:
-                        return None
-                    return (hidden, new[0], new[1].to(w.dtype), *args[3:]), kwargs
-                handles.append(experts.register_forward_pre_hook(on_experts, with_kwargs=True))
-            return handles
         raise KeyError(seam)
+
+    def _attach_routing(self) -> list:
+        handles = []
+        for i, (_, router, experts, _) in self.moe.items():
+            seen: dict = {}
+            handles.append(router.register_forward_hook(lambda _m, _a, out, seen=seen: seen.__setitem__("logits", out[0])))
+
+            def on_experts(_m, args, kwargs, i=i, seen=seen):
+                hidden, idx, w = args[0], args[1], args[2]
+                new = self._dispatch_route(i, seen["logits"], idx, w)
+                return None if new is None else ((hidden, new[0], new[1].to(w.dtype), *args[3:]), kwargs)
+            handles.append(experts.register_forward_pre_hook(on_experts, with_kwargs=True))
+        return handles
 
     def _attn_done(self) -> None:
         self._attn_listeners -= 1

@@ -15,7 +15,7 @@ from torch import nn
 
 from workbench.model import MoE, Transformer, state_sha256, stream
 
-from .base import Adapter, Listener, ModelSummary, Route
+from .base import Adapter, Listener, ModelSummary
 from .routing import RouterMath
 
 
@@ -91,20 +91,18 @@ class NativeAdapter(Adapter):
         if seam == "shared_out":
             return [_hook(layers[i].ffn.shared_experts.hook_out, lambda _m, _a, _kw, o, i=i: fn(i, o))
                     for i in self.summary.moe_layers]
-        if seam == "route":
-            handles = []
-            for i in self.summary.moe_layers:
-                gate, math = layers[i].ffn.gate, self.router(i)
-                seen: dict = {}
-                handles.append(_hook(gate.hook_logits, lambda _m, _a, _kw, lg, seen=seen: seen.__setitem__("l", lg)))
-
-                def on_gate(_m, _a, _kw, out, i=i, seen=seen, math=math):
-                    weights, indices = out
-                    new = fn(i, Route(i, seen["l"], indices, weights, math))
-                    if new is not None:
-                        idx, w = new
-                        return w.type_as(weights), idx
-                    return None
-                handles.append(_hook(gate, on_gate))
-            return handles
         raise KeyError(seam)
+
+    def _attach_routing(self) -> list:
+        handles = []
+        for i in self.summary.moe_layers:
+            gate = self.module.layers[i].ffn.gate
+            seen: dict = {}
+            handles.append(_hook(gate.hook_logits, lambda _m, _a, _kw, lg, seen=seen: seen.__setitem__("l", lg)))
+
+            def on_gate(_m, _a, _kw, out, i=i, seen=seen):
+                weights, indices = out
+                new = self._dispatch_route(i, seen["l"], indices, weights)
+                return None if new is None else (new[1].type_as(weights), new[0])
+            handles.append(_hook(gate, on_gate))
+        return handles

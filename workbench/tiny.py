@@ -1,6 +1,13 @@
 """Tiny random ``transformers`` folders of every family the adapters cover (hidden 64, 2 layers, 8 experts
-top-2), made in the test that needs them: nothing is downloaded."""
+top-2, with a small byte-level BPE tokenizer): for the tests, the benchmarks, and trying the workbench on a
+family without downloading anything. Needs ``transformers``.
+
+    python -m workbench.tiny mixtral /tmp/mixtral      # then: workbench record --model /tmp/mixtral ...
+"""
 from __future__ import annotations
+
+import argparse
+import sys
 
 from pathlib import Path
 
@@ -76,3 +83,17 @@ def make_folder(family: str, folder: Path, seed: int = 0, tokenizer: bool = True
                 b.copy_(torch.rand(b.shape) * 0.2)
     hf.save_pretrained(folder)
     return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="save a tiny random transformers model folder of one family")
+    ap.add_argument("family", choices=list(FAMILIES))
+    ap.add_argument("out")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    print(make_folder(args.family, Path(args.out), seed=args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
