@@ -352,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(results)
     seconds = time.perf_counter() - t_start
     print(json.dumps({k: v for k, v in summary.items()}, indent=1))
+    tiny = ckpt / "tiny.json"
+    if tiny.exists():  # a folder made by workbench.tiny: say how to make it again, not where it lay
+        t = json.loads(tiny.read_text())
+        label = f"python -m workbench.tiny {t['family']} DIR --seed {t['seed']}"
     meta = {"checkpoint": "`" + label.replace(str(ROOT) + "/", "") + "`",
             "when": time.strftime("%Y-%m-%d"), "seconds": seconds, "threads": torch.get_num_threads(),
             "per_kind": args.per_kind, "scale": args.scale, "amount": args.amount, "seed": args.seed,
@@ -359,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             "min_effect": args.min_effect, "kinds": ", ".join(kinds), "architecture": model.summary.describe(),
             "section": SECTION if ckpt.resolve() == (ROOT / "data" / "demo").resolve()
             else f"{SECTION}: tiny random {model.summary.family}",
-            "notes": NOTES if "router" in kinds and model.summary.backend == "native" else ""}
+            "notes": NOTES if "router" in kinds and model.summary.backend == "native" else TINY_NOTES}
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "results": results}, indent=1))
     if not args.no_write:
@@ -391,6 +395,15 @@ effects cancel, but ablation effects interact: every head or expert whose output
 changed routing (upstream ones too) changes its effect, and some of those changes are larger than the
 fault's own, so the culprit ranks {router_ref}. Ranking and detectors together find every fault ("top 3
 alone or named by an anomaly")."""
+
+
+TINY_NOTES = """How to read it: as for the demo model above. On these tiny random models (2 layers of 4 heads and 8
+experts, weights drawn with std 0.15) a broken head is found every time. A routed expert scaled x30 is
+where the ranking misses when it does: the broken expert amplifies whatever flows into it, so ablating a
+head or expert upstream of it (which changes the broken expert's input, or steers the token to another
+expert) moves the token more than removing the broken expert itself, and, against the clean model, those
+amplified upstream effects do not cancel either. With 2 layers every component is close to the output,
+so these interactions are large next to the fault's own effect."""
 
 
 if __name__ == "__main__":

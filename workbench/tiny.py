@@ -7,6 +7,7 @@ family without downloading anything. Needs ``transformers``.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from pathlib import Path
@@ -82,6 +83,7 @@ def make_folder(family: str, folder: Path, seed: int = 0, tokenizer: bool = True
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.rand(b.shape) * 0.2)
     hf.save_pretrained(folder)
+    (folder / "tiny.json").write_text(json.dumps({"family": family, "seed": seed, "std": std}) + "\n")  # provenance
     return folder
 
 
