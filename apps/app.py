@@ -13,6 +13,7 @@ import os
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported
 
+import html
 import json
 import queue
 import tempfile
@@ -160,9 +161,14 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         n = t.height
         pos = min(int(run.info["n_prompt_tokens"] or 1), max(n - 1, 0))
         s = run.summary()
-        head = (f"**{s['run_id']}** · {s['status']} · {s['prompt_tokens']} prompt + {s['generated_tokens']} "
+        esc = lambda v: html.escape(str(v))  # noqa: E731 - stored strings reach the page as text
+        head = (f"**{esc(s['run_id'])}** · {esc(s['status'])} · {s['prompt_tokens']} prompt + {s['generated_tokens']} "
                 f"generated tokens · mean confidence "
-                f"{s['mean_confidence']:.3f}" if s["mean_confidence"] is not None else f"**{s['run_id']}** · {s['status']}")
+                f"{s['mean_confidence']:.3f}" if s["mean_confidence"] is not None else
+                f"**{esc(s['run_id'])}** · {esc(s['status'])}")
+        head += f"  \n{esc(s['architecture'])}"
+        if run.info.get("notes"):
+            head += f"  \n⚠️ {esc(run.info['notes'])}"
         try:
             from workbench.replay import step_range
             last_step = step_range(store, run_id)[1]
@@ -431,9 +437,9 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
                     rc_ref = gr.Dropdown(label="Against a known-good run (optional: rank what differs from it)",
                                          choices=reference_choices(), value="", allow_custom_value=True)
                     rc_btn = gr.Button("Explain this token (root cause)", elem_id="explain-button")
-                rc_msg = gr.Markdown(elem_classes=["wb-message"])
+                rc_msg = gr.Markdown(elem_classes=["wb-message"], elem_id="rc-msg")
                 with gr.Row():
-                    comp_plot = gr.Plot(label="Components")
+                    comp_plot = gr.Plot(label="Components", elem_id="comp-plot")
                     rc_table = gr.Dataframe(label="Ranked causes", interactive=False)
                 with gr.Accordion("Run overview", open=False):
                     conf_plot = gr.Plot(label="Confidence along the run")
@@ -446,7 +452,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
                 along_plot = gr.Plot(label="Entropy along positions")
 
             with gr.Tab("Experts", id="experts"):
-                load_plot = gr.Plot(label="Load per expert per layer")
+                load_plot = gr.Plot(label="Load per expert per layer", elem_id="load-plot")
                 with gr.Row():
                     exp_layer = gr.Dropdown(label="MoE layer", choices=[])
                     exp_window = gr.Slider(2, 128, value=16, step=2, label="window (positions)")

@@ -286,6 +286,15 @@ def test_cli_records_explains_and_replays_a_mixtral(env, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["match"] is True
 
 
+def test_report_of_a_transformers_moe_run(env, tmp_path):
+    run = env["run"]("qwen2_moe")
+    facts = json.loads(Path(run.report(tmp_path / "r.json", "json")).read_text())
+    assert facts["model"]["family"] == "qwen2_moe" and facts["model"]["moe_layers"] == [0, 1]
+    assert len(facts["signals"]["expert_load"]) > 0
+    html = Path(run.report(tmp_path / "r.html", "html")).read_text()
+    assert "qwen2_moe, 2 layers x 4 heads, MoE in 2 layers: 8 experts top-2 + 1 shared" in html
+
+
 def test_llama_chunked_prefill_and_kv_rows(env):
     folder = env["folder"]("llama")
     run = env["run"]("llama")

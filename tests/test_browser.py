@@ -13,7 +13,10 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import pytest
 
+import polars as pl
+
 import workbench
+from workbench import query
 from workbench.model import load_tokenizer
 from helpers import tiny_model, free_port
 
@@ -112,10 +115,10 @@ def test_pick_run_and_token_renders_heat_maps(server, page, tmp_path):
                            "return p && p.data && p.data.length > 0; })", timeout=30_000)
     # the heat maps hold this token's numbers: layers x heads, k experts per MoE layer
     heads = page.evaluate("() => document.querySelector('#heads-plot .js-plotly-plot').data[0].z")
-    cfg = run.config
-    assert len(heads) == cfg["n_layers"] and all(len(r) == cfg["n_heads"] for r in heads)
+    ms = run.model_summary
+    assert len(heads) == ms.n_layers and all(len(r) == ms.n_heads for r in heads)
     routing = page.evaluate("() => document.querySelector('#routing-plot .js-plotly-plot').data[0].z")
-    assert all(sum(v is not None for v in r) == cfg["n_activated_experts"] for r in routing)
+    assert all(sum(v is not None for v in r) == ms.top_k for r in routing)
     assert page.locator("#heads-plot .heatmaplayer, #heads-plot image, #heads-plot .hm").count() > 0
     assert _toasts(page) == 0
     shot = ROOT / "docs" / "screenshot.png" if FOR_README else tmp_path / "screenshot.png"
@@ -143,3 +146,53 @@ def test_token_text_is_shown_as_text(server, page):
     assert XSS + " prompt" in page.locator("#runs-table").inner_text()
     assert page.locator("img[src='x']").count() == 0
     assert page.dialogs == [] and page.evaluate("() => window.__alerts") == []
+
+
+@pytest.fixture(scope="module")
+def mixtral_server(tmp_path_factory):
+    """A tiny random transformers Mixtral recorded from its folder, served by the app."""
+    pytest.importorskip("transformers")
+    from workbench.apps.app import build_app
+    from workbench.tiny import make_folder
+
+    root = tmp_path_factory.mktemp("mixtral")
+    folder = make_folder("mixtral", root / "model")
+    run = workbench.record("def add(a, b):\n    return", model=folder, max_new_tokens=8, db=root / "wb.duckdb")
+    app = build_app(run.store)
+    port = free_port()
+    app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    yield f"http://127.0.0.1:{port}/", run
+    app.close()
+
+
+def test_a_transformers_mixtral_run_is_shown_completely(mixtral_server, page):
+    """Header names the family and its MoE (never "dense"); routing at a token, the Experts tab and the
+    Explain button work on a run of a transformers MoE family."""
+    url, run = mixtral_server
+    ms = run.model_summary
+    _open_run(page, url, run.run_id, run.info["n_prompt_tokens"])
+    head = page.locator("#run-head").inner_text()
+    assert "mixtral" in head and "MoE in 2 layers: 8 experts top-2" in head and "dense" not in head
+    pos = run.info["n_prompt_tokens"] + 2
+    page.locator("#token-pos input").fill(str(pos))
+    page.locator("#token-pos input").press("Enter")
+    page.wait_for_function(f"() => [...document.querySelectorAll('#routing-plot .gtitle')]"
+                           f".some(e => e.textContent.includes('pos {pos}'))", timeout=30_000)
+    routing = page.evaluate("() => document.querySelector('#routing-plot .js-plotly-plot').data[0].z")
+    want = run.routing().filter(pl.col("pos") == pos)
+    assert len(routing) == len(ms.moe_layers) and all(sum(v is not None for v in r) == ms.top_k for r in routing)
+    assert {(i, j) for i, r in enumerate(routing) for j, v in enumerate(r) if v is not None} == \
+        {(ms.moe_layers.index(r["layer"]), r["expert"]) for r in want.iter_rows(named=True)}
+    # root cause from the button: heads and experts ranked
+    page.locator("#explain-button").click()
+    page.wait_for_function("() => (document.querySelector('#rc-msg')?.innerText || '').includes('ranked causes')",
+                           timeout=120_000)
+    assert _traces(page, "comp-plot") > 0
+    assert query.attributions(run.store, run.run_id, pos)["kind"].unique().sort().to_list() == ["expert", "head", "token"]
+    # the Experts tab: load per expert for both MoE layers
+    page.get_by_role("tab", name="Experts").click()
+    page.wait_for_function("() => { const p = document.querySelector('#load-plot .js-plotly-plot'); "
+                           "return p && p.data && p.data.length > 0; }", timeout=30_000)
+    load = page.evaluate("() => document.querySelector('#load-plot .js-plotly-plot').data[0].z")
+    assert len(load) == len(ms.moe_layers) and all(len(r) == ms.n_routed_experts for r in load)
+    assert _toasts(page) == 0

@@ -131,7 +131,8 @@ def build_report(run, explain: int = 3, root_cause_kw: dict | None = None,
     rep = Report(facts={
         "report": {"kind": "moe-workbench anomaly report", "schema_version": SCHEMA_VERSION,
                    "created_at": datetime.now(timezone.utc).replace(microsecond=0).isoformat()},
-        "run": _plain({k: v for k, v in info.items() if k not in ("config", "params", "pid")}),
+        "run": _plain({k: v for k, v in info.items() if k not in ("config", "params", "pid", "summary")}),
+        "model": _plain(run.model_summary.to_dict()),
         "params": _plain(params), "config": _plain(json.loads(info["config"] or "{}")),
         "summary": {}, "tokens": [], "anomalies": [], "explained": [], "signals": {}, "notes": [],
     }, run=run)
