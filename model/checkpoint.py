@@ -127,9 +127,12 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no .safetensors file in {folder}")
     out = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                out[k] = fh.get_tensor(k)
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    out[k] = fh.get_tensor(k)
+        except Exception as e:  # safetensors raises its own error type for a truncated or corrupt file
+            raise ValueError(f"cannot read {f}: {str(e).splitlines()[0]} (truncated or corrupt?)") from None
     return out
 
 

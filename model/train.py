@@ -103,19 +103,29 @@ def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train(out: str | Path = "data/demo", preset: str = "demo", steps: int = 1200, batch: int = 8,
+def train(out: str | Path = "models/demo", preset: str = "demo", steps: int = 1200, batch: int = 8,
           seq_len: int = 512, lr: float = 3e-3, warmup: int = 50, balance_rate: float = 1e-3, seed: int = 0,
           save_every: int = 50, vocab_size: int = 4096, threads: int | None = None,
-          progress: bool = True, files: list[Path] | None = None) -> Path:
+          progress: bool = True, files: list[Path] | None = None, force: bool = False) -> Path:
     """Train (or resume) and write the checkpoint + tokenizer to ``out``. Returns ``out``.
 
-    ``files`` replaces the stdlib training split (smoke tests train on a few small files).
+    ``files`` replaces the stdlib training split (smoke tests train on a few small files). The bundled
+    demo folder, or any folder that holds a finished checkpoint (and no training state to resume), is
+    refused unless ``force``: a new run would rewrite its tokenizer within seconds.
     """
     from tqdm import tqdm
 
+    from .checkpoint import DEFAULT_CHECKPOINT
+
+    out = Path(out)
+    if not force:
+        if out.resolve() == DEFAULT_CHECKPOINT.resolve():
+            raise ValueError(f"{out} is the bundled demo checkpoint: training would overwrite it; pick another "
+                             "--out (default models/demo) or pass --force")
+        if (out / "model.safetensors").exists() and not (out / "train_state" / "state.json").exists():
+            raise ValueError(f"{out} already holds a finished checkpoint; pick another --out or pass --force")
     if threads:
         torch.set_num_threads(threads)
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state_dir = out / "train_state"
     torch.manual_seed(seed)

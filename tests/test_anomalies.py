@@ -95,6 +95,10 @@ def test_near_ties():
     got = an.near_ties(r, 0.005)
     assert got.select("pos", "layer").rows() == [(5, 1)]  # -0.3 is a group override, not a tie
     assert an.near_ties(routing_frame(balanced(8)), 0.005).height == 0
+    # a small negative margin is a group override by a hair; the message says what happened, not "by -0.002"
+    neg = an.near_ties(routing_frame(balanced(8), margin=-0.002), 0.005)
+    assert neg.height == 8 and all("passed over an expert that scored 0.0020 higher" in e for e in neg["explanation"])
+    assert "beat the best unchosen one by only 0.0010" in got["explanation"][0]
 
 
 def test_dead_and_overloaded_experts_and_collapse():

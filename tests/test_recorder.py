@@ -160,3 +160,47 @@ def test_anomalies_detected_when_a_run_completes(tmp_path):
     assert workbench.open(db).runs().filter(pl.col("run_id") == run.run_id)["n_anomalies"][0] == stored
     quiet = workbench.record([1, 2, 3, 4], model=model, max_new_tokens=12, db=db, detect=False)
     assert db.sql("SELECT count(*) AS n FROM anomalies WHERE run_id = ?", [quiet.run_id])["n"][0] == 0
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"), ({"max_new_tokens": -1}, "max_new_tokens must be >= 1"),
+    ({"temperature": float("nan")}, "temperature must be finite"), ({"temperature": -1.0}, "temperature must be >= 0"),
+    ({"top_p": 0.0, "temperature": 1.0}, "top_p must be in"), ({"top_p": 2.0}, "top_p must be in"),
+    ({"dtype": "int8"}, "dtype must be one of"), ({"probes": ["nope"]}, "unknown probes"),
+    ({"prompt": [1, 2, 10**30]}, "outside the model's vocabulary"), ({"prompt": [1, -3]}, "outside"),
+    ({"prompt": [1, 2.5]}, "not an integer"), ({"prompt": []}, "empty prompt"), ({"topk": 0}, "topk must be >= 1"),
+])
+def test_bad_inputs_are_refused_before_a_run_exists(tmp_path, kw, message):
+    db = Store(tmp_path / "w.duckdb")
+    kw = {"prompt": [1, 2, 3], "max_new_tokens": 2, **kw}
+    with pytest.raises(ValueError, match=message):
+        workbench.record(kw.pop("prompt"), model=tiny(), db=db, **kw)
+    assert workbench.open(db).runs().height == 0
+
+
+def test_cli_refuses_bad_generation_settings_with_exit_code_2(tmp_path, capsys):
+    from workbench import cli
+
+    db = str(tmp_path / "w.duckdb")
+    for bad in (["--top-p", "0", "--temperature", "1"], ["--temperature", "nan"], ["--max-new-tokens", "0"],
+                ["--temperature", "-1"], ["--top-p", "2"]):
+        assert cli.main(["record", "--prompt", "x = 1", *bad, "--db", db]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("workbench record: error:"), err
+    assert workbench.open(db).runs().height == 0
+
+
+def test_a_truncated_checkpoint_is_a_one_line_error(tmp_path, capsys):
+    import shutil
+
+    from workbench import cli
+    from workbench.model import DEFAULT_CHECKPOINT
+
+    bad = tmp_path / "ckpt"
+    bad.mkdir()
+    for f in ("config.json", "tokenizer.json"):
+        shutil.copy(DEFAULT_CHECKPOINT / f, bad / f)
+    (bad / "model.safetensors").write_bytes((DEFAULT_CHECKPOINT / "model.safetensors").read_bytes()[:100_000])
+    assert cli.main(["record", "--model", str(bad), "--prompt", "x", "--db", str(tmp_path / "w.duckdb")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot read" in err[0] and "truncated or corrupt" in err[0]

@@ -106,3 +106,21 @@ def test_resume_after_crash(corpus, straight, tmp_path, monkeypatch):
     a, b = _weights(tmp_path), _weights(straight)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_train_refuses_the_bundled_demo_and_finished_checkpoints(tmp_path, capsys):
+    from workbench import cli
+    from workbench.model import DEFAULT_CHECKPOINT
+
+    tok_before = (DEFAULT_CHECKPOINT / "tokenizer.json").read_bytes()
+    with pytest.raises(ValueError, match="bundled demo"):
+        mt.train(DEFAULT_CHECKPOINT, steps=1, files=[])
+    assert cli.main(["train", "--out", str(DEFAULT_CHECKPOINT), "--steps", "1"]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert (DEFAULT_CHECKPOINT / "tokenizer.json").read_bytes() == tok_before  # nothing written
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(ValueError, match="finished checkpoint"):
+        mt.train(done, steps=1, files=[])
+    assert cli.build_parser().parse_args(["train"]).out == "models/demo"  # a new folder by default

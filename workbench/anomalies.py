@@ -158,10 +158,14 @@ def near_ties(routing: pl.DataFrame, margin: float = 0.005) -> pl.DataFrame:
     """
     r = routing.filter(pl.col("slot") == 0).filter(_finite("margin") & (pl.col("margin").abs() < margin)) \
         .sort("pos", "layer")
+    def say(x: dict) -> str:
+        where = f"layer {x['layer']} at {x['pos']}"
+        if x["margin"] >= 0:
+            return f"{where}: the router's last chosen expert beat the best unchosen one by only {x['margin']:.4f}"
+        return (f"{where}: the router passed over an expert that scored {-x['margin']:.4f} higher than its last "
+                "chosen one (group-limited routing)")
     return _rows([{"kind": "routing_near_tie", "severity": "info", "pos": x["pos"], "layer": x["layer"],
-                   "score": x["margin"], "threshold": margin,
-                   "explanation": f"layer {x['layer']} at {x['pos']}: the router's last chosen expert beat the "
-                                  f"best unchosen one by only {x['margin']:.4f}"}
+                   "score": x["margin"], "threshold": margin, "explanation": say(x)}
                   for x in r.iter_rows(named=True)])
 
 

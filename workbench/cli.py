@@ -54,8 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auth", default=None, help="USER:PASS")
     _db(p)
 
-    p = sub.add_parser("train", help="train the demo model from scratch (reproduces data/demo)")
-    p.add_argument("--out", default="data/demo")
+    p = sub.add_parser("train", help="train the demo model from scratch (reproduces data/demo in a new folder)")
+    p.add_argument("--out", default="models/demo", help="output folder (resumes a run there); data/demo, or a "
+                                                        "folder with a finished checkpoint, needs --force")
+    p.add_argument("--force", action="store_true", help="allow writing over data/demo or a finished checkpoint")
     p.add_argument("--preset", default="demo")
     p.add_argument("--steps", type=int, default=900)
     p.add_argument("--batch", type=int, default=8)

@@ -8,6 +8,8 @@ It returns the run id; ``workbench.record`` (workbench/run.py) wraps it into a `
 from __future__ import annotations
 
 import json
+import math
+import operator
 import os
 import sys
 import time
@@ -122,6 +124,43 @@ def _config_json(adapter: Adapter) -> str:
     return json.dumps(cfg, default=str)
 
 
+def check_generation(max_new_tokens, temperature, top_p, seed, topk) -> None:
+    """ValueError (one line) for settings no generation can run with; called before any run row exists."""
+    def number(name, v, kind=(int, float)):
+        if isinstance(v, bool) or not isinstance(v, kind):
+            raise ValueError(f"{name} must be a number, got {v!r}")
+        if not math.isfinite(v):
+            raise ValueError(f"{name} must be finite, got {v!r}")
+        return v
+
+    if number("max_new_tokens", max_new_tokens, int) < 1:
+        raise ValueError(f"max_new_tokens must be >= 1 (the first new token comes with the prompt's forward), "
+                         f"got {max_new_tokens}")
+    if number("temperature", temperature) < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 < number("top_p", top_p) <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1 = no nucleus cut), got {top_p}")
+    number("seed", seed, int)
+    if number("topk", topk, int) < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+
+
+def check_ids(ids: list, vocab_size: int) -> list[int]:
+    """Token ids as ints inside the vocabulary, or a ValueError naming the first bad one."""
+    out = []
+    for i, t in enumerate(ids):
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            t = operator.index(t)  # ints and numpy / torch integers, never floats
+        except TypeError:
+            raise ValueError(f"token id at position {i} is not an integer: {t!r}") from None
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"token id {t} at position {i} is outside the model's vocabulary (0..{vocab_size - 1})")
+        out.append(t)
+    return out
+
+
 def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_tokens: int = 64,
                temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, db=None, dtype: str | None = None,
                probes: Iterable[str] = PROBES, topk: int = 5, progress: bool = False,
@@ -134,6 +173,7 @@ def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_t
         raise ValueError(f"prompt of {len(prompt)} characters is over the {MAX_PROMPT_CHARS} limit")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(k for k in DTYPES if k)}, got {dtype!r}")
+    check_generation(max_new_tokens, temperature, top_p, seed, topk)
     probes = list(dict.fromkeys(probes))
     unknown = set(probes) - set(SIGNALS)
     if unknown:
@@ -142,9 +182,10 @@ def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_t
     adapter = load_adapter(model, DTYPES[dtype], backend=backend)
     tokenizer = resolve_tokenizer(tokenizer, adapter, bundled=model is None)
     label, sha = model_identity(model, adapter, dtype_changed=dtype is not None)
-    ids = list(prompt) if not isinstance(prompt, str) else tokenizer.encode(prompt).ids
+    ids = check_ids(list(prompt), adapter.summary.vocab_size) if not isinstance(prompt, str) else \
+        tokenizer.encode(prompt).ids
     if not ids:
-        raise ValueError("the prompt encodes to no tokens")
+        raise ValueError("the prompt encodes to no tokens" if isinstance(prompt, str) else "empty prompt: no token ids")
     limit = adapter.summary.max_seq_len
     if len(ids) + max_new_tokens > limit:
         raise ValueError(f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds the model's "

@@ -60,12 +60,13 @@ def save_tokenizer(folder: Path) -> int:
     return tok.get_vocab_size()
 
 
-def make_folder(family: str, folder: Path, seed: int = 0, tokenizer: bool = True, std: float = 0.15) -> Path:
+def make_folder(family: str, folder: str | Path, seed: int = 0, tokenizer: bool = True, std: float = 0.15) -> Path:
     """Save a tiny random ``family`` model (and a tokenizer) to ``folder``; weights are scaled up from the
     default init so routing, attention and the next token depend visibly on the input."""
     import transformers
 
     cfg_name, lm_name, kw = FAMILIES[family]
+    folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     vocab = save_tokenizer(folder) if tokenizer else 300
     torch.manual_seed(seed)

@@ -296,6 +296,7 @@ def load_hf(folder: str | Path, dtype: torch.dtype | None = None, device: str = 
             warnings.simplefilter("ignore")
             hf = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, attn_implementation="eager",
                                                       dtype=dtype or torch.float32, use_safetensors=True)
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"cannot load {folder} with transformers: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # noqa: BLE001 - transformers and safetensors raise many types; one line for all
+        raise ValueError(f"cannot load {folder} with transformers: {type(e).__name__}: "
+                         f"{(str(e).splitlines() or [''])[0]}") from None
     return HFAdapter(hf.to(device), folder, attn_chunk)

@@ -16,11 +16,12 @@ def main(args) -> int:
     from rich.table import Table
 
     t = Table(title=f"runs in {args.db or 'default database'}")
-    for c in ("run_id", "created_at", "status", "n_tokens", "n_anomalies", "prompt"):
-        t.add_column(c)
+    for c in ("run_id", "created_at", "status", "model", "dtype", "n_tokens", "n_anomalies", "prompt"):
+        # ids and models whole: they are what the other commands take
+        t.add_column(c, no_wrap=c in ("run_id", "created_at"), overflow="fold")
     for r in df.iter_rows(named=True):
         prompt = (r["prompt"] or "").replace("\n", "⏎")[:40]
-        t.add_row(*(escape(str(v)) for v in (r["run_id"], str(r["created_at"])[:19], r["status"], r["n_tokens"],
-                                             r["n_anomalies"], prompt)))
-    Console().print(t)
+        t.add_row(*(escape(str(v)) for v in (r["run_id"], str(r["created_at"])[:19], r["status"], r["model"],
+                                             r["dtype"], r["n_tokens"], r["n_anomalies"], prompt)))
+    Console(width=max(160, Console().width)).print(t)
     return 0
