@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,7 +25,9 @@ workbench.record(list(range(1, 9)), model=m, tokenizer=load_tokenizer(), max_new
 
 def test_reader_process_sees_a_live_recording(tmp_path):
     db = tmp_path / "live.duckdb"
-    Store(db).close()  # create it, then let go of the file
+    first = Store(db)
+    first.sql("SELECT 1")  # create it (a Store of a missing file creates it at its first query)
+    first.close()  # then let go of the file
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(db)], cwd=ROOT,
                              env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
     store = Store(db)
@@ -47,3 +50,37 @@ def test_reader_process_sees_a_live_recording(tmp_path):
     final = store.sql("SELECT status, n_tokens FROM runs WHERE run_id = 'rcross'").row(0)
     assert final == ("complete", 8 + 30)
     assert store.sql("SELECT count(*) AS n FROM tokens WHERE run_id = 'rcross'")["n"][0] == 38
+
+
+def test_open_store_sees_a_killed_recording_interrupted(tmp_path):
+    """A store already open in this process marks a recording SIGKILLed in another process `interrupted`
+    by itself (liveness is re-checked while the file is held, not only at the first open), with
+    n_tokens equal to the tokens committed."""
+    db = tmp_path / "killed.duckdb"
+    store = Store(db)
+    store.sql("SELECT 1")  # created and held here before the child starts
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(db)], cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        n = 0
+        while time.monotonic() < deadline and n < 12:
+            rows = store.sql("SELECT status, (SELECT count(*) FROM tokens) AS n FROM runs WHERE run_id = 'rcross'")
+            if rows.height:
+                assert rows["status"][0] == "running"
+                n = rows["n"][0]
+            assert child.poll() is None, child.stderr.read()[-2000:]
+            time.sleep(0.1)
+        assert n >= 12
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status = store.sql("SELECT status FROM runs WHERE run_id = 'rcross'")["status"][0]
+        if status != "running":
+            break
+        time.sleep(0.2)
+    assert status == "interrupted"
+    n_tokens, n_rows = store.execute("SELECT n_tokens, (SELECT count(*) FROM tokens) FROM runs")[0]
+    assert n_tokens == n_rows and 12 <= n_rows < 38

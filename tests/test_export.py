@@ -77,3 +77,104 @@ def test_one_run_and_idempotent_reexport(env, tmp_path):
     assert cli.main(["export", "--parquet", str(out), "--run", a, "--db", str(store.path)]) == 0
     assert set(read_back(out, "runs")["run_id"].to_list()) == {a, b}
     assert cli.main(["export", "--parquet", str(out), "--run", "nope", "--db", str(store.path)]) == 2
+
+
+def whole_files(out) -> dict[str, int]:
+    """Every file under a final name, read on its own (a truncated file would fail here): rows per file."""
+    con = duckdb.connect()
+    try:
+        return {str(f.relative_to(out)): con.execute(f"SELECT count(*) FROM read_parquet('{f}')").fetchone()[0]
+                for f in sorted(out.rglob("*.parquet"))}
+    finally:
+        con.close()
+
+
+def test_export_marker_and_failure_between_files(env, tmp_path, monkeypatch):
+    """A failure between two files leaves whole files only, no temporary file and no _SUCCESS; a rerun
+    completes with the marker."""
+    import json
+    import workbench.export as export
+
+    store = env["store"]
+    out = tmp_path / "pq"
+    files = export_parquet(store, out)
+    marker = json.loads((out / "_SUCCESS").read_text())
+    assert marker["runs"] == sorted(env["runs"], key=lambda r: store.execute(
+        "SELECT created_at, run_id FROM runs WHERE run_id = ?", [r])[0]) and len(marker["files"]) == len(files)
+    full = whole_files(out)
+    real_copy, calls = export._copy, []
+
+    def copy_then_fail(cur, select, path):
+        if len(calls) == 5:
+            raise RuntimeError("killed between files")
+        calls.append(path)
+        real_copy(cur, select, path)
+
+    monkeypatch.setattr(export, "_copy", copy_then_fail)
+    with pytest.raises(RuntimeError, match="between files"):
+        export_parquet(store, out)
+    assert not (out / "_SUCCESS").exists()
+    assert whole_files(out) == full  # the files rewritten so far are whole; the rest are the earlier export's
+    assert not [f for f in out.rglob("*") if f.is_file() and not f.name.endswith(".parquet")]
+    monkeypatch.setattr(export, "_copy", real_copy)
+    export_parquet(store, out)
+    assert (out / "_SUCCESS").exists() and whole_files(out) == full
+
+
+KILLED_EXPORT = r"""
+import os, sys, time
+import workbench.export as export
+from workbench.store import Store
+
+real, n = os.replace, []
+
+def replace(src, dst):  # the third file is written under its temporary name; die before moving it
+    n.append(dst)
+    if len(n) == 3:
+        print("ready", flush=True)
+        time.sleep(600)
+    real(src, dst)
+
+export.os.replace = replace
+export.export_parquet(Store(sys.argv[1]), sys.argv[2])
+"""
+
+
+def test_sigkill_mid_export_leaves_no_partial_file(env, tmp_path):
+    """An export SIGKILLed mid-way leaves no marker, nothing partial under a final name (its temporary
+    file matches no *.parquet glob), and hive readers read the whole files; a rerun finishes it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    store = env["store"]
+    out = tmp_path / "pq"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_EXPORT, str(store.path), str(out)], cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().strip()
+        assert line == "ready", (line, proc.stderr.read() if proc.poll() is not None else "")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert not (out / "_SUCCESS").exists()
+    strays = [f for f in out.rglob("*") if f.is_file() and not f.name.endswith(".parquet")]
+    assert len(strays) == 1 and strays[0].name.startswith(".data.parquet.")  # the file it was writing
+    assert len(whole_files(out)) == 2  # the two files moved into place (both runs' tokens), each whole
+    got = read_back(out, "tokens")  # a hive reader sees those whole files only
+    assert same_rows(store.sql("SELECT * FROM tokens").select(columns("tokens")), got)
+    with pytest.raises(duckdb.IOException, match="No files found"):  # the stray is not taken for a file
+        read_back(out, "attention")
+    assert not (out / "runs").exists()  # runs partitions come last: no run row without its tables
+    export_parquet(store, out)  # the rerun completes it and clears the stray
+    assert (out / "_SUCCESS").exists()
+    assert not [f for f in out.rglob("*") if f.is_file() and not f.name.endswith(".parquet")
+                and f.name != "_SUCCESS"]
+    for table in RUN_TABLES:
+        want = store.sql(f"SELECT * FROM {table}").select(columns(table))
+        if want.height:
+            assert same_rows(want, read_back(out, table)), table

@@ -162,9 +162,19 @@ def test_sigkill_mid_run_keeps_finished_steps(tmp_path):
     # the in-process reader saw earlier steps while recording went on
     seen = [int(ln.split()[-1]) for ln in lines if ln.startswith("token")]
     assert len(seen) == 4 and seen == sorted(seen)  # monotonic: committed steps never disappear
+    # straight from the file (no workbench code marking anything): the transactions that committed the
+    # steps moved runs.n_tokens on with them, so the run's length is right although it never finished
+    con = duckdb.connect(str(db))
+    try:
+        status, n_tokens, n_rows = con.execute(
+            "SELECT status, n_tokens, (SELECT count(*) FROM tokens) FROM runs").fetchone()
+    finally:
+        con.close()
+    assert status == "running" and n_tokens == n_rows > 9
     store = Store(db)
-    runs = store.sql("SELECT run_id, status FROM runs")
+    runs = store.sql("SELECT run_id, status, n_tokens FROM runs")
     assert runs.height == 1 and runs["status"][0] == "interrupted"
+    assert runs["n_tokens"][0] == n_rows  # and the interrupted-marking's recount agrees
     run = workbench.open(store).run(runs["run_id"][0])
     steps = run.steps()
     assert steps["step"].to_list()[:4] == [0, 1, 2, 3]

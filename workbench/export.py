@@ -1,20 +1,37 @@
 """Parquet export of runs, Hive-partitioned by run, so other engines read traces without this package.
 
 Layout: ``<out>/<table>/run_id=<id>/data.parquet`` for every table keyed by ``run_id`` (``runs``
-included), plus ``<out>/meta/data.parquet`` (the schema version). The partition column lives in the
-folder name, as Hive, Spark, Trino and DuckDB (``read_parquet(..., hive_partitioning = true)``) expect.
-Files are written by DuckDB's own ``COPY ... (FORMAT PARQUET)``, so types (lists, timestamps) are kept.
+included), plus ``<out>/meta/data.parquet`` (the schema version) and the completion marker
+``<out>/_SUCCESS``. The partition column lives in the folder name, as Hive, Spark, Trino and DuckDB
+(``read_parquet(..., hive_partitioning = true)``) expect. Files are written by DuckDB's own
+``COPY ... (FORMAT PARQUET)``, so types (lists, timestamps) are kept.
+
+Crash safety: every file is written under a temporary name in its own folder
+(``.data.parquet.<pid>.tmp``: a leading dot and no ``.parquet`` ending, so neither Hive-style readers
+nor a ``*.parquet`` glob pick it up) and moved onto its final name with ``os.replace``, so a file under
+a final name is always whole. An export removes ``_SUCCESS`` before it touches anything and writes it
+(atomically too) after its last file: ``_SUCCESS`` present means the last export into the folder
+finished; absent means one was cut short (its files are whole but may mix it with an earlier export),
+and re-running the export completes it. ``_SUCCESS`` is JSON: the run ids of that export, the files
+written and the schema version. The ``runs`` partitions are written last, so a run's ``runs`` row is
+exported only after its signal tables. Temporary files left by a killed export are removed by the next.
 """
 from __future__ import annotations
 
+import json
+import os
+from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import quote
 
 from . import query
-from .schema import TABLES, columns
+from .schema import SCHEMA_VERSION, TABLES, columns
 from .store import Store
 
 RUN_TABLES = tuple(t for t in TABLES if "run_id" in columns(t))
+MARKER = "_SUCCESS"
+# runs last: a run's row appears (or is refreshed) only once its signal tables are written
+_ORDER = tuple(t for t in RUN_TABLES if t != "runs") + ("runs",)
 
 
 def _literal(s: str) -> str:
@@ -22,11 +39,40 @@ def _literal(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def _is_stray(f: Path) -> bool:
+    """A temporary file of an export that did not finish: ours, or DuckDB's own ``tmp_<name>``."""
+    n = f.name
+    return (n.startswith(".") and n.endswith(".tmp")) or (n.startswith("tmp_") and n.endswith(".parquet"))
+
+
+def _remove_strays(out: Path) -> None:
+    for pattern in ("*/*/*", "meta/*", "*"):
+        for f in out.glob(pattern):
+            if f.is_file() and _is_stray(f):
+                f.unlink(missing_ok=True)
+
+
+def _copy(cur, select: str, path: Path) -> None:
+    """``COPY (select) TO path`` written under a temporary name, then moved into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_name(path)
+    try:
+        cur.execute(f"COPY ({select}) TO {_literal(str(tmp))} (FORMAT PARQUET, USE_TMP_FILE false)")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def export_parquet(store: Store, out_dir: str | Path, run_id: str | None = None) -> list[Path]:
     """Write one run (or all runs) as Hive-partitioned Parquet under ``out_dir``; return the files written.
 
     A run's partition is replaced if it exists (re-exporting is idempotent); tables where the run has no
-    rows get no file. Raises ``RunNotFound`` for an unknown ``run_id``.
+    rows get no file. Each file appears whole under its final name, and ``out_dir/_SUCCESS`` is written
+    last (see the module docstring). Raises ``RunNotFound`` for an unknown ``run_id``.
     """
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -37,10 +83,13 @@ def export_parquet(store: Store, out_dir: str | Path, run_id: str | None = None)
     else:
         run_ids = store.sql("SELECT run_id FROM runs ORDER BY created_at, run_id")["run_id"].to_list()
     out.mkdir(parents=True, exist_ok=True)
+    marker = out / MARKER
+    marker.unlink(missing_ok=True)  # from here until the end, the folder is not a finished export
+    _remove_strays(out)
     written: list[Path] = []
     cur = store.cursor()
     try:
-        for table in RUN_TABLES:
+        for table in _ORDER:
             counts = dict(cur.execute(f"SELECT run_id, count(*) FROM {table} GROUP BY run_id").fetchall())
             for rid in run_ids:
                 # partition values are URL-encoded in folder names, as Hive writers do
@@ -48,14 +97,20 @@ def export_parquet(store: Store, out_dir: str | Path, run_id: str | None = None)
                 if not counts.get(rid):
                     path.unlink(missing_ok=True)  # a stale file from an earlier export would resurrect rows
                     continue
-                path.parent.mkdir(parents=True, exist_ok=True)
-                cur.execute(f"COPY (SELECT * EXCLUDE (run_id) FROM {table} WHERE run_id = {_literal(rid)}) "
-                            f"TO {_literal(str(path))} (FORMAT PARQUET)")
+                _copy(cur, f"SELECT * EXCLUDE (run_id) FROM {table} WHERE run_id = {_literal(rid)}", path)
                 written.append(path)
         meta = out / "meta" / "data.parquet"
-        meta.parent.mkdir(parents=True, exist_ok=True)
-        cur.execute(f"COPY (SELECT * FROM meta ORDER BY key) TO {_literal(str(meta))} (FORMAT PARQUET)")
+        _copy(cur, "SELECT * FROM meta ORDER BY key", meta)
         written.append(meta)
     finally:
         cur.close()
+    tmp = _tmp_name(marker)
+    try:
+        tmp.write_text(json.dumps({
+            "runs": run_ids, "files": [str(p.relative_to(out)) for p in written],
+            "schema_version": SCHEMA_VERSION,
+            "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}, indent=1) + "\n")
+        os.replace(tmp, marker)
+    finally:
+        tmp.unlink(missing_ok=True)
     return written

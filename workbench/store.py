@@ -4,12 +4,27 @@ One DuckDB connection per database file per process, shared through cursors, so 
 read a run while the recorder in the same process is writing it. DuckDB lets only one process hold a
 file; a process that finds it held asks for it (``<db>.want``) and the holder lets go as soon as no
 cursor is in use, so a recording in one process and the UI in another take turns. Each step's batch
-is committed as whole steps in one transaction: a process killed mid-run leaves every committed step
-readable; the next open marks a run whose recording process is gone as ``interrupted``.
+is committed as whole steps in one transaction, and the same transaction moves ``runs.n_tokens`` on:
+a process killed mid-run leaves every committed step readable and its run's length right.
+
+Durability and liveness:
+
+- A new database file is made under a temporary name (schema and all) and linked into place, so a
+  kill while creating it leaves no half-made file; ``Store(path)`` of a missing file creates nothing
+  until the first query, so a recording killed while loading its model leaves no empty database.
+- A run's final ``update_run`` (a ``status`` other than ``running``, or ``finished_at``) and every
+  ``replace`` of derived rows checkpoint the WAL into the ``.duckdb`` file, so a copy of that file
+  alone holds every finished run; closing the connection checkpoints too.
+- A ``running`` run belongs to a live process when its ``pid`` exists and, where /proc is available,
+  that process has the recorded ``pid_start`` (kernel boot id and process start time), so a reused pid
+  is not taken for the recorder. Every open, and every process holding the file at most every
+  ``LIVENESS_INTERVAL_S`` seconds, marks a run whose process is gone ``interrupted`` (its ``n_tokens``
+  recounted from the rows committed).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import queue
@@ -24,6 +39,7 @@ import polars as pl
 
 from .rows import Rows
 from .schema import ADDED_COLUMNS, SCHEMA_VERSION, TABLES, columns, ddl
+from .signals import TABLES as SIGNAL_TABLES
 
 REPO_DATA = Path(__file__).resolve().parent.parent / "data"
 
@@ -38,6 +54,39 @@ def default_db() -> Path:
 
 
 LOCK_TIMEOUT_S = float(os.environ.get("WORKBENCH_LOCK_TIMEOUT", "20"))
+# how often (seconds) a process holding the file re-checks that the recorders of 'running' runs still live
+LIVENESS_INTERVAL_S = float(os.environ.get("WORKBENCH_LIVENESS_INTERVAL", "2"))
+FINAL_STATUSES = ("complete", "failed", "interrupted")
+PROC = Path("/proc")
+
+
+@functools.lru_cache(maxsize=1)
+def _boot_id() -> str:
+    try:
+        return (PROC / "sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks after boot) of a process from /proc/<pid>/stat; None if it is gone."""
+    try:
+        text = (PROC / str(int(pid)) / "stat").read_text()
+    except (OSError, ValueError):
+        return None
+    # field 2 (comm) is in parentheses and may hold spaces or parentheses: split after the last one
+    rest = text[text.rindex(")") + 2:].split()
+    return rest[0], int(rest[19])  # fields 3 (state) and 22 (starttime)
+
+
+def process_identity(pid: int | None = None) -> str | None:
+    """``<boot id>:<start ticks>`` of a live process (this one by default): with its pid, it names the
+    process uniquely, a reused pid or a reboot gives another. None where /proc is unavailable."""
+    try:
+        st = _proc_stat(os.getpid() if pid is None else pid)
+    except (ValueError, IndexError):
+        return None
+    return None if st is None else f"{_boot_id()}:{st[1]}"
 
 
 def _pid_alive(pid: int | None) -> bool:
@@ -47,11 +96,28 @@ def _pid_alive(pid: int | None) -> bool:
         return True
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # gone, or not a possible pid
         return False
-    except PermissionError:
+    except PermissionError:  # another user's process
         return True
     return True
+
+
+def _run_alive(pid: int | None, pid_start: str | None) -> bool:
+    """Whether the process that recorded a run still runs: its pid exists, is not a zombie, and (when
+    the run stored one) has the same ``pid_start``; pid alone where /proc does not show the process
+    (no /proc, or another user's process hidden by ``hidepid``)."""
+    if not pid:
+        return False
+    try:
+        st = _proc_stat(pid)
+    except (ValueError, IndexError):  # an unexpected /proc format: fall back to the pid
+        st = None
+    if st is None:
+        return _pid_alive(pid)
+    if st[0] in ("Z", "X", "x"):
+        return False
+    return not pid_start or pid_start == f"{_boot_id()}:{st[1]}"
 
 
 class _Shared:
@@ -69,6 +135,8 @@ class _Shared:
         self.users = 0
         self.lock = threading.RLock()
         self.checked = False
+        self.last_check = 0.0  # time.monotonic() of the last liveness check of 'running' runs
+        self.check_lock = threading.Lock()
         self._watcher: threading.Thread | None = None
 
     def acquire(self, connect) -> duckdb.DuckDBPyConnection:
@@ -135,12 +203,18 @@ class Store:
         key = str(self.path.resolve())
         with _LOCK:
             self._shared = _SHARED.get(key) or _SHARED.setdefault(key, _Shared(self.path.resolve()))
-        self.cursor().close()  # open now: a bad or newer-schema file fails here, with a clear message
+        if self.path.exists():  # open now: a bad or newer-schema file fails here, with a clear message
+            self.cursor().close()
+        elif self.path.parent.exists() and not self.path.parent.is_dir():
+            raise StoreError(f"cannot create {self.path}: {self.path.parent} is a file, not a folder")
+        # a missing file is created (atomically) by the first query: a process killed before it leaves none
 
     def _open_file(self) -> duckdb.DuckDBPyConnection:
         """Connect, waiting (up to LOCK_TIMEOUT_S) while another process holds the file."""
         deadline = time.monotonic() + LOCK_TIMEOUT_S
         want = self._shared.want
+        if not self.path.exists():
+            self._create_file()
         while True:
             try:
                 con = duckdb.connect(str(self.path))
@@ -163,6 +237,43 @@ class Store:
                 time.sleep(0.02)
             except duckdb.Error as e:
                 raise StoreError(f"cannot open {self.path}: {str(e).splitlines()[0]}") from None
+
+    def _create_file(self) -> None:
+        """Make a new database (schema included) under a temporary name, then link it into place: a kill
+        mid-way leaves no half-made file under the real name. Another process creating it at the same
+        time wins the link; this one then opens theirs."""
+        name = self.path.name
+        for stray in self.path.parent.glob(f".{name}.*.new"):  # left by a creator that was killed
+            pid = stray.name[len(name) + 2:-4]
+            if pid.isdigit() and not _pid_alive(int(pid)):
+                for f in (stray, stray.with_name(stray.name + ".wal")):
+                    f.unlink(missing_ok=True)
+        tmp = self.path.with_name(f".{name}.{os.getpid()}.new")
+        tmp_wal = tmp.with_name(tmp.name + ".wal")
+        try:
+            tmp.unlink(missing_ok=True)
+            tmp_wal.unlink(missing_ok=True)
+            try:
+                con = duckdb.connect(str(tmp))
+            except duckdb.Error as e:
+                raise StoreError(f"cannot create {self.path}: {str(e).splitlines()[0]}") from None
+            try:
+                con.execute(ddl())
+                con.execute("INSERT INTO meta VALUES ('schema_version', ?) ON CONFLICT DO NOTHING",
+                            [str(SCHEMA_VERSION)])
+                con.execute("CHECKPOINT")
+            finally:
+                con.close()
+            try:
+                os.link(tmp, self.path)  # fails if the file appeared meanwhile: keep that one
+            except FileExistsError:
+                pass
+            except OSError:  # a file system without hard links
+                if not self.path.exists():
+                    os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
+            tmp_wal.unlink(missing_ok=True)
 
     def _connect(self) -> duckdb.DuckDBPyConnection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -188,6 +299,7 @@ class Store:
                 con.execute(stmt)
             con.execute("INSERT INTO meta VALUES ('schema_version', ?) ON CONFLICT DO NOTHING", [str(SCHEMA_VERSION)])
             self._mark_interrupted(con)
+            self._shared.last_check = time.monotonic()
         except StoreError:
             raise
         except duckdb.Error as e:
@@ -198,14 +310,56 @@ class Store:
 
     @staticmethod
     def _mark_interrupted(con: duckdb.DuckDBPyConnection) -> None:
-        """Runs left 'running' by a process that no longer exists were interrupted."""
-        for run_id, pid in con.execute("SELECT run_id, pid FROM runs WHERE status = 'running'").fetchall():
-            if not _pid_alive(pid):
-                con.execute("UPDATE runs SET status = 'interrupted' WHERE run_id = ?", [run_id])
+        """Runs left 'running' by a process that no longer exists (or whose pid now names another
+        process) were interrupted; their ``n_tokens`` is recounted from the rows committed."""
+        for run_id, pid, pid_start in con.execute(
+                "SELECT run_id, pid, pid_start FROM runs WHERE status = 'running'").fetchall():
+            if not _run_alive(pid, pid_start):
+                con.execute(f"UPDATE runs SET status = 'interrupted', n_tokens = {_RECORDED_SQL} "
+                            "WHERE run_id = $r AND status = 'running'", {"r": run_id})
+
+    def check_liveness(self, cur: duckdb.DuckDBPyConnection | None = None, force: bool = False) -> None:
+        """Mark runs whose recording process is gone ``interrupted``; at most every ``LIVENESS_INTERVAL_S``
+        seconds per process unless ``force``. ``cursor()`` calls it, so long-lived readers see crashes."""
+        sh = self._shared
+        if not force and time.monotonic() - sh.last_check < LIVENESS_INTERVAL_S:
+            return
+        if not sh.check_lock.acquire(blocking=False):
+            return  # another thread is checking right now
+        try:
+            sh.last_check = time.monotonic()
+            own = cur is None
+            cur = cur or self.cursor()
+            try:
+                self._mark_interrupted(cur)
+            except duckdb.Error:
+                pass  # e.g. a write conflict with another thread: the next check retries
+            finally:
+                if own:
+                    cur.close()
+        finally:
+            sh.check_lock.release()
 
     def cursor(self) -> _Lease:
         """A cursor on this process's connection; close it when done so other processes can get the file."""
-        return _Lease(self._shared.acquire(self._connect), self._shared)
+        lease = _Lease(self._shared.acquire(self._connect), self._shared)
+        if time.monotonic() - self._shared.last_check >= LIVENESS_INTERVAL_S:
+            try:
+                self.check_liveness(lease._cur)
+            except BaseException:
+                lease.close()
+                raise
+        return lease
+
+    def checkpoint(self) -> None:
+        """Write the WAL into the database file now (best effort: a failure leaves it to the next one)."""
+        cur = self.cursor()
+        try:
+            cur.execute("CHECKPOINT")
+        except duckdb.Error:
+            pass
+        finally:
+            cur.close()
 
     def sql(self, query: str, params: list | dict | None = None) -> pl.DataFrame:
         """Run a query on a fresh cursor and return a polars frame."""
@@ -246,32 +400,72 @@ class Store:
                 cur.close()
 
     @staticmethod
-    def _insert(cur: duckdb.DuckDBPyConnection, table: str, batch) -> None:
-        """Insert a batch (frame, ``Rows`` or a list of them) into a table, columns matched by name."""
+    def _insert(cur: duckdb.DuckDBPyConnection, table: str, batch) -> pl.DataFrame | None:
+        """Insert a batch (frame, ``Rows`` or a list of them) into a table, columns matched by name;
+        returns the frame inserted (None when empty)."""
         df = to_frame(batch)
         if df is None or df.height == 0:
-            return
+            return None
+        if table == "runs" and "pid" in df.columns and "pid_start" not in df.columns:
+            # the recording process's identity beyond its pid (see _run_alive)
+            df = df.with_columns(pl.Series("pid_start", [process_identity(p) if p else None
+                                                          for p in df["pid"].to_list()], pl.String))
         cols = [c for c in columns(table) if c in df.columns]
         cur.register("_batch", df.select(cols).to_arrow())
         cur.execute(f"INSERT INTO {table} ({', '.join(cols)}) SELECT {', '.join(cols)} FROM _batch")
         cur.unregister("_batch")
+        return df
 
     def append(self, batches: dict, cur: duckdb.DuckDBPyConnection | None = None) -> None:
-        """Insert several tables' rows in one transaction; values are frames, ``Rows`` or lists of them."""
+        """Insert several tables' rows in one transaction; values are frames, ``Rows`` or lists of them.
+
+        Signal rows of a ``running`` run move its ``runs.n_tokens`` on in the same transaction, so the
+        runs table is right after a crash too."""
         with self._transaction(cur) as c:
+            last_step: dict[str, int] = {}
+            fed: dict[str, int] = {}
             for table, df in batches.items():
-                self._insert(c, table, df)
+                frame = self._insert(c, table, df)
+                if frame is not None and table in SIGNAL_TABLES:
+                    steps, n_fed = _reach(table, frame)
+                    for rid, v in steps.items():
+                        last_step[rid] = max(last_step.get(rid, -1), v)
+                    for rid, v in n_fed.items():
+                        fed[rid] = max(fed.get(rid, 0), v)
+            for rid in last_step.keys() | fed.keys():
+                c.execute("UPDATE runs SET n_tokens = greatest(coalesce(n_tokens, 0), "
+                          "CASE WHEN $s >= 0 THEN coalesce(n_prompt_tokens, 0) + $s + 1 ELSE 0 END, $n) "
+                          "WHERE run_id = $r AND status = 'running'",
+                          {"r": rid, "s": last_step.get(rid, -1), "n": fed.get(rid, 0)})
 
     def replace(self, table: str, run_id: str, df: pl.DataFrame, where: str = "", params: list | None = None) -> None:
         """Delete a run's rows of a derived table (optionally narrowed) and insert ``df`` atomically."""
+        self.replace_where(table, f"run_id = ? {where}", [run_id, *(params or [])], df)
+
+    def replace_where(self, table: str, where: str, params: list, df: pl.DataFrame) -> None:
+        """Delete the rows of ``table`` matching ``where`` (code, never user text) and insert ``df``, atomically."""
         with self._transaction() as c:
-            c.execute(f"DELETE FROM {table} WHERE run_id = ? {where}", [run_id, *(params or [])])
+            c.execute(f"DELETE FROM {table} WHERE {where}", params)
             self._insert(c, table, df)
+        self.checkpoint()  # derived rows are written once a run is finished: into the file itself
 
     def update_run(self, run_id: str, **fields: Any) -> None:
-        sets = ", ".join(f"{k} = ?" for k in fields)
-        vals = [json.dumps(v) if isinstance(v, (dict, list)) else v for v in fields.values()]
-        self.execute(f"UPDATE runs SET {sets} WHERE run_id = ?", [*vals, run_id])
+        """Set fields of a run's row. A final update (``status`` other than ``running``, or ``finished_at``)
+        checkpoints, so the finished run is in the ``.duckdb`` file itself, not only in its WAL. A run
+        ending ``failed`` or ``interrupted`` gets the ``n_tokens`` its committed rows hold (a failure
+        before the first step leaves 0, not the prompt length)."""
+        recount = fields.get("status") in ("failed", "interrupted")
+        sets, params = [], {"r": run_id}
+        for i, (k, v) in enumerate(fields.items()):
+            if recount and k == "n_tokens":
+                continue
+            sets.append(f"{k} = $f{i}")
+            params[f"f{i}"] = json.dumps(v) if isinstance(v, (dict, list)) else v
+        if recount:
+            sets.append(f"n_tokens = {_RECORDED_SQL}")  # what was committed, whatever the caller counted
+        self.execute(f"UPDATE runs SET {', '.join(sets)} WHERE run_id = $r", params)
+        if fields.get("status") in FINAL_STATUSES or fields.get("finished_at") is not None:
+            self.checkpoint()
 
     def close(self) -> None:
         """Close this process's connection to the file now if no cursor is in use (checkpoints the WAL)."""
@@ -364,3 +558,33 @@ def _merge(items: list[dict]) -> dict[str, pl.DataFrame | None]:
             if part is not None:
                 tables.setdefault(table, []).extend(part if isinstance(part, list) else [part])
     return {t: to_frame(parts) for t, parts in tables.items()}
+
+
+def _reach(table: str, df: pl.DataFrame) -> tuple[dict[str, int], dict[str, int]]:
+    """What a signal table's rows prove of each run's length: ({run: last step}, {run: n_tokens}).
+    A row of step s means the step producing the token at ``n_prompt_tokens + s`` committed; a row at
+    fed position p (tables without a step) means the token at p + 1 was produced."""
+    if "run_id" not in df.columns:
+        return {}, {}
+    if "step" in df.columns:
+        agg = df.group_by("run_id").agg(pl.col("step").max())
+        return {r: int(v) for r, v in agg.iter_rows() if v is not None}, {}
+    if "pos" in df.columns:
+        agg = df.group_by("run_id").agg(pl.col("pos").max())
+        return {}, {r: int(v) + 2 for r, v in agg.iter_rows() if v is not None}
+    return {}, {}
+
+
+def _recorded_sql() -> str:
+    """SQL for a run's ``n_tokens`` from the rows committed (the run as ``$r``; 0 when none)."""
+    terms = []
+    for name in SIGNAL_TABLES:
+        cols = columns(name)
+        if "step" in cols:
+            terms.append(f"(SELECT max(step) FROM {name} WHERE run_id = $r) + coalesce(n_prompt_tokens, 0) + 1")
+        elif "pos" in cols:
+            terms.append(f"(SELECT max(pos) FROM {name} WHERE run_id = $r) + 2")
+    return f"coalesce(greatest({', '.join(terms)}), 0)" if terms else "n_tokens"
+
+
+_RECORDED_SQL = _recorded_sql()
