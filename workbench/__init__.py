@@ -12,6 +12,7 @@ from workbench.model import (ModelArgs, Transformer, generate, load_checkpoint, 
 from workbench.probes import attach, hook_points  # noqa: F401
 
 from .adapters import Adapter, ModelSummary, load_adapter
+from .baseline import profile
 from .query import RunNotFound
 from .run import Run, Workbench, open, record
 from .signals import PROBES, REGISTRY
@@ -19,4 +20,4 @@ from .store import Store, StoreError, default_db
 
 __all__ = ["Adapter", "ModelArgs", "ModelSummary", "PROBES", "REGISTRY", "Run", "RunNotFound", "Store", "StoreError",
            "Transformer", "Workbench", "attach", "default_db", "generate", "hook_points", "load_adapter",
-           "load_checkpoint", "load_tokenizer", "open", "record"]
+           "load_checkpoint", "load_tokenizer", "open", "profile", "record"]

@@ -1,61 +1,97 @@
-"""Anomaly detectors: pure functions over a run's signal frames, results in the ``anomalies`` table.
+"""Anomaly detectors, calibrated: every test a run makes gets a tail probability, and the run's tests are
+corrected together, so a clean run raises (almost) nothing and what is raised means something.
 
-Each detector takes polars frames (as ``Run.tokens()`` / ``attention()`` / ``routing()`` return them)
-and thresholds, and returns a frame of anomaly rows (``kind, severity, pos, layer, head, expert,
-score, threshold, explanation``); ``detect`` runs them all on a run, numbers the rows and stores them.
+Each detector is a pure function of a run's frames (as ``Run.tokens()`` etc. return them) and a
+``Baseline`` (the model's profile, workbench/baseline.py, or none); it returns one row per test with its
+p-value. ``detect_frames`` pools all tests of the run and applies the Benjamini-Hochberg procedure
+(``scipy.stats.false_discovery_control``) at level ``alpha`` (default 0.01): the expected share of false
+alarms among the alarms is at most alpha, and on a run where nothing is wrong (every null true) the
+chance of any false alarm at all is at most alpha, however many positions, layers, heads and experts it
+has. Rows whose BH-adjusted q-value is <= alpha are warnings, <= ``critical_q`` critical.
 
-Detectors (kind: what fires it):
-- ``low_confidence``: a generated token whose distribution's max prob is below 0.2 (seed default).
-- ``high_surprise``: a generated token far down its distribution (rank > 10 or logprob < -6).
-- ``entropy_spike``: attention entropy (normalised by log of visible keys) of a layer x head at a
-  position, robust z-score over that head's positions in the run > 5 (median / MAD);
-  ``entropy_shift``: the same against a reference run's median / MAD for that head.
-- ``diffuse_head``: a head whose attention was diffuse (normalised entropy > 0.85) at the query
-  position that produced a low-confidence token (the seeds' link between the two).
-- ``routing_near_tie``: a token whose last chosen expert beat the best unchosen one by < 0.005.
-- ``dead_expert`` / ``overloaded_expert``: an expert with no slots (when enough were expected), or
-  with more than 4 x the mean load.
-- ``routing_collapse``: a layer whose load is concentrated: normalised entropy of the load < 0.5
-  or coefficient of variation of per-expert counts > 2.5.
-- ``non_finite``: NaN or Inf in any recorded signal: critical, one row per signal and layer.
+What each test asks (upper tail unless said), against the profile cell, else (no profile, or a cell the
+calibration never saw) against this run's own robust statistics (median / MAD, normal tail), which every
+explanation then says:
+
+- ``low_confidence`` (lower tail) / ``high_surprise``: a generated token's max probability / -logprob,
+  by position bucket;
+- ``entropy_spike``: normalised attention entropy of a layer x head at a position, by context bucket;
+  ``entropy_shift``: the same against a reference run's median / MAD for that head;
+- ``resid_norm_outlier``: the residual stream's norm after a block (a broken head or expert blows it up);
+- ``head_norm_outlier``: an attention head's output norm (names a broken head);
+- ``kv_norm_outlier``: a cached token's KV norm at the last step (cache corruption);
+- ``overloaded_expert`` / ``dead_expert``: the tokens routed to an expert, against the profile's share
+  (uniform without one), as binomial tests widened by the layer's calibrated overdispersion (tokens of one
+  prompt route alike); ``routing_collapse``: a G-test of the layer's whole load against the profile shares,
+  scaled by the same dispersion. A layer with few tokens simply cannot reach significance: the test
+  accounts for the number of slots the run had.
+- ``non_finite``: NaN or Inf in a recorded signal: always critical (no test needed).
+
+Informational rows (severity ``info``, outside the correction): ``routing_near_tie`` (a margin in the
+profile's lowest 0.1%) and ``diffuse_head`` (a head in its profile's top 1% where a flagged low-confidence
+token was produced: evidence for that token, not an alarm of its own).
+
+``score`` is -log10(q) (raw p for info rows), ``threshold`` -log10(alpha); the explanation gives the value,
+what it was judged against and q.
 """
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import polars as pl
 
 from . import query
+from .baseline import bucket_of, tail_p
 
 SCHEMA = {"kind": pl.Utf8, "severity": pl.Utf8, "pos": pl.Int32, "layer": pl.Int32, "head": pl.Int32,
           "expert": pl.Int32, "score": pl.Float64, "threshold": pl.Float64, "explanation": pl.Utf8}
+TESTS = {"kind": pl.Utf8, "pos": pl.Int32, "layer": pl.Int32, "head": pl.Int32, "expert": pl.Int32,
+         "value": pl.Float64, "p": pl.Float64, "basis": pl.Utf8}
 
 DEFAULTS: dict[str, Any] = {
-    "low_confidence": 0.2,         # max prob below this
-    "surprise_rank": 10,           # produced token ranked worse than this
-    "surprise_logprob": -6.0,      # or logprob below this (nats)
-    "entropy_z": 5.0,              # robust z-score of normalised attention entropy
-    "min_positions": 8,            # positions a head needs before its own run is a baseline
-    "diffuse_entropy": 0.85,       # normalised entropy of a diffuse head
-    "near_tie_margin": 0.005,      # selection-score margin of a near tie
-    "overload_factor": 4.0,        # load over this x mean
-    "min_expected_slots": 4.0,     # expected slots per expert needed to call one dead
-    "collapse_entropy": 0.5,       # normalised entropy of the load below this
-    "collapse_cv": 2.5,            # or coefficient of variation above this
-    "include_prompt": False,       # token detectors also look at (teacher-forced) prompt tokens
+    "alpha": 0.01,            # Benjamini-Hochberg level over all of a run's tests
+    "critical_q": 1e-6,       # adjusted q at or below this: critical
+    "min_positions": 8,       # values a within-run baseline needs
+    "include_prompt": False,  # token tests also look at (teacher-forced) prompt tokens
+    "info_p": 1e-3,           # raw p of an informational row (near ties, diffuse heads)
+}
+NO_PROFILE = "this run's own statistics (no baseline profile for this model: `workbench profile`)"
+WORDS = {
+    "low_confidence": "confidence {v:.3f} of the token at {pos}",
+    "high_surprise": "surprise {v:.2f} nats of the token at {pos}",
+    "entropy_spike": "layer {layer} head {head} at {pos}: normalised attention entropy {v:.3f}",
+    "entropy_shift": "layer {layer} head {head} at {pos}: normalised attention entropy {v:.3f}",
+    "resid_norm_outlier": "layer {layer} at {pos}: residual-stream norm {v:.3g} after the block",
+    "kv_norm_outlier": "layer {layer}: cached KV norm {v:.3g} of the token at {pos}",
+    "head_norm_outlier": "layer {layer} head {head} at {pos}: output norm {v:.3g}",
+    "overloaded_expert": "layer {layer} expert {expert}: chosen by {v:.0f} tokens",
+    "dead_expert": "layer {layer} expert {expert}: chosen by no token",
+    "routing_collapse": "layer {layer}: expert load concentrated (G = {v:.1f})",
 }
 
 
 def _rows(rows: list[dict]) -> pl.DataFrame:
     """A frame in the detectors' output schema (missing columns are null)."""
-    cols = {c: [r.get(c) for r in rows] for c in SCHEMA}
-    return pl.DataFrame(cols, schema=SCHEMA)
+    return pl.DataFrame({c: [r.get(c) for r in rows] for c in SCHEMA}, schema=SCHEMA)
 
 
 def empty() -> pl.DataFrame:
     return _rows([])
+
+
+def _tests(**cols) -> pl.DataFrame:
+    n = max((len(v) for v in cols.values() if isinstance(v, (list, np.ndarray, pl.Series))), default=0)
+    data = {c: (cols[c] if isinstance(cols.get(c), (list, np.ndarray, pl.Series)) else [cols.get(c)] * n)
+            for c in TESTS}
+    return pl.DataFrame(data, schema=TESTS)
+
+
+def _finite(col: str) -> pl.Expr:
+    return pl.col(col).is_not_null() & pl.col(col).is_finite()
 
 
 def _generated(tokens: pl.DataFrame, include_prompt: bool) -> pl.DataFrame:
@@ -63,182 +99,184 @@ def _generated(tokens: pl.DataFrame, include_prompt: bool) -> pl.DataFrame:
     return t if include_prompt else t.filter(~pl.col("is_prompt"))
 
 
-def _finite(col: str) -> pl.Expr:
-    return pl.col(col).is_not_null() & pl.col(col).is_finite()
+# -- the baseline ----------------------------------------------------------------------------------
+@dataclass
+class Baseline:
+    """A model's profile (or None) and the helpers the detectors use to judge values against it."""
+
+    profile: pl.DataFrame | None = None
+
+    @property
+    def has_profile(self) -> bool:
+        return self.profile is not None and self.profile.height > 0
+
+    def cells(self, signal: str) -> pl.DataFrame:
+        if not self.has_profile:
+            return pl.DataFrame()
+        return self.profile.filter((pl.col("signal") == signal) & (pl.col("n") >= 20))
+
+    def judge(self, df: pl.DataFrame, signal: str, value: str, keys: list[str], upper: bool,
+              min_positions: int) -> tuple[np.ndarray, list[str]]:
+        """p-values of ``df[value]`` per row against the profile cell of ``keys`` (``bucket`` computed by the
+        caller), else against the run's own robust statistics grouped by the non-bucket keys."""
+        p = np.ones(df.height)
+        basis = ["none"] * df.height
+        if df.height == 0:
+            return p, basis
+        df = df.with_row_index("_i")
+        cells = self.cells(signal)
+        covered = pl.DataFrame()
+        if cells.height:
+            j = df.join(cells.select(*keys, "quantiles"), on=keys, how="inner")
+            for row_q, grp in j.group_by("quantiles", maintain_order=True):  # one vectorised call per cell
+                q = np.asarray(row_q[0])
+                idx = grp["_i"].to_numpy()
+                p[idx] = tail_p(grp[value].to_numpy(), q, upper=upper)
+                for i in idx:
+                    basis[i] = "the baseline profile"
+            covered = j.select("_i")
+        rest = df if covered.height == 0 else df.join(covered, on="_i", how="anti")
+        if rest.height:
+            group = [k for k in keys if k != "bucket"]
+            stats = (rest.group_by(group) if group else rest.with_columns(pl.lit(0).alias("_g")).group_by("_g"))
+            for _, grp in stats:
+                if grp.height < min_positions:
+                    continue
+                v = grp[value].to_numpy()
+                med = np.median(v)
+                mad = max(np.median(np.abs(v - med)) / 0.6745, 0.01 * (abs(med) + 1e-3), 1e-6)
+                z = (v - med) / mad if upper else (med - v) / mad
+                idx = grp["_i"].to_numpy()
+                p[idx] = _norm_sf(z)
+                for i in idx:
+                    basis[i] = NO_PROFILE if not self.has_profile else "this run's own statistics (a cell the profile lacks)"
+        return p, basis
+
+    def shares(self, layer: int, n_experts: int) -> tuple[np.ndarray, float, bool]:
+        """(expected share per expert, overdispersion, from a profile?) for one MoE layer."""
+        s = self.cells("expert_share").filter(pl.col("layer") == layer) if self.has_profile else pl.DataFrame()
+        if s.height == 0:
+            return np.full(n_experts, 1.0 / n_experts), 1.0, False
+        share = np.full(n_experts, 0.5 / max(int(s["n"][0]), 1))  # never seen in calibration: half a slot
+        share[s["expert"].to_numpy()] = s["mean"].to_numpy()
+        share /= share.sum()
+        d = self.profile.filter((pl.col("signal") == "load_dispersion") & (pl.col("layer") == layer))
+        return share, max(float(d["mean"][0]), 1.0) if d.height else 1.0, True
 
 
-# -- tokens ----------------------------------------------------------------------------------------
-def low_confidence(tokens: pl.DataFrame, threshold: float = 0.2, include_prompt: bool = False) -> pl.DataFrame:
-    """Tokens whose producing distribution had max prob (``confidence``) below ``threshold``."""
-    t = _generated(tokens, include_prompt).filter(_finite("confidence") & (pl.col("confidence") < threshold))
-    return _rows([{"kind": "low_confidence", "severity": "warning", "pos": r["pos"], "score": r["confidence"],
-                   "threshold": threshold,
-                   "explanation": f"token {r['text']!r} at {r['pos']}: the model's top choice had only "
-                                  f"{r['confidence']:.1%} probability (threshold {threshold:.0%})"}
-                  for r in t.iter_rows(named=True)])
+def _norm_sf(z: np.ndarray) -> np.ndarray:
+    from scipy.stats import norm
+    return np.clip(norm.sf(z), 1e-300, 1.0)
 
 
-def high_surprise(tokens: pl.DataFrame, max_rank: int = 10, min_logprob: float = -6.0,
-                  include_prompt: bool = False) -> pl.DataFrame:
-    """Tokens far down their distribution: rank worse than ``max_rank`` or logprob below ``min_logprob``."""
-    t = _generated(tokens, include_prompt).filter(
-        _finite("logprob") & ((pl.col("rank") > max_rank) | (pl.col("logprob") < min_logprob)))
-    return _rows([{"kind": "high_surprise", "severity": "warning", "pos": r["pos"], "score": -r["logprob"],
-                   "threshold": -min_logprob,
-                   "explanation": f"token {r['text']!r} at {r['pos']} was rank {r['rank']} with logprob "
-                                  f"{r['logprob']:.2f} (surprise {-r['logprob']:.2f} nats)"}
-                  for r in t.iter_rows(named=True)])
+# -- detectors: one row per test -------------------------------------------------------------------
+def token_tests(tokens: pl.DataFrame, base: Baseline, include_prompt: bool = False,
+                min_positions: int = 8) -> pl.DataFrame:
+    """``low_confidence`` and ``high_surprise`` tests of every generated token."""
+    t = _generated(tokens, include_prompt).filter(_finite("confidence") & _finite("logprob")) \
+        .with_columns(bucket_of(pl.col("pos")).alias("bucket"), (-pl.col("logprob")).alias("surprise"))
+    out = []
+    for kind, signal, col, upper in (("low_confidence", "confidence", "confidence", False),
+                                     ("high_surprise", "surprise", "surprise", True)):
+        p, basis = base.judge(t, signal, col, ["bucket"], upper, min_positions)
+        out.append(_tests(kind=kind, pos=t["pos"], value=t[col], p=p, basis=basis))
+    return pl.concat(out)
 
 
-# -- attention -------------------------------------------------------------------------------------
-def _robust(values: pl.Expr, median: pl.Expr, mad: pl.Expr) -> pl.Expr:
-    # 0.6745 makes the MAD a consistent estimate of sigma; the floor keeps a constant head from
-    # turning float noise into infinite z-scores
-    return 0.6745 * (values - median) / pl.max_horizontal(mad, pl.lit(0.01))
+def entropy_tests(attention: pl.DataFrame, base: Baseline, min_positions: int = 8) -> pl.DataFrame:
+    """``entropy_spike``: every (position, layer, head) with a visible-keys-normalised entropy."""
+    a = attention.filter(_finite("norm_entropy")).with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"))
+    p, basis = base.judge(a, "norm_entropy", "norm_entropy", ["layer", "head", "bucket"], True, min_positions)
+    return _tests(kind="entropy_spike", pos=a["pos"], layer=a["layer"], head=a["head"], value=a["norm_entropy"],
+                  p=p, basis=basis)
 
 
-def head_baseline(attention: pl.DataFrame) -> pl.DataFrame:
-    """Median and MAD of normalised entropy per layer x head (positions with > 1 visible key)."""
-    a = attention.filter(_finite("norm_entropy"))
-    med = a.group_by("layer", "head").agg(pl.col("norm_entropy").median().alias("median"),
-                                          pl.len().alias("n"))
-    a = a.join(med, on=["layer", "head"])
-    mad = a.group_by("layer", "head").agg((pl.col("norm_entropy") - pl.col("median")).abs().median().alias("mad"))
-    return med.join(mad, on=["layer", "head"])
+def entropy_shift_tests(attention: pl.DataFrame, reference: pl.DataFrame, min_positions: int = 8) -> pl.DataFrame:
+    """``entropy_shift``: normalised entropy against a reference run's median / MAD of the same head."""
+    ref = reference.filter(_finite("norm_entropy")).group_by("layer", "head").agg(
+        pl.col("norm_entropy").median().alias("med"), pl.len().alias("n"),
+        pl.col("norm_entropy").alias("vals")).filter(pl.col("n") >= min_positions)
+    ref = ref.with_columns(pl.struct("vals", "med").map_elements(
+        lambda s: float(np.median(np.abs(np.asarray(s["vals"]) - s["med"]))), return_dtype=pl.Float64).alias("mad"))
+    a = attention.filter(_finite("norm_entropy")).join(ref.select("layer", "head", "med", "mad"), on=["layer", "head"])
+    z = (a["norm_entropy"].to_numpy() - a["med"].to_numpy()) / np.maximum(a["mad"].to_numpy() / 0.6745, 0.01)
+    return _tests(kind="entropy_shift", pos=a["pos"], layer=a["layer"], head=a["head"], value=a["norm_entropy"],
+                  p=_norm_sf(z), basis="the reference run")
 
 
-def entropy_spikes(attention: pl.DataFrame, z: float = 5.0, min_positions: int = 8,
-                   reference: pl.DataFrame | None = None) -> pl.DataFrame:
-    """Positions where a head's normalised attention entropy jumps above its usual level.
-
-    The usual level is the head's median / MAD over this run's positions, or over ``reference`` (an
-    attention frame of another run, e.g. a known-good one) when given; kinds ``entropy_spike`` and
-    ``entropy_shift`` respectively. Heads with fewer than ``min_positions`` baseline positions are skipped.
-    """
-    base = head_baseline(attention if reference is None else reference).filter(pl.col("n") >= min_positions)
-    kind = "entropy_spike" if reference is None else "entropy_shift"
-    a = attention.filter(_finite("norm_entropy")).join(base, on=["layer", "head"])
-    a = a.with_columns(_robust(pl.col("norm_entropy"), pl.col("median"), pl.col("mad")).alias("z")) \
-        .filter(pl.col("z") > z).sort("pos", "layer", "head")
-    against = "this run" if reference is None else "the reference run"
-    return _rows([{"kind": kind, "severity": "warning" if r["z"] > 2 * z else "info", "pos": r["pos"],
-                   "layer": r["layer"], "head": r["head"], "score": r["z"], "threshold": z,
-                   "explanation": f"layer {r['layer']} head {r['head']} at {r['pos']}: normalised attention "
-                                  f"entropy {r['norm_entropy']:.2f} vs median {r['median']:.2f} in {against} "
-                                  f"(robust z {r['z']:.1f})"}
-                  for r in a.iter_rows(named=True)])
+def resid_tests(resid: pl.DataFrame, base: Baseline, min_positions: int = 8) -> pl.DataFrame:
+    """``resid_norm_outlier``: the residual norm after every block at every position."""
+    r = resid.filter(_finite("norm")).with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"))
+    p, basis = base.judge(r, "resid_norm", "norm", ["layer", "bucket"], True, min_positions)
+    return _tests(kind="resid_norm_outlier", pos=r["pos"], layer=r["layer"], value=r["norm"], p=p, basis=basis)
 
 
-def diffuse_heads(attention: pl.DataFrame, tokens: pl.DataFrame, confidence: float = 0.2,
-                  diffuse: float = 0.85, include_prompt: bool = False) -> pl.DataFrame:
-    """Heads that were diffuse where a low-confidence token was produced.
-
-    The token at ``pos`` comes from the distribution computed at query position ``pos - 1``, so the
-    heads looked at are those of that query row; the anomaly is reported at ``pos`` (the token).
-    """
-    low = _generated(tokens, include_prompt).filter(_finite("confidence") & (pl.col("confidence") < confidence))
-    if low.height == 0:
-        return empty()
-    q = low.select((pl.col("pos") - 1).alias("qpos"), pl.col("pos").alias("tok_pos"), "text", "confidence")
-    a = attention.filter(_finite("norm_entropy") & (pl.col("norm_entropy") > diffuse)) \
-        .join(q, left_on="pos", right_on="qpos").sort("tok_pos", "layer", "head")
-    return _rows([{"kind": "diffuse_head", "severity": "warning", "pos": r["tok_pos"], "layer": r["layer"],
-                   "head": r["head"], "score": r["norm_entropy"], "threshold": diffuse,
-                   "explanation": f"layer {r['layer']} head {r['head']} spread its attention (normalised entropy "
-                                  f"{r['norm_entropy']:.2f}) when the low-confidence token {r['text']!r} "
-                                  f"({r['confidence']:.1%}) at {r['tok_pos']} was produced"}
-                  for r in a.iter_rows(named=True)])
+def head_norm_tests(head_norm: pl.DataFrame, base: Baseline, min_positions: int = 8) -> pl.DataFrame:
+    """``head_norm_outlier``: each head's output norm at every position (a broken head's output blows up)."""
+    h = head_norm.filter(_finite("norm"))
+    p, basis = base.judge(h, "head_norm", "norm", ["layer", "head"], True, min_positions)
+    return _tests(kind="head_norm_outlier", pos=h["pos"], layer=h["layer"], head=h["head"], value=h["norm"], p=p,
+                  basis=basis)
 
 
-# -- routing ---------------------------------------------------------------------------------------
-def near_ties(routing: pl.DataFrame, margin: float = 0.005) -> pl.DataFrame:
-    """Tokens whose expert choice was a near tie: |last chosen - best unchosen selection score| < margin.
+def kv_tests(kv_tokens: pl.DataFrame, base: Baseline, min_positions: int = 8) -> pl.DataFrame:
+    """``kv_norm_outlier``: each cached token's KV norm at the run's last recorded step."""
+    if kv_tokens.height == 0:
+        return _tests()
+    k = kv_tokens.filter((pl.col("step") == pl.col("step").max()) & _finite("latent_norm"))
+    p, basis = base.judge(k, "latent_norm", "latent_norm", ["layer"], True, min_positions)
+    return _tests(kind="kv_norm_outlier", pos=k["pos"], layer=k["layer"], value=k["latent_norm"], p=p, basis=basis)
 
-    A negative margin larger than that means group-limited routing overrode a better expert: not a tie.
-    """
-    r = routing.filter(pl.col("slot") == 0).filter(_finite("margin") & (pl.col("margin").abs() < margin)) \
-        .sort("pos", "layer")
+
+def expert_tests(routing: pl.DataFrame, n_experts: int, base: Baseline) -> pl.DataFrame:
+    """``overloaded_expert`` / ``dead_expert`` per (layer, expert) and ``routing_collapse`` per layer."""
+    from scipy.stats import binom, chi2
+
+    if routing.height == 0 or n_experts < 2:
+        return _tests()
+    rows: list[dict] = []
+    for (layer,), g in routing.group_by("layer", maintain_order=True):
+        n_tok = g["pos"].n_unique()
+        k_slots = g.height // max(n_tok, 1)
+        chosen = np.bincount(g.unique(["pos", "expert"])["expert"].to_numpy(), minlength=n_experts)[:n_experts]
+        slots = np.bincount(g["expert"].to_numpy(), minlength=n_experts)[:n_experts]
+        share, phi, profiled = base.shares(int(layer), n_experts)
+        basis = "the baseline profile" if profiled else "a uniform load (no baseline profile for this model)"
+        pi = np.clip(share * k_slots, 1e-9, 1 - 1e-9)  # chance a token picks the expert
+        n_eff = n_tok / phi  # overdispersion: tokens of one prompt route alike
+        over = binom.sf(np.ceil(chosen / phi) - 1, max(int(round(n_eff)), 1), pi)
+        dead = np.where(chosen == 0, (1 - pi) ** n_eff, 1.0)
+        for e in range(n_experts):
+            rows.append({"kind": "overloaded_expert", "layer": layer, "expert": e, "value": float(chosen[e]),
+                         "p": float(over[e]), "basis": basis})
+            rows.append({"kind": "dead_expert", "layer": layer, "expert": e, "value": float(chosen[e]),
+                         "p": float(dead[e]), "basis": basis})
+        expected = slots.sum() * share
+        nz = slots > 0
+        g_stat = float(2 * (slots[nz] * np.log(slots[nz] / expected[nz])).sum())
+        rows.append({"kind": "routing_collapse", "layer": layer, "value": g_stat,
+                     "p": float(chi2.sf(g_stat / phi, n_experts - 1)), "basis": basis})
+    return pl.DataFrame(rows, schema=TESTS)
+
+
+def near_ties(routing: pl.DataFrame, base: Baseline, info_p: float = 1e-3, min_positions: int = 8) -> pl.DataFrame:
+    """Informational: a token whose router margin (slot 0 rows) is in the layer's lowest ``info_p`` tail."""
+    r = routing.filter((pl.col("slot") == 0) & _finite("margin"))
+    p, basis = base.judge(r, "margin", "margin", ["layer"], False, min_positions)
+    r = r.with_columns(pl.Series("p", p), pl.Series("basis", basis, pl.Utf8)).filter(pl.col("p") <= info_p)
+
     def say(x: dict) -> str:
         where = f"layer {x['layer']} at {x['pos']}"
         if x["margin"] >= 0:
-            return f"{where}: the router's last chosen expert beat the best unchosen one by only {x['margin']:.4f}"
+            return (f"{where}: the router's last chosen expert beat the best unchosen one by only {x['margin']:.4f} "
+                    f"(p = {x['p']:.1e} against {x['basis']})")
         return (f"{where}: the router passed over an expert that scored {-x['margin']:.4f} higher than its last "
-                "chosen one (group-limited routing)")
+                f"chosen one (group-limited routing; p = {x['p']:.1e} against {x['basis']})")
     return _rows([{"kind": "routing_near_tie", "severity": "info", "pos": x["pos"], "layer": x["layer"],
-                   "score": x["margin"], "threshold": margin, "explanation": say(x)}
+                   "score": -math.log10(max(x["p"], 1e-300)), "threshold": -math.log10(info_p), "explanation": say(x)}
                   for x in r.iter_rows(named=True)])
 
 
-def expert_counts(routing: pl.DataFrame, n_experts: int) -> pl.DataFrame:
-    """Slots per expert per MoE layer, zeros included (layer, expert, slots)."""
-    if routing.height == 0:
-        return pl.DataFrame(schema={"layer": pl.Int32, "expert": pl.Int32, "slots": pl.UInt32})
-    got = routing.group_by("layer", "expert").agg(pl.len().alias("slots"))
-    grid = pl.DataFrame({"layer": routing["layer"].unique().sort()}).join(
-        pl.DataFrame({"expert": np.arange(n_experts, dtype=np.int32)}), how="cross")
-    return grid.join(got.with_columns(pl.col("layer").cast(pl.Int32), pl.col("expert").cast(pl.Int32)),
-                     on=["layer", "expert"], how="left") \
-        .with_columns(pl.col("slots").fill_null(0).cast(pl.UInt32)).sort("layer", "expert")
-
-
-def dead_experts(routing: pl.DataFrame, n_experts: int, min_expected: float = 4.0) -> pl.DataFrame:
-    """Experts never chosen in a layer, where at least ``min_expected`` slots each were expected."""
-    c = expert_counts(routing, n_experts)
-    out = []
-    for (layer,), g in c.group_by("layer", maintain_order=True):
-        expected = g["slots"].sum() / n_experts
-        if expected < min_expected:
-            continue
-        for e in g.filter(pl.col("slots") == 0)["expert"]:
-            out.append({"kind": "dead_expert", "severity": "warning", "layer": layer, "expert": e, "score": 0.0,
-                        "threshold": expected,
-                        "explanation": f"layer {layer} expert {e} got no tokens (about {expected:.1f} slots "
-                                       f"each expected)"})
-    return _rows(out)
-
-
-def overloaded_experts(routing: pl.DataFrame, n_experts: int, factor: float = 4.0,
-                       min_expected: float = 1.0) -> pl.DataFrame:
-    """Experts whose slot count is over ``factor`` x the layer's mean (score: load / mean).
-
-    Layers with fewer than ``min_expected`` slots per expert on average are skipped.
-    """
-    c = expert_counts(routing, n_experts)
-    out = []
-    for (layer,), g in c.group_by("layer", maintain_order=True):
-        mean = g["slots"].sum() / n_experts
-        if mean < min_expected:  # too few slots per expert for "over k x mean" to mean anything
-            continue
-        for r in g.filter(pl.col("slots") > factor * mean).iter_rows(named=True):
-            out.append({"kind": "overloaded_expert", "severity": "warning", "layer": layer, "expert": r["expert"],
-                        "score": r["slots"] / mean, "threshold": factor,
-                        "explanation": f"layer {layer} expert {r['expert']} took {r['slots']} slots, "
-                                       f"{r['slots'] / mean:.1f}x the mean of {mean:.1f}"})
-    return _rows(out)
-
-
-def routing_collapse(routing: pl.DataFrame, n_experts: int, min_entropy: float = 0.5,
-                     max_cv: float = 2.5, min_expected: float = 1.0) -> pl.DataFrame:
-    """Layers whose routing concentrates on few experts: low normalised load entropy or high load CV."""
-    c = expert_counts(routing, n_experts)
-    out = []
-    for (layer,), g in c.group_by("layer", maintain_order=True):
-        counts = g["slots"].to_numpy().astype(np.float64)
-        total = counts.sum()
-        if total / n_experts < min_expected or n_experts < 2:
-            continue
-        p = counts / total
-        ent = float(-(p[p > 0] * np.log(p[p > 0])).sum() / math.log(n_experts))
-        cv = float(counts.std() / counts.mean())
-        if ent < min_entropy or cv > max_cv:
-            out.append({"kind": "routing_collapse", "severity": "critical" if ent < min_entropy / 2 else "warning",
-                        "layer": layer, "score": ent, "threshold": min_entropy,
-                        "explanation": f"layer {layer}: routing concentrated on few experts (load entropy "
-                                       f"{ent:.2f} of max 1, coefficient of variation {cv:.2f})"})
-    return _rows(out)
-
-
-# -- non-finite ------------------------------------------------------------------------------------
 def non_finite(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
     """NaN / Inf in any float column of any signal frame: one critical row per table x layer.
 
@@ -272,35 +310,85 @@ def non_finite(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
     return _rows(out)
 
 
-# -- all together ----------------------------------------------------------------------------------
+# -- the decision: one correction over every test of the run ---------------------------------------
+def decide(tests: pl.DataFrame, alpha: float = 0.01, critical_q: float = 1e-6) -> pl.DataFrame:
+    """Benjamini-Hochberg over all ``tests`` of a run; rows with q <= alpha, in the output schema."""
+    from scipy.stats import false_discovery_control
+
+    if tests.height == 0:
+        return empty()
+    q = false_discovery_control(np.clip(tests["p"].fill_null(1.0).to_numpy(), 0.0, 1.0), method="bh")
+    hit = tests.with_columns(pl.Series("q", q)).filter(pl.col("q") <= alpha)
+    rows = []
+    for r in hit.iter_rows(named=True):
+        what = WORDS[r["kind"]].format(v=r["value"], **{k: r[k] for k in ("pos", "layer", "head", "expert")})
+        tail = "low" if r["kind"] == "low_confidence" else "high"
+        rows.append({"kind": r["kind"], "severity": "critical" if r["q"] <= critical_q else "warning",
+                     "pos": r["pos"], "layer": r["layer"], "head": r["head"], "expert": r["expert"],
+                     "score": -math.log10(max(r["q"], 1e-300)), "threshold": -math.log10(alpha),
+                     "explanation": f"{what}: unusually {tail} against {r['basis']} (p = {r['p']:.1e}, "
+                                    f"q = {r['q']:.1e} over the run's {tests.height} tests)"})
+    return _rows(rows)
+
+
+def diffuse_heads(attention: pl.DataFrame, flagged_tokens: pl.DataFrame, entropy: pl.DataFrame,
+                  info_p: float = 0.01) -> pl.DataFrame:
+    """Informational: heads far up their entropy range (p <= ``info_p``) at the query row that produced a
+    flagged low-confidence token (the token at ``pos`` comes from query row ``pos - 1``)."""
+    low = flagged_tokens.filter(pl.col("kind") == "low_confidence")
+    if low.height == 0:
+        return empty()
+    e = entropy.filter(pl.col("p") <= info_p).select("pos", "layer", "head", "value", "p")
+    hits = e.join(low.select((pl.col("pos") - 1).alias("pos"), pl.col("pos").alias("tok")), on="pos") \
+        .sort("tok", "layer", "head")
+    return _rows([{"kind": "diffuse_head", "severity": "info", "pos": r["tok"], "layer": r["layer"], "head": r["head"],
+                   "score": -math.log10(max(r["p"], 1e-300)), "threshold": -math.log10(info_p),
+                   "explanation": f"layer {r['layer']} head {r['head']} spread its attention (normalised entropy "
+                                  f"{r['value']:.2f}, p = {r['p']:.1e}) when the low-confidence token at "
+                                  f"{r['tok']} was produced"}
+                  for r in hits.iter_rows(named=True)])
+
+
 def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.DataFrame, n_experts: int,
                   kv: pl.DataFrame | None = None, reference_attention: pl.DataFrame | None = None,
+                  profile: pl.DataFrame | None = None, resid: pl.DataFrame | None = None,
+                  kv_tokens: pl.DataFrame | None = None, head_norm: pl.DataFrame | None = None,
                   **thresholds) -> pl.DataFrame:
     """Run every detector on a run's frames; returns rows sorted by severity then position (no ids)."""
     unknown = set(thresholds) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"unknown anomaly thresholds {sorted(unknown)}; known: {sorted(DEFAULTS)}")
     th = {**DEFAULTS, **thresholds}
-    if not 0 < th["low_confidence"] <= 1:
-        raise ValueError(f"low_confidence threshold must be in (0, 1], got {th['low_confidence']}")
-    ip = bool(th["include_prompt"])
-    parts = [
-        non_finite({"tokens": tokens, "attention": attention, "routing": routing, "kv": kv}),
-        low_confidence(tokens, th["low_confidence"], ip),
-        high_surprise(tokens, th["surprise_rank"], th["surprise_logprob"], ip),
-        entropy_spikes(attention, th["entropy_z"], th["min_positions"]),
-        diffuse_heads(attention, tokens, th["low_confidence"], th["diffuse_entropy"], ip),
-    ]
+    if not 0 < th["alpha"] < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {th['alpha']}")
+    base = Baseline(profile)
+    mp = int(th["min_positions"])
+    ent = entropy_tests(attention, base, mp)
+    parts = [token_tests(tokens, base, bool(th["include_prompt"]), mp), ent,
+             resid_tests(resid if resid is not None else pl.DataFrame(schema={"pos": pl.Int32, "layer": pl.Int32,
+                                                                            "norm": pl.Float64}), base, mp),
+             kv_tests(kv_tokens if kv_tokens is not None else pl.DataFrame(), base, mp),
+             head_norm_tests(head_norm if head_norm is not None else pl.DataFrame(
+                 schema={"pos": pl.Int32, "layer": pl.Int32, "head": pl.Int32, "norm": pl.Float64}), base, mp),
+             expert_tests(routing, n_experts, base)]
     if reference_attention is not None:
-        parts.append(entropy_spikes(attention, th["entropy_z"], th["min_positions"], reference=reference_attention))
-    if routing.height and n_experts:
-        parts += [near_ties(routing, th["near_tie_margin"]),
-                  dead_experts(routing, n_experts, th["min_expected_slots"]),
-                  overloaded_experts(routing, n_experts, th["overload_factor"]),
-                  routing_collapse(routing, n_experts, th["collapse_entropy"], th["collapse_cv"])]
-    out = pl.concat(parts)
+        parts.append(entropy_shift_tests(attention, reference_attention, mp))
+    tests = pl.concat([p for p in parts if p.height], how="vertical_relaxed") if any(p.height for p in parts) \
+        else _tests()
+    flagged = decide(tests, th["alpha"], th["critical_q"])
+    out = pl.concat([
+        non_finite({"tokens": tokens, "attention": attention, "routing": routing, "kv": kv, "resid_norm": resid,
+                    "head_norm": head_norm}),
+        flagged, diffuse_heads(attention, flagged, ent, 0.01),
+        near_ties(routing, base, th["info_p"], mp) if routing.height else empty(),
+    ])
     sev = pl.col("severity").replace_strict({"critical": 0, "warning": 1, "info": 2}, return_dtype=pl.Int32)
     return out.sort(sev, pl.col("pos"), pl.col("layer"), pl.col("head"), pl.col("expert"), nulls_last=False)
+
+
+def base_kind(store, info: dict) -> str:
+    from .baseline import load_profile
+    return "profile" if load_profile(store, info.get("checkpoint_sha256")) is not None else "within-run"
 
 
 def detect(store, run_id: str, recompute: bool = False, reference: str | None = None, **thresholds) -> pl.DataFrame:
@@ -308,20 +396,29 @@ def detect(store, run_id: str, recompute: bool = False, reference: str | None = 
 
     Computed (and stored, replacing the old rows) when ``recompute`` is set, when thresholds or a
     ``reference`` run id (in the same database) are given, or when none are stored. Expert counts come
-    from the run's neutral model summary, never from family-specific config keys.
+    from the run's neutral model summary, never from family-specific config keys; the baseline is the
+    model's profile (``runs.checkpoint_sha256``), if the database (or the bundled demo) has one.
 
     Returns: the ``anomalies`` rows of the run (without ``run_id``), most severe first.
     """
+    from .baseline import load_profile
+
     if not (recompute or thresholds or reference is not None):
         have = query.anomalies(store, run_id)
-        if have.height:
+        if have.height or query.detected(store, run_id):
             return have
-    summary = query.run_summary(store, run_id)
+    info = query.run_row(store, run_id)
+    summary = query.model_summary(info)
     ref_att = query.attention(store, query.run_row(store, str(reference))["run_id"]) if reference is not None else None
     n_experts = summary.n_routed_experts if summary.moe_layers else 0
     df = detect_frames(query.tokens(store, run_id), query.attention(store, run_id), query.routing(store, run_id),
-                       n_experts, kv=query.kv(store, run_id), reference_attention=ref_att, **thresholds)
+                       n_experts, kv=query.kv(store, run_id), reference_attention=ref_att,
+                       profile=load_profile(store, info.get("checkpoint_sha256")),
+                       resid=query.signal(store, "resid_norm", run_id), kv_tokens=query.kv_tokens(store, run_id),
+                       head_norm=query.signal(store, "head_norm", run_id),
+                       **thresholds)
     df = df.with_columns(pl.lit(run_id).alias("run_id"),
                          pl.arange(0, df.height, dtype=pl.Int32).alias("anomaly_id"))
     store.replace("anomalies", run_id, df)
+    store.update_run(run_id, detection=json.dumps({**DEFAULTS, **thresholds, "profile": base_kind(store, info)}))
     return query.anomalies(store, run_id)

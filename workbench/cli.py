@@ -67,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     _db(p)
 
+    p = sub.add_parser("profile", help="record a calibration set and store the model's baseline profile")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo)")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--prompts", required=True, metavar="FILE.jsonl|DIR", help="the calibration prompts")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--out", default=None, metavar="FILE.parquet", help="also write the profile to this file")
+    _db(p)
+
     p = sub.add_parser("eval", help="recompute the model card's numbers on the validation files")
     p.add_argument("--model", default=None)
     p.add_argument("--max-tokens", type=int, default=None, help="cap on validation tokens (default: all)")
@@ -84,6 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     _db(p)
 
     p = sub.add_parser("anomalies", help="detect and list a run's anomalies")
+    p.add_argument("run_id")
+    p.add_argument("--kind", action="append", default=None, help="only these kinds (repeatable)")
+    p.add_argument("--severity", choices=["info", "warning", "critical"], default=None,
+                   help="only rows at least this severe")
+    p.add_argument("--layer", type=int, action="append", default=None, help="only these layers (repeatable)")
+    p.add_argument("--recompute", action="store_true", help="detect again (e.g. after `workbench profile`)")
+    p.add_argument("--json", action="store_true")
+    _db(p)
+
+    p = sub.add_parser("findings", help="a run's anomalies grouped into ranked findings, one per component")
     p.add_argument("run_id")
     p.add_argument("--json", action="store_true")
     _db(p)

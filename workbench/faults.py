@@ -110,3 +110,85 @@ def bias_router(model, layer: int, expert: int, amount: float = 1.0) -> Iterator
 
     with a.seams({"route": fn}):
         yield
+
+
+@contextlib.contextmanager
+def break_shared(model, layer: int, scale: float = 30.0) -> Iterator[None]:
+    """Multiply one MoE layer's shared-expert output by ``scale``."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    if layer not in a.summary.moe_layers or not a.summary.n_shared_experts:
+        raise ValueError(f"layer {layer} has no shared experts")
+
+    def fn(i: int, out: torch.Tensor):
+        return out * scale if i == layer else None
+
+    with a.seams({"shared_out": fn}):
+        yield
+
+
+def _native(model, what: str):
+    from workbench.model import Transformer
+
+    a = adapter_for(model)
+    if not isinstance(a.module, Transformer):
+        raise ValueError(f"{what} is implemented for the workbench's own Transformer only, not {a.summary.family}")
+    return a
+
+
+@contextlib.contextmanager
+def inject_nan(model, layer: int, pos: int) -> Iterator[None]:
+    """Make the residual stream after block ``layer`` NaN at position ``pos`` (our Transformer)."""
+    from workbench.probes import attach
+
+    a = _native(model, "inject_nan")
+    _check_layer(a, layer)
+
+    state = {"start": 0}
+
+    def start(_m, args):
+        state["start"] = int(args[1]) if len(args) > 1 else 0
+
+    def poison(h: torch.Tensor, **_) -> torch.Tensor | None:
+        i = pos - state["start"]
+        if not 0 <= i < h.size(1):
+            return None
+        h = h.clone()
+        h[:, i] = float("nan")
+        return h
+
+    block = a.module.layers[layer]
+    handle = block.register_forward_pre_hook(start)
+    try:
+        with attach(a.module, {f"layers.{layer}.hook_resid_post": poison}):
+            yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def corrupt_kv(model, layer: int, pos: int, scale: float = 30.0) -> Iterator[None]:
+    """Multiply the KV latent that layer ``layer`` caches for position ``pos`` by ``scale`` (our Transformer):
+    every later query attends to a corrupted entry."""
+    a = _native(model, "corrupt_kv")
+    _check_layer(a, layer)
+    attn = a.module.layers[layer].attn
+    state = {"start": 0}
+
+    def start(_m, args):
+        state["start"] = int(args[1])
+
+    def scale_row(_m, _args, kv: torch.Tensor):  # kv_norm's output [B, T, C]: the latent to be cached
+        i = pos - state["start"]
+        if not 0 <= i < kv.size(1):
+            return None
+        kv = kv.clone()
+        kv[:, i] = kv[:, i] * scale
+        return kv
+
+    handles = [attn.register_forward_pre_hook(start), attn.kv_norm.register_forward_hook(scale_row)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

@@ -102,6 +102,12 @@ def model_summary(info: dict) -> ModelSummary:
                         top_k=int(c.get("n_activated_experts", 0)) if moe else 0, selection_bias=bool(moe))
 
 
+def profile(store: Store, sha: str) -> pl.DataFrame:
+    """A model's baseline profile rows (workbench/baseline.py), empty when it has none."""
+    return store.sql("SELECT * EXCLUDE (checkpoint_sha256) FROM profiles WHERE checkpoint_sha256 = ? "
+                     "ORDER BY signal, layer, head, expert, bucket", [sha])
+
+
 def run_summary(store: Store, run_id: str) -> ModelSummary:
     return model_summary(run_row(store, run_id))
 
@@ -121,6 +127,11 @@ def anomalies(store: Store, run_id: str) -> pl.DataFrame:
     return store.sql("""SELECT * EXCLUDE (run_id) FROM anomalies WHERE run_id = ?
                         ORDER BY CASE severity WHEN 'critical' THEN 0 WHEN 'warning' THEN 1 ELSE 2 END,
                                  score DESC, anomaly_id""", [run_id])
+
+
+def detected(store: Store, run_id: str) -> bool:
+    """Whether the run's anomalies were detected (and stored, possibly as no rows at all)."""
+    return store.sql("SELECT detection IS NOT NULL AS d FROM runs WHERE run_id = ?", [run_id])["d"].to_list() == [True]
 
 
 def attributions(store: Store, run_id: str, target_pos: int | None = None) -> pl.DataFrame:

@@ -104,6 +104,11 @@ class Run:
         ref = getattr(reference, "run_id", reference)
         return detect(self.store, self.run_id, recompute=recompute, reference=ref, **thresholds)
 
+    def findings(self, **thresholds) -> pl.DataFrame:
+        """The run's anomalies grouped into ranked findings: one per component or token span (workbench.findings)."""
+        from .findings import findings
+        return findings(self.store, self.run_id, **thresholds)
+
     def root_cause(self, pos: int, reference=None, **kw) -> pl.DataFrame:
         """Ranked causes of the token at ``pos``: source tokens (IG), heads, experts, routers (ablation).
 

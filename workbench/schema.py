@@ -33,7 +33,9 @@ TABLES: dict[str, str] = {
         n_tokens INTEGER,          -- prompt + generated tokens recorded so far
         pid INTEGER,               -- recording process, to tell a live run from an interrupted one
         summary VARCHAR,           -- the neutral model summary as JSON (docs/schema.md); every consumer reads it
-        notes VARCHAR              -- what the recorder could not see (e.g. MoE blocks no adapter recognises)""",
+        notes VARCHAR,             -- what the recorder could not see (e.g. MoE blocks no adapter recognises)
+        pid_start VARCHAR,         -- the recording process beyond its pid: <boot id>:<start ticks> (a reused pid differs)
+        detection VARCHAR          -- the detector settings (JSON) of the run's stored anomalies; NULL: never detected""",
     "anomalies": """
         run_id VARCHAR,
         anomaly_id INTEGER,
@@ -59,6 +61,19 @@ TABLES: dict[str, str] = {
         method VARCHAR,            -- ig_routing_frozen, ig_plain, ablation (+ _vs_reference)
         delta DOUBLE,              -- captum convergence delta (IG rows)
         created_at TIMESTAMP""",
+    "profiles": """
+        checkpoint_sha256 VARCHAR, -- the model (runs.checkpoint_sha256) this baseline describes
+        signal VARCHAR,            -- norm_entropy | confidence | surprise | margin | expert_share | latent_norm | resid_norm
+        layer INTEGER,
+        head INTEGER,
+        expert INTEGER,
+        bucket INTEGER,            -- context-length bucket (workbench.baseline.BUCKETS); NULL where not bucketed
+        n BIGINT,                  -- values (or, for expert_share, routed slots) the cell was made from
+        mean DOUBLE,               -- for expert_share: the expert's share of the layer's slots
+        std DOUBLE,
+        quantiles DOUBLE[],        -- empirical quantiles at workbench.baseline.PROBS
+        created_at TIMESTAMP,
+        source VARCHAR             -- what it was calibrated on (JSON: prompts, runs, max_new_tokens)""",
 }
 
 # the signal tables come from the registry (workbench/signals.py), after runs and before the derived ones
@@ -72,7 +87,9 @@ DERIVED = ("anomalies", "attributions")
 # columns added at the end of a table since a database may have been created (same schema_version:
 # old queries keep working); applied, idempotently, on every open. New tables come from ddl() itself.
 ADDED_COLUMNS = ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS summary VARCHAR",
-                 "ALTER TABLE runs ADD COLUMN IF NOT EXISTS notes VARCHAR"]
+                 "ALTER TABLE runs ADD COLUMN IF NOT EXISTS notes VARCHAR",
+                 "ALTER TABLE runs ADD COLUMN IF NOT EXISTS pid_start VARCHAR",
+                 "ALTER TABLE runs ADD COLUMN IF NOT EXISTS detection VARCHAR"]
 
 
 def ddl() -> str:

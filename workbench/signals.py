@@ -184,6 +184,31 @@ class ResidNormProbe(Probe):
             "layer": np.repeat(np.array(layers, np.int32), t), "norm": norms.cpu().numpy().ravel().astype(np.float64)})}
 
 
+class HeadNormProbe(Probe):
+    def __init__(self, adapter: Adapter, run_id: str):
+        super().__init__(adapter, run_id)
+        self.seen: dict[int, list[torch.Tensor]] = defaultdict(list)
+
+    def listeners(self) -> dict:
+        return {"head_out": self.on_heads}
+
+    def on_heads(self, layer: int, z: torch.Tensor) -> None:
+        self.seen[layer].append(z[0].detach().float().norm(dim=-1))  # [T, H]
+
+    def collect(self, s: StepInfo) -> dict:
+        if not self.seen:
+            return {}
+        layers = sorted(self.seen)
+        norms = torch.stack([torch.cat(self.seen[i]) for i in layers])  # [L, T, H]
+        _, t, h = norms.shape
+        self.seen = defaultdict(list)
+        pos = np.arange(s.start_pos, s.start_pos + t, dtype=np.int32)
+        return {"head_norm": Rows(s.run_id, {
+            "pos": np.tile(np.repeat(pos, h), len(layers)), "layer": np.repeat(np.array(layers, np.int32), t * h),
+            "head": np.tile(np.arange(h, dtype=np.int32), len(layers) * t),
+            "norm": norms.cpu().numpy().ravel().astype(np.float64)})}
+
+
 class KVProbe(Probe):
     def __init__(self, adapter: Adapter, run_id: str):
         super().__init__(adapter, run_id)
@@ -269,6 +294,11 @@ REGISTRY: tuple[Signal, ...] = (
     Signal("resid_norm", (Table("resid_norm", (
         POS, LAYER, _c("norm", "DOUBLE", "L2 norm of the residual stream after the block", "tol")),
         "pos, layer", "per position x layer"),), ("resid_post",), ResidNormProbe, "residual-stream norm"),
+    Signal("head_norm", (Table("head_norm", (
+        POS, LAYER, _c("head", "INTEGER", "", "key"),
+        _c("norm", "DOUBLE", "L2 norm of the head's output (its slice of the attention output projection's input)",
+           "tol")), "pos, layer, head", "per position x layer x head"),), ("head_out",), HeadNormProbe,
+        "attention-head output norm"),
     Signal("steps", (Table("steps", (
         _c("step", "INTEGER"), _c("kind", "VARCHAR", "prefill | decode"), _c("n_tokens", "INTEGER"),
         _c("wall_ms", "DOUBLE")), "step", "one row per generation step"),), (), StepsProbe, "step timing"),

@@ -1,26 +1,40 @@
-"""workbench anomalies RUN_ID: detect (or read the stored) anomalies of a run and list them."""
+"""workbench anomalies RUN_ID: detect (or read the stored) anomalies of a run and list them, filtered."""
 from __future__ import annotations
 
 import json
 import math
 
+SEVERITY = {"info": 2, "warning": 1, "critical": 0}
+
+
+def _num(v):
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
 
 def main(args) -> int:
+    import polars as pl
+
     from workbench.run import Workbench
 
     run = Workbench(args.db).run(args.run_id)
-    df = run.anomalies()
+    df = run.anomalies(recompute=args.recompute)
+    total = df.height
+    if args.kind:
+        df = df.filter(pl.col("kind").is_in(args.kind))
+    if args.severity:
+        df = df.filter(pl.col("severity").replace_strict(SEVERITY, return_dtype=pl.Int32) <= SEVERITY[args.severity])
+    if args.layer:
+        df = df.filter(pl.col("layer").is_in(args.layer))
     if args.json:
-        rows = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
-                for r in df.iter_rows(named=True)]
-        print(json.dumps({"run_id": run.run_id, "anomalies": rows}))
+        rows = [{k: _num(v) for k, v in r.items()} for r in df.iter_rows(named=True)]
+        print(json.dumps({"run_id": run.run_id, "total": total, "anomalies": rows}))
         return 0
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     colour = {"critical": "bold red", "warning": "yellow", "info": "dim"}
-    t = Table(title=escape(f"anomalies of run {run.run_id}: {df.height}"))
+    t = Table(title=escape(f"anomalies of run {run.run_id}: {df.height} shown of {total}"))
     for c in ("severity", "kind", "pos", "layer", "head", "expert", "score", "explanation"):
         t.add_column(c)
     for r in df.iter_rows(named=True):

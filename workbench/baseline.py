@@ -1,0 +1,211 @@
+"""Baseline profiles: the normal range of each signal for one model, from a calibration set of runs.
+
+A profile is a set of rows in the ``profiles`` table, keyed by the model's ``checkpoint_sha256``, one per
+(signal, layer, head, expert, bucket) cell, each with its sample size, mean, standard deviation and the
+empirical quantiles at ``PROBS``. The detectors (workbench/anomalies.py) turn a run's values into tail
+probabilities against it (``tail_p``). Signals:
+
+- ``norm_entropy``: attention entropy / log(visible keys), per layer x head x context-length bucket;
+- ``confidence`` and ``surprise`` (-logprob) of generated tokens, per position bucket;
+- ``margin``: the router's margin (slot 0 rows), per MoE layer;
+- ``expert_share``: each expert's share of a layer's routed slots (``mean``; ``n`` = slots seen);
+- ``load_dispersion``: per MoE layer, how much more alike one prompt's tokens route than independent draws;
+- ``latent_norm``: cached KV norms at the last step, per layer;
+- ``resid_norm``: the residual stream's norm after each block, per layer x position bucket;
+- ``head_norm``: each attention head's output norm, per layer x head.
+
+Buckets: context length ``pos + 1`` falls in bucket b when ``BUCKETS[b] <= pos + 1 < BUCKETS[b + 1]``.
+
+    wb = workbench.open()
+    workbench.profile("data/prompts/calibration.jsonl", model=None, db=wb.store)   # record + store
+"""
+from __future__ import annotations
+
+import json
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from . import query
+from .store import Store
+
+BUCKETS = (1, 8, 32, 128, 512, 2048, 8192, 1 << 30)
+PROBS = np.array([0.001, 0.005] + [i / 100 for i in range(1, 100)] + [0.995, 0.999])
+BUNDLED = Path(__file__).resolve().parent.parent / "data" / "demo" / "profile.parquet"
+SCHEMA = {"checkpoint_sha256": pl.String, "signal": pl.String, "layer": pl.Int32, "head": pl.Int32,
+          "expert": pl.Int32, "bucket": pl.Int32, "n": pl.Int64, "mean": pl.Float64, "std": pl.Float64,
+          "quantiles": pl.List(pl.Float64), "created_at": pl.Datetime("us"), "source": pl.String}
+KEYS = ("signal", "layer", "head", "expert", "bucket")
+
+
+def bucket_of(length: pl.Expr) -> pl.Expr:
+    """The bucket index of a context length (an expression over an integer column)."""
+    return pl.lit(0, pl.Int32) + sum((length >= b).cast(pl.Int32) for b in BUCKETS[1:-1])
+
+
+def _cells(df: pl.DataFrame, signal: str, value: str, keys: list[str]) -> pl.DataFrame:
+    """One row per cell of ``keys``: n, mean, std and quantiles of ``value``."""
+    df = df.filter(pl.col(value).is_not_null() & pl.col(value).is_finite())
+    if df.height == 0:
+        return pl.DataFrame(schema={k: SCHEMA[k] for k in KEYS + ("n", "mean", "std", "quantiles")})
+    g = df.group_by(keys).agg(pl.len().alias("n"), pl.col(value).mean().alias("mean"),
+                              pl.col(value).std().fill_null(0.0).alias("std"),
+                              pl.concat_list([pl.col(value).quantile(float(p), "linear") for p in PROBS])
+                              .first().alias("quantiles"))
+    missing = [k for k in ("layer", "head", "expert", "bucket") if k not in keys]
+    return g.with_columns(pl.lit(signal).alias("signal"), *[pl.lit(None, pl.Int32).alias(k) for k in missing]) \
+        .select(*[pl.col(k).cast(SCHEMA[k]) for k in KEYS], pl.col("n").cast(pl.Int64), "mean", "std",
+                pl.col("quantiles").cast(SCHEMA["quantiles"]))
+
+
+def build_profile(store: Store, run_ids: list[str]) -> pl.DataFrame:
+    """Profile rows (without sha / created_at / source) from the runs ``run_ids`` of one model."""
+    def cat(table: str) -> pl.DataFrame:
+        frames = [query.signal(store, table, r).with_columns(pl.lit(r).alias("run_id")) for r in run_ids]
+        frames = [f for f in frames if f.height]
+        return pl.concat(frames, how="vertical_relaxed") if frames else pl.DataFrame()
+
+    att, tok, rt, kvt, rn, hn = (cat(t) for t in ("attention", "tokens", "routing", "kv_tokens", "resid_norm",
+                                                  "head_norm"))
+    parts = []
+    if att.height:
+        parts.append(_cells(att.with_columns(bucket_of(pl.col("pos") + 1).alias("bucket")), "norm_entropy",
+                            "norm_entropy", ["layer", "head", "bucket"]))
+    if tok.height:
+        gen = tok.filter(~pl.col("is_prompt") & (pl.col("pos") > 0)).with_columns(
+            bucket_of(pl.col("pos")).alias("bucket"), (-pl.col("logprob")).alias("surprise"))
+        parts += [_cells(gen, "confidence", "confidence", ["bucket"]), _cells(gen, "surprise", "surprise", ["bucket"])]
+    if rt.height:
+        parts.append(_cells(rt.filter(pl.col("slot") == 0), "margin", "margin", ["layer"]))
+        share = rt.group_by("layer", "expert").agg(pl.len().alias("k")).with_columns(
+            pl.col("k").sum().over("layer").alias("n"))
+        parts.append(_dispersion(rt, share, query.run_summary(store, run_ids[0]).n_routed_experts))
+        parts.append(share.select(pl.lit("expert_share").alias("signal"), pl.col("layer").cast(pl.Int32),
+                                  pl.lit(None, pl.Int32).alias("head"), pl.col("expert").cast(pl.Int32),
+                                  pl.lit(None, pl.Int32).alias("bucket"), pl.col("n").cast(pl.Int64),
+                                  (pl.col("k") / pl.col("n")).alias("mean"), pl.lit(0.0).alias("std"),
+                                  pl.lit(None, SCHEMA["quantiles"]).alias("quantiles")))
+    if kvt.height:
+        last = kvt.filter(pl.col("step") == pl.col("step").max().over("run_id")) if "run_id" in kvt.columns else kvt
+        parts.append(_cells(last, "latent_norm", "latent_norm", ["layer"]))
+    if rn.height:
+        parts.append(_cells(rn.with_columns(bucket_of(pl.col("pos") + 1).alias("bucket")), "resid_norm", "norm",
+                            ["layer", "bucket"]))
+    if hn.height:
+        parts.append(_cells(hn, "head_norm", "norm", ["layer", "head"]))
+    return pl.concat(parts, how="vertical_relaxed") if parts else pl.DataFrame(schema={k: SCHEMA[k] for k in KEYS})
+
+
+def _dispersion(rt: pl.DataFrame, share: pl.DataFrame, n_experts: int) -> pl.DataFrame:
+    """``load_dispersion`` per layer: the mean over calibration runs of the G statistic of a run's load
+    against the pooled shares, per degree of freedom (>= 1): how much more alike tokens of one prompt route
+    than independent draws would (the detectors widen their count tests by it)."""
+    rows = []
+    for (layer,), g in rt.group_by("layer", maintain_order=True):
+        p = np.full(n_experts, 1e-9)
+        sh = share.filter(pl.col("layer") == layer)
+        p[sh["expert"].to_numpy()] = (sh["k"] / sh["n"]).to_numpy()
+        stats = []
+        for _, r in g.group_by("run_id"):
+            c = np.bincount(r["expert"].to_numpy(), minlength=n_experts)[:n_experts].astype(np.float64)
+            e = c.sum() * p
+            nz = c > 0
+            stats.append(2 * (c[nz] * np.log(c[nz] / e[nz])).sum() / max(n_experts - 1, 1))
+        rows.append({"signal": "load_dispersion", "layer": int(layer), "n": len(stats),
+                     "mean": max(float(np.mean(stats)), 1.0), "std": float(np.std(stats))})
+    return pl.DataFrame(rows).select(pl.col("signal"), pl.col("layer").cast(pl.Int32), pl.lit(None, pl.Int32).alias("head"),
+                                     pl.lit(None, pl.Int32).alias("expert"), pl.lit(None, pl.Int32).alias("bucket"),
+                                     pl.col("n").cast(pl.Int64), "mean", "std",
+                                     pl.lit(None, SCHEMA["quantiles"]).alias("quantiles"))
+
+
+def save_profile(store: Store, sha: str, rows: pl.DataFrame, source: str) -> int:
+    """Replace the model's profile with ``rows``; returns the number of cells."""
+    stamp = datetime.now(timezone.utc).replace(tzinfo=None)
+    full = rows.with_columns(pl.lit(sha).alias("checkpoint_sha256"), pl.lit(stamp).alias("created_at"),
+                             pl.lit(source).alias("source")).select([pl.col(c).cast(t) for c, t in SCHEMA.items()])
+    store.replace_where("profiles", "checkpoint_sha256 = ?", [sha], full)
+    return full.height
+
+
+def load_profile(store: Store, sha: str | None) -> pl.DataFrame | None:
+    """The model's profile rows, or None. The bundled demo's profile (data/demo/profile.parquet) is copied
+    into the store the first time a run of the demo checkpoint asks for it."""
+    if not sha:
+        return None
+    got = query.profile(store, sha)
+    if got.height == 0 and BUNDLED.exists():
+        bundled = pl.read_parquet(BUNDLED)
+        if bundled.height and bundled["checkpoint_sha256"][0] == sha:
+            store.replace_where("profiles", "checkpoint_sha256 = ?", [sha], bundled)
+            got = query.profile(store, sha)
+    return got if got.height else None
+
+
+def export_profile(store: Store, sha: str, path: str | Path) -> Path:
+    """Write a model's profile rows to a Parquet file (how the bundled demo ships its profile)."""
+    rows = store.sql("SELECT * FROM profiles WHERE checkpoint_sha256 = ? ORDER BY signal, layer, head, expert, bucket",
+                     [sha])
+    if rows.height == 0:
+        raise ValueError(f"no profile for model {sha[:12]}... in {store.path}")
+    rows.write_parquet(str(path))
+    return Path(path)
+
+
+def tail_p(x: np.ndarray, quantiles: np.ndarray, upper: bool = True) -> np.ndarray:
+    """P(X >= x) (``upper``) or P(X <= x) under the profile's empirical distribution (quantiles at PROBS).
+
+    Between quantiles the CDF is linear; beyond the 0.1% / 99.9% quantiles the tail decays exponentially
+    with the scale the 1%..0.1% stretch shows (floored at 1% of the 1%..99% range, so a near-constant
+    cell does not turn float noise into certainty).
+    """
+    x = np.asarray(x, dtype=np.float64)
+    q = np.asarray(quantiles, dtype=np.float64)
+    if not upper:
+        return tail_p(-x, -q[::-1], upper=True)
+    q = np.maximum.accumulate(q)
+    span = max(q[-3] - q[2], 0.0)
+    scale = max((q[-1] - q[-3]) / math.log((1 - PROBS[-3]) / (1 - PROBS[-1])), 0.01 * span, 1e-9)
+    inside = 1.0 - np.interp(x, q, PROBS, left=0.0, right=PROBS[-1])
+    beyond = (1 - PROBS[-1]) * np.exp(-np.clip(x - q[-1], 0, None) / scale)
+    p = np.where(x > q[-1], beyond, np.where(x < q[0], 1.0, inside))
+    return np.clip(p, 1e-300, 1.0)
+
+
+def profile(prompts, *, model=None, db=None, max_new_tokens: int = 32, tokenizer=None, seed: int = 0,
+            progress: bool = False) -> dict:
+    """Record a calibration set with ``model`` and store its profile; returns {sha, runs, cells, source}.
+
+    Args:
+        prompts: a prompt-set path (workbench.prompts: JSONL, folder of .txt, or .txt) or a list of strings.
+    """
+    from .prompts import load_prompts
+    from .run import record  # the facade records; this module only reads runs afterwards
+
+    items = load_prompts(prompts) if isinstance(prompts, (str, Path)) else [{"prompt": p, "id": str(i)}
+                                                                           for i, p in enumerate(prompts)]
+    store = db if isinstance(db, Store) else Store(db)
+    run_ids, sha, adapter = [], None, model
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(items), desc="profile", unit="prompt")
+    for it in items:
+        run = record(it["prompt"], model=adapter, tokenizer=tokenizer, db=store, detect=False, seed=int(it.get("seed", seed)),
+                     max_new_tokens=int(it.get("max_new_tokens", max_new_tokens)),
+                     temperature=float(it.get("temperature", 0.0)))
+        adapter = run.adapter()  # loaded once, reused for every prompt
+        tokenizer = run.tokenizer()
+        sha = run.info["checkpoint_sha256"]
+        run_ids.append(run.run_id)
+        if bar:
+            bar.update(1)
+    if bar:
+        bar.close()
+    source = json.dumps({"prompts": str(prompts) if isinstance(prompts, (str, Path)) else f"{len(items)} prompts",
+                         "runs": len(run_ids), "max_new_tokens": max_new_tokens})
+    cells = save_profile(store, sha, build_profile(store, run_ids), source)
+    return {"sha": sha, "runs": run_ids, "cells": cells, "source": source}

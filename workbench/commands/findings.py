@@ -1,0 +1,25 @@
+"""workbench findings RUN_ID: the run's diagnosis, one ranked finding per component or token span."""
+from __future__ import annotations
+
+import json
+
+
+def main(args) -> int:
+    from workbench.run import Workbench
+
+    run = Workbench(args.db).run(args.run_id)
+    df = run.findings()
+    if args.json:
+        print(json.dumps({"run_id": run.run_id, "findings": df.to_dicts()}))
+        return 0
+    from rich.console import Console
+    from rich.markup import escape
+
+    con = Console()
+    if df.height == 0:
+        con.print(escape(f"run {run.run_id}: no findings (nothing out of its usual range)"))
+        return 0
+    colour = {"critical": "bold red", "warning": "yellow", "info": "dim"}
+    for r in df.iter_rows(named=True):
+        con.print(escape(f"{r['rank']:>2}. [{r['severity']}] {r['explanation']}"), style=colour.get(r["severity"], ""))
+    return 0

@@ -1,0 +1,151 @@
+"""Findings: a run's anomaly rows grouped into one diagnosis per component or token span.
+
+Rows (warning and critical) become findings by what they point at:
+
+- ``non_finite`` rows: one finding at the first layer whose residual stream (else any signal) holds NaN/Inf;
+- ``head_norm_outlier`` / ``entropy_spike`` / ``entropy_shift``: one finding per (layer, head);
+- ``overloaded_expert`` / ``dead_expert``: one per (layer, expert); ``routing_collapse``: one per layer;
+- ``resid_norm_outlier``: each flagged position is attributed to the first layer where its residual norm
+  is out of range (later layers only carry the damage on); per such layer, if the flagged positions are
+  concentrated on one routed expert of that layer (hypergeometric test against the run's routing), the
+  finding names that expert; else it joins that layer's head finding if there is one; else it names the
+  layer's feed-forward block (its shared experts, in an MoE layer);
+- ``kv_norm_outlier``: one per layer of the KV cache;
+- ``low_confidence`` / ``high_surprise``: one per span of consecutive token positions.
+
+Columns: rank, component (kind: head | expert | router | shared_expert | mlp | layer | kv | tokens |
+non_finite), layer, head, expert, pos_start, pos_end, positions (the evidence), n_rows, kinds, severity,
+score (the strongest row's -log10 q), explanation (one line).
+"""
+from __future__ import annotations
+
+import math
+
+import polars as pl
+
+from . import query
+
+SCHEMA = {"rank": pl.Int32, "component": pl.Utf8, "layer": pl.Int32, "head": pl.Int32, "expert": pl.Int32,
+          "pos_start": pl.Int32, "pos_end": pl.Int32, "positions": pl.List(pl.Int32), "n_rows": pl.Int32,
+          "kinds": pl.List(pl.Utf8), "severity": pl.Utf8, "score": pl.Float64, "explanation": pl.Utf8}
+HEAD_KINDS = ("head_norm_outlier", "entropy_spike", "entropy_shift")
+SEVERITY = {"critical": 0, "warning": 1, "info": 2}
+
+
+def _finding(component: str, rows: pl.DataFrame, explanation: str, layer=None, head=None, expert=None,
+             positions: list[int] | None = None) -> dict:
+    pos = sorted(set(positions if positions is not None else [p for p in rows["pos"].to_list() if p is not None]))
+    sev = min(rows["severity"].to_list(), key=lambda s: SEVERITY[s])
+    return {"component": component, "layer": layer, "head": head, "expert": expert,
+            "pos_start": pos[0] if pos else None, "pos_end": pos[-1] if pos else None, "positions": pos,
+            "n_rows": rows.height, "kinds": sorted(set(rows["kind"].to_list())), "severity": sev,
+            "score": float(rows["score"].max()), "explanation": explanation}
+
+
+def _where(pos: list[int]) -> str:
+    if not pos:
+        return ""
+    return f" at {len(pos)} position{'s' if len(pos) > 1 else ''} ({pos[0]}" + (f"-{pos[-1]})" if len(pos) > 1 else ")")
+
+
+def group_findings(anomalies: pl.DataFrame, routing: pl.DataFrame | None = None,
+                   shared_experts: bool = False) -> pl.DataFrame:
+    """Findings from a run's anomaly rows (and its routing, to name the expert behind residual outliers)."""
+    a = anomalies.filter(pl.col("severity") != "info")
+    out: list[dict] = []
+    nf = a.filter(pl.col("kind") == "non_finite")
+    if nf.height:
+        layered = nf.filter(pl.col("layer").is_not_null() & pl.col("explanation").str.contains("resid_norm"))
+        first = int(layered["layer"].min()) if layered.height else (
+            int(nf["layer"].min()) if nf["layer"].drop_nulls().len() else None)
+        where = f"first in layer {first}" if first is not None else "in the recorded signals"
+        out.append(_finding("non_finite", nf, f"NaN/Inf values {where}: {nf['explanation'][0]}", layer=first))
+    heads: dict[tuple, pl.DataFrame] = {}
+    for (layer, head), g in a.filter(pl.col("kind").is_in(HEAD_KINDS)).group_by("layer", "head", maintain_order=True):
+        heads[(layer, head)] = g
+    resid = a.filter(pl.col("kind") == "resid_norm_outlier")
+    extra_head_rows: dict[tuple, list] = {}
+    if resid.height:
+        first_layer = resid.group_by("pos").agg(pl.col("layer").min().alias("first"))
+        for (layer,), g in first_layer.group_by("first", maintain_order=True):
+            pos = sorted(g["pos"].to_list())
+            rows = resid.filter(pl.col("pos").is_in(pos) & (pl.col("layer") == layer))
+            expert = _concentrated_expert(routing, int(layer), pos)
+            head_here = [k for k in heads if k[0] == layer and heads[k]["kind"].str.contains("head_norm").any()]
+            if expert is not None:
+                e, k = expert
+                out.append(_finding("expert", rows, f"layer {layer} expert {e}: the residual stream's norm jumps after "
+                                    f"the block{_where(pos)}, {k} of them routed to expert {e}", layer=layer,
+                                    expert=e, positions=pos))
+            elif head_here:
+                extra_head_rows.setdefault(head_here[0], []).append(rows)
+            else:
+                comp = "shared_expert" if shared_experts else "mlp"
+                what = "its shared experts" if shared_experts else "its feed-forward block"
+                out.append(_finding(comp, rows, f"layer {layer}: the residual stream's norm jumps after the block"
+                                    f"{_where(pos)}, with no single head or routed expert behind it (look at {what})",
+                                    layer=layer, positions=pos))
+    for (layer, head), g in heads.items():
+        rows = pl.concat([g, *extra_head_rows.get((layer, head), [])], how="vertical_relaxed")
+        pos = sorted(set(p for p in rows["pos"].to_list() if p is not None))
+        kinds = set(g["kind"].to_list())
+        what = "its output is unusually large" if "head_norm_outlier" in kinds else "its attention is unusually diffuse"
+        out.append(_finding("head", rows, f"layer {layer} head {head}: {what}{_where(pos)}", layer=layer, head=head))
+    for (layer, expert), g in a.filter(pl.col("kind").is_in(["overloaded_expert", "dead_expert"])) \
+            .group_by("layer", "expert", maintain_order=True):
+        over = "overloaded_expert" in g["kind"].to_list()
+        what = "the router sends it far more tokens than usual" if over else "the router sends it no token"
+        out.append(_finding("expert", g, f"layer {layer} expert {expert}: {what} ({g['explanation'][0]})",
+                            layer=layer, expert=expert))
+    for (layer,), g in a.filter(pl.col("kind") == "routing_collapse").group_by("layer", maintain_order=True):
+        out.append(_finding("router", g, f"layer {layer}: the router's load is concentrated on few experts", layer=layer))
+    for (layer,), g in a.filter(pl.col("kind") == "kv_norm_outlier").group_by("layer", maintain_order=True):
+        pos = sorted(g["pos"].to_list())
+        out.append(_finding("kv", g, f"layer {layer}: cached KV entries out of their usual range{_where(pos)}",
+                            layer=layer))
+    tok = a.filter(pl.col("kind").is_in(["low_confidence", "high_surprise"])).sort("pos")
+    if tok.height:
+        span = (pl.col("pos").diff().fill_null(0) > 1).cum_sum()
+        for _, g in tok.with_columns(span.alias("_span")).group_by("_span", maintain_order=True):
+            pos = sorted(set(g["pos"].to_list()))
+            out.append(_finding("tokens", g.drop("_span"), f"tokens {pos[0]}-{pos[-1]}: the model was unusually unsure "
+                                f"or surprised ({len(pos)} token{'s' if len(pos) > 1 else ''})"))
+    if not out:
+        return pl.DataFrame(schema=SCHEMA)
+    df = pl.DataFrame(out, schema={k: v for k, v in SCHEMA.items() if k != "rank"})
+    sev = pl.col("severity").replace_strict(SEVERITY, return_dtype=pl.Int32)
+    first = pl.col("component") != "non_finite"  # NaN/Inf leads: everything after it is its consequence
+    df = df.sort(sev, first, pl.col("score"), descending=[False, False, True], maintain_order=True)
+    return df.with_columns(pl.arange(1, df.height + 1, dtype=pl.Int32).alias("rank")).select(list(SCHEMA))
+
+
+def _concentrated_expert(routing: pl.DataFrame | None, layer: int, positions: list[int]) -> tuple[int, int] | None:
+    """(expert, count) if the positions are routed to one expert of ``layer`` far more than the run's other
+    positions are (hypergeometric p < 1e-3 and at least 80% of them), else None."""
+    from scipy.stats import hypergeom
+
+    if routing is None or routing.height == 0 or len(positions) < 2:
+        return None
+    r = routing.filter(pl.col("layer") == layer).unique(["pos", "expert"])
+    if r.height == 0:
+        return None
+    n_pos = r["pos"].n_unique()
+    flagged = r.filter(pl.col("pos").is_in(positions))
+    n_flag = flagged["pos"].n_unique()
+    best = None
+    for (e,), g in flagged.group_by("expert"):
+        k = g.height
+        total = r.filter(pl.col("expert") == e).height
+        p = float(hypergeom.sf(k - 1, n_pos, total, n_flag))
+        if k >= math.ceil(0.8 * n_flag) and p < 1e-3 and (best is None or p < best[2]):
+            best = (int(e), k, p)
+    return None if best is None else best[:2]
+
+
+def findings(store, run_id: str, **thresholds) -> pl.DataFrame:
+    """The run's findings, ranked (detecting its anomalies first if that never ran)."""
+    from .anomalies import detect
+
+    rows = detect(store, run_id, **thresholds)
+    s = query.run_summary(store, run_id)
+    return group_findings(rows, query.routing(store, run_id), shared_experts=bool(s.n_shared_experts))
