@@ -11,6 +11,7 @@ import pytest
 
 from workbench.model.tokenizer import DEFAULT_TOKENIZER
 from workbench.model import save_checkpoint
+import workbench
 from workbench import cli
 from workbench import record
 from workbench.report import build_report, script_json, write_report
@@ -176,3 +177,26 @@ def test_cli_report(env, tmp_path, capsys):
     assert code == 0 and Path(capsys.readouterr().out.strip()) == out
     assert json.loads(out.read_text())["run"]["run_id"] == env["run"].run_id
     assert cli.main(["report", "nope", "--db", str(env["store"].path)]) == 2
+
+
+def test_report_leads_with_the_diagnosis(tmp_path):
+    """With a baseline profile, a broken head becomes the report's first finding, before any table."""
+    import polars as pl
+
+    from helpers import tiny_model
+    from workbench import faults
+
+    model = tiny_model()
+    db = workbench.Store(tmp_path / "w.duckdb")
+    workbench.profile([[5 + i, 17 + i, 101, 3, 40 + i, 9] for i in range(8)], model=model, db=db, max_new_tokens=8)
+    with faults.break_head(model, 1, 2, scale=30.0):
+        run = workbench.record([6, 18, 101, 3, 41, 9], model=model, db=db, max_new_tokens=8)
+    f = run.findings()
+    assert f.height and (f["component"][0], f["layer"][0], f["head"][0]) == ("head", 1, 2)
+    facts = json.loads(Path(run.report(tmp_path / "r.json", "json")).read_text())
+    assert facts["findings"][0]["explanation"].startswith("layer 1 head 2")
+    html = Path(run.report(tmp_path / "r.html", "html")).read_text()
+    assert html.index("Diagnosis") < html.index("layer 1 head 2") < html.index("<h2>Summary") < html.index("by kind")
+    md = Path(run.report(tmp_path / "r.md", "md")).read_text()
+    assert md.index("## Diagnosis") < md.index("## Summary")
+    assert pl.DataFrame(facts["anomalies"]).height == run.anomalies().height

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import polars as pl
 import pytest
 import torch
@@ -246,6 +247,13 @@ def test_root_cause_against_a_reference(tiny, tmp_path, capsys):
     twin = workbench.record(list(range(30, 46)), model=str(ckpt), max_new_tokens=2, db=db)
     with pytest.raises(ValueError, match="same weights"):  # a run id resolves in the run's database
         a.root_cause(pos, reference=twin.run_id)
+    with pytest.raises(ValueError, match="same weights"):  # the same weights as a folder: the same answer
+        a.root_cause(pos, reference=str(ckpt))
+    # the same weights in another dtype are the natural reference (bf16 against fp32)
+    bf16 = workbench.record(list(range(30, 46)), model=str(ckpt), max_new_tokens=2, db=db, dtype="bfloat16")
+    assert a.root_cause(pos, steps=4, reference=bf16.run_id, store=False)["method"][0].endswith("_vs_reference")
+    edited = workbench.record(list(range(31, 47)), model=str(ckpt), max_new_tokens=2, db=db)  # other tokens
+    assert a.root_cause(pos, steps=4, reference=edited.run_id, store=False).height > 0
     with pytest.raises(ValueError, match="neither a run"):
         run.root_cause(pos, reference="nope")
     with faults.bias_router(clean, 1, 6, amount=2.0):
@@ -255,3 +263,14 @@ def test_root_cause_against_a_reference(tiny, tmp_path, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["method"] == "ig_routing_frozen_vs_reference" and out["reference"] == str(tmp_path / "biased")
     assert cli_main(["explain", a.run_id, str(pos), "--reference", "nope", "--db", str(db)]) == 2
+
+
+def test_ig_check_flags_an_unconverged_attribution():
+    from workbench.rootcause import ig_check, rank_causes
+
+    comps = [("head", 0, 0, None)]
+    ok = rank_causes(np.array([1.0, 2.0]), "ig_routing_frozen", 0.01, comps, np.array([0.5]), 2)
+    assert ig_check(ok, 32) is None  # |0.01| is 0.3% of the gap 2.99
+    bad = rank_causes(np.array([1.0, 2.0]), "ig_routing_frozen", -1.2, comps, np.array([0.5]), 2)
+    msg = ig_check(bad, 8)
+    assert "did not converge" in msg and "try --steps 16" in msg and "29%" in msg

@@ -30,6 +30,7 @@ from .schema import SCHEMA_VERSION
 
 FORMATS = ("html", "json", "md")
 CAUSES_SHOWN = 10
+FINDINGS_SHOWN = 10
 EXPLAIN_BUDGET_S = 60.0  # root cause (IG + ablations) takes seconds to minutes per position on a CPU
 ANOMALIES_SHOWN = 30  # rows of the HTML table shown before the rest is folded away
 
@@ -113,6 +114,19 @@ def _explain(run, pos: int, rep: Report, root_cause_kw: dict) -> pl.DataFrame | 
     return None
 
 
+def _findings(run, anomalies, rep: Report):
+    """The run's findings from its anomaly rows (None, with a note, if that fails)."""
+    if anomalies is None:
+        return None
+    try:
+        from .findings import group_findings
+        s = run.model_summary
+        return group_findings(anomalies, run.routing(), shared_experts=bool(s.n_shared_experts))
+    except Exception as e:  # noqa: BLE001 - a report still comes out
+        rep.notes.append(f"findings could not be formed: {type(e).__name__}: {e}")
+        return None
+
+
 def build_report(run, explain: int = 3, root_cause_kw: dict | None = None,
                  explain_budget_s: float | None = EXPLAIN_BUDGET_S) -> Report:
     """Collect a report's facts and figures for ``run`` (a ``workbench.Run``).
@@ -134,7 +148,7 @@ def build_report(run, explain: int = 3, root_cause_kw: dict | None = None,
         "run": _plain({k: v for k, v in info.items() if k not in ("config", "params", "pid", "summary")}),
         "model": _plain(run.model_summary.to_dict()),
         "params": _plain(params), "config": _plain(json.loads(info["config"] or "{}")),
-        "summary": {}, "tokens": [], "anomalies": [], "explained": [], "signals": {}, "notes": [],
+        "summary": {}, "findings": [], "tokens": [], "anomalies": [], "explained": [], "signals": {}, "notes": [],
     }, run=run)
     facts = rep.facts
     facts["summary"] = _plain(run.summary())
@@ -145,16 +159,19 @@ def build_report(run, explain: int = 3, root_cause_kw: dict | None = None,
     if anomalies is not None:
         facts["summary"]["anomalies"] = {s: int((anomalies["severity"] == s).sum())
                                          for s in ("critical", "warning", "info")}
-    # the top anomalous positions get a root-cause ranking (deduplicated, most severe first)
+    # the diagnosis: findings first; each of the top ones gets a root-cause ranking of the token it hurt most
     text = dict(zip(toks["pos"].to_list(), toks["text"].to_list())) if toks.height else {}
+    found = _findings(run, anomalies, rep)
+    facts["findings"] = _records(found.head(FINDINGS_SHOWN)) if found is not None else []
+    logprob = dict(zip(toks["pos"].to_list(), toks["logprob"].to_list())) if toks.height else {}
     targets: list[int] = []
-    if anomalies is not None and explain:
-        for r in anomalies.iter_rows(named=True):
-            p = r["pos"]
-            if p is not None and 1 <= p < toks.height and p not in targets:
-                targets.append(int(p))
-            if len(targets) >= explain:
-                break
+    for fnd in facts["findings"]:
+        cands = {p + d for p in fnd["positions"] or [] for d in (0, 1) if 1 <= p + d < toks.height}
+        cands = [c for c in cands if logprob.get(c) is not None and math.isfinite(logprob[c])]
+        if cands:
+            fnd["explained_pos"] = min(cands, key=lambda c: logprob[c])  # the token it hurt most
+            if fnd["explained_pos"] not in targets and len(targets) < explain:
+                targets.append(fnd["explained_pos"])
     started = time.perf_counter()
     for i, pos in enumerate(targets):
         if explain_budget_s is not None and i and time.perf_counter() - started > explain_budget_s:
@@ -165,6 +182,10 @@ def build_report(run, explain: int = 3, root_cause_kw: dict | None = None,
         causes = _explain(run, pos, rep, dict(root_cause_kw or {}))
         if causes is None:
             continue
+        from .rootcause import ig_check
+        warn = ig_check(causes, (root_cause_kw or {}).get("steps", 32))
+        if warn:
+            rep.notes.append(f"position {pos}: {warn}")
         tok = causes.filter(pl.col("kind") == "token").sort("source_pos")
         facts["explained"].append({
             "pos": pos, "text": text.get(pos),
@@ -262,7 +283,23 @@ def render_html(rep: Report) -> str:
     anomalous = {a["pos"] for a in f["anomalies"] if a.get("pos") is not None}
     parts = [f"<h1>Anomaly report: run <code>{_e(rid)}</code></h1>",
              f"<p class='muted'>generated {_e(f['report']['created_at'])} by moe-workbench "
-             f"(schema {_e(f['report']['schema_version'])})</p>", "<h2>Summary</h2>"]
+             f"(schema {_e(f['report']['schema_version'])})</p>"]
+    explained = {ex["pos"]: ex for ex in f["explained"]}
+    parts.append(f"<h2>Diagnosis: {len(f['findings'])} finding{'s' if len(f['findings']) != 1 else ''}</h2>")
+    if not f["findings"]:
+        parts.append("<p>Nothing out of its usual range: no warning or critical anomaly.</p>")
+    for fnd in f["findings"]:
+        pos = fnd.get("explained_pos")
+        parts.append(f"<div class='finding {_e(fnd['severity'])}'><h3>{int(fnd['rank'])}. [{_e(fnd['severity'])}] "
+                     f"{_e(fnd['explanation'])}</h3><p class='muted'>evidence: {_e(', '.join(fnd['kinds']))} at "
+                     f"positions {_e(_span_list(fnd['positions']))}</p>")
+        if pos in explained:
+            parts.append(f"<p>Root cause of the token it hurt most, position {int(pos)} "
+                         f"<code class='tok'>{_visible(explained[pos]['text'])}</code>:</p>")
+            parts.append(_table(explained[pos]["causes"][:5], ["rank", "kind", "layer", "head", "expert", "source_pos",
+                                                              "score", "method"]))
+        parts.append("</div>")
+    parts.append("<h2>Summary</h2>")
     keys = ["status", "model", "checkpoint_sha256", "dtype", "device", "seed", "parent_run_id", "created_at",
             "n_prompt_tokens", "n_tokens", "error"]
     rows = [(k, run.get(k)) for k in keys] + [(k, v) for k, v in summary.items() if k != "run_id" and k not in keys]
@@ -278,18 +315,20 @@ def render_html(rep: Report) -> str:
         spans.append(f"<span class='{cls}' data-pos='{int(t['pos'])}' title='{_e(tip)}' "
                      f"style='background:{_confidence_colour(t['confidence'])}'>{_visible(t['text'])}</span>")
     parts.append(f"<div class='strip' id='text'>{''.join(spans)}</div>")
-    parts.append(f"<h2>Anomalies ({len(f['anomalies'])})</h2>")
+    parts.append(f"<h2>Anomaly rows ({len(f['anomalies'])}), by kind</h2>")
     if f["anomalies"]:
         text = {t["pos"]: t["text"] for t in f["tokens"]}
         rows = [dict(a, token=_show(text.get(a["pos"])) if a.get("pos") is not None else "")
                 for a in f["anomalies"]]
         cols = ["rank", "severity", "kind", "pos", "token", "layer", "head", "expert", "score", "threshold",
                 "explanation"]
-        # escapes every cell; a long tail goes in a collapsed block so the page stays readable
-        parts.append(_table(rows[:ANOMALIES_SHOWN], cols))
-        if len(rows) > ANOMALIES_SHOWN:
-            parts.append(f"<details><summary>{len(rows) - ANOMALIES_SHOWN} more anomalies</summary>"
-                         f"{_table(rows[ANOMALIES_SHOWN:], cols)}</details>")
+        # grouped by kind, each group collapsed (the diagnosis above already reads them); every cell escaped
+        for kind in sorted({r["kind"] for r in rows}):
+            group = [r for r in rows if r["kind"] == kind]
+            parts.append(f"<details class='kind'><summary>{_e(kind)}: {len(group)} rows</summary>"
+                         f"{_table(group[:ANOMALIES_SHOWN], cols)}"
+                         + (f"<p class='muted'>{len(group) - ANOMALIES_SHOWN} more in the JSON facts</p>"
+                            if len(group) > ANOMALIES_SHOWN else "") + "</details>")
     else:
         parts.append("<p>No anomalies detected.</p>" if not any("anomal" in n for n in f["notes"])
                      else "<p>Anomalies could not be listed (see notes).</p>")
@@ -353,13 +392,21 @@ def _md_table(rows: list[dict], cols: list[str]) -> str:
     return "\n".join(out)
 
 
+def _span_list(pos: list[int] | None, most: int = 12) -> str:
+    pos = pos or []
+    return ", ".join(str(p) for p in pos[:most]) + (f", ... ({len(pos)} in all)" if len(pos) > most else "")
+
+
 def render_md(rep: Report) -> str:
     f = rep.facts
     run = f["run"]
     text = {t["pos"]: t["text"] for t in f["tokens"]}
     out = [f"# Anomaly report: run {_md(run['run_id'])}", "",
            f"Generated {_md(f['report']['created_at'])} by moe-workbench. Figures are in the HTML report "
-           "(`workbench report RUN_ID`).", "", "## Summary", ""]
+           "(`workbench report RUN_ID`).", "", f"## Diagnosis: {len(f['findings'])} findings", ""]
+    out += [f"{int(x['rank'])}. [{_md(x['severity'])}] {_md(x['explanation'])}" for x in f["findings"]] or \
+        ["Nothing out of its usual range."]
+    out += ["", "## Summary", ""]
     keys = ("status", "model", "checkpoint_sha256", "dtype", "seed", "parent_run_id", "created_at")
     rows = [{"field": k, "value": run.get(k)} for k in keys]
     rows += [{"field": k, "value": json.dumps(v) if isinstance(v, dict) else v} for k, v in f["summary"].items()

@@ -211,18 +211,26 @@ def reference_adapter(reference, store, info: dict, like: Adapter) -> Adapter:
     """
     from .resolve import load_for_run
 
+    same = (f"would be the same model on the same tokens as run {info['run_id']} (same weights, dtype and "
+            "tokens): every score would be 0; pick a run or checkpoint of a different model, dtype or prompt")
+    ids = query.table(store, "tokens", info["run_id"], "pos", cols=["token_id"])["token_id"].to_list()
     if isinstance(reference, (str, Path)) and not (Path(reference) / "config.json").exists():
         try:
             ref_info = query.run_row(store, str(reference))
         except query.RunNotFound:
             raise ValueError(f"reference {str(reference)!r} is neither a run in {store.path} nor a checkpoint "
                              "folder (config.json + model.safetensors)") from None
-        if ref_info.get("checkpoint_sha256") == info.get("checkpoint_sha256"):
-            raise ValueError(f"reference run {ref_info['run_id']} was recorded with the same weights as run "
-                             f"{info['run_id']} (same checkpoint hash): every score would be 0; pick a run of a "
-                             "different model")
+        ref_ids = query.table(store, "tokens", ref_info["run_id"], "pos", cols=["token_id"])["token_id"].to_list()
+        # a twin run of the same weights is a fine reference when its dtype or its tokens differ (fp32 for a
+        # bf16 run; the same model on an edited prompt)
+        if (ref_info.get("checkpoint_sha256") == info.get("checkpoint_sha256") and ref_info.get("dtype") == info.get("dtype")
+                and ref_ids == ids):
+            raise ValueError(f"reference run {ref_info['run_id']} {same}")
         ref = load_for_run(ref_info, verify=False)
     elif isinstance(reference, (str, Path)):
+        from workbench.model import file_sha256
+        if file_sha256(reference) == info.get("checkpoint_sha256") and info.get("dtype") == "float32":
+            raise ValueError(f"reference checkpoint {reference} {same}")
         ref = load_adapter(reference)
     else:
         ref = adapter_for(reference)
@@ -234,6 +242,21 @@ def reference_adapter(reference, store, info: dict, like: Adapter) -> Adapter:
     if ref.components() != like.components():
         raise ValueError("the reference model has different layers, heads or experts than the run's model")
     return ref
+
+
+def ig_check(df: pl.DataFrame, steps: int | None = None, tolerance: float = 0.05) -> str | None:
+    """A warning when a ranking's Integrated Gradients did not converge: |delta| over ``tolerance`` of
+    |f(x) - f(baseline)| (token rows sum to that gap plus delta). None when it converged (or has no IG rows)."""
+    tok = df.filter(pl.col("kind") == "token")
+    if tok.height == 0 or tok["delta"][0] is None or not np.isfinite(tok["delta"][0]):
+        return None
+    delta = float(tok["delta"][0])
+    gap = float(tok["score"].sum()) - delta
+    if abs(delta) <= tolerance * max(abs(gap), 1e-9):
+        return None
+    more = f"; try --steps {2 * steps}" if steps else "; try twice the steps"
+    return (f"IG did not converge: convergence delta {delta:+.3g} is {abs(delta) / max(abs(gap), 1e-9):.0%} of "
+            f"f(x) - f(baseline) = {gap:+.3g} (over {tolerance:.0%}){more}")
 
 
 def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, mode: str = "auto",

@@ -20,12 +20,15 @@ def main(args) -> int:
     ig = df.filter(df["kind"] == "token")
     method = ig["method"][0] if ig.height else None
     delta = ig["delta"][0] if ig.height else None
+    from workbench.rootcause import ig_check
+    warning = ig_check(df, args.steps)
     if args.json:
         rows = [{k: _num(v) for k, v in r.items()} | ({"source_text": texts.get(r["source_pos"])}
                                                       if r["source_pos"] is not None else {})
                 for r in df.iter_rows(named=True)]
         print(json.dumps({"run_id": run.run_id, "pos": args.pos, "reference": args.reference, "token": target["text"],
                           "logprob": _num(target["logprob"]), "method": method, "delta": _num(delta),
+                          "ig_warning": warning,
                           "ig_total": _num(float(ig["score"].sum())) if ig.height else None, "causes": rows}))
         return 0
     from rich.console import Console
@@ -58,4 +61,6 @@ def main(args) -> int:
     if ig.height:
         con.print(escape(f"token attributions: {method}, {args.steps} steps, sum {ig['score'].sum():+.4f} nats, "
                          f"convergence delta {delta:+.2e}"))
+    if warning:
+        con.print(escape(f"warning: {warning}"), style="bold yellow")
     return 0
