@@ -193,7 +193,7 @@ def markdown(results, clean_rows, n_tok, n_findings, n_runs, basis, args, second
              f"used for calibration; {args.max_new_tokens} greedy tokens each, {n_tok} generated tokens): "
              f"{warnings} warning/critical rows, **{per_1000:.2f} per 1,000 generated tokens** (target <= 5: "
              f"{'met' if per_1000 <= 5 else 'missed'}); findings per run: mean {sum(n_findings) / max(n_runs, 1):.2f}, "
-             f"max {max(n_findings) if n_findings else 0} (before calibration: 41-287 rows per run, median 182).", "",
+             f"max {max(n_findings) if n_findings else 0}.", "",
              f"**Injected faults with a symptom** ({args.per_kind} per kind, >= {args.min_effect:g} nat on some token): "
              f"a finding names the culprit in **{named:.0%}** (target >= 95%: {'met' if named >= 0.95 else 'missed'}).",
              "", "| fault kind | faults | a finding names the culprit | its rank among the run's findings (median) |",
