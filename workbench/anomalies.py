@@ -120,20 +120,18 @@ class Baseline:
         """p-values of ``df[value]`` per row against the profile cell of ``keys`` (``bucket`` computed by the
         caller), else against the run's own robust statistics grouped by the non-bucket keys."""
         p = np.ones(df.height)
-        basis = ["none"] * df.height
+        basis = np.full(df.height, "none", dtype=object)
         if df.height == 0:
-            return p, basis
+            return p, list(basis)
         df = df.with_row_index("_i")
         cells = self.cells(signal)
         covered = pl.DataFrame()
         if cells.height:
             j = df.join(cells.select(*keys, "quantiles"), on=keys, how="inner")
             for row_q, grp in j.group_by("quantiles", maintain_order=True):  # one vectorised call per cell
-                q = np.asarray(row_q[0])
                 idx = grp["_i"].to_numpy()
-                p[idx] = tail_p(grp[value].to_numpy(), q, upper=upper)
-                for i in idx:
-                    basis[i] = "the baseline profile"
+                p[idx] = tail_p(grp[value].to_numpy(), np.asarray(row_q[0]), upper=upper)
+            basis[j["_i"].to_numpy()] = "the baseline profile"
             covered = j.select("_i")
         rest = df if covered.height == 0 else df.join(covered, on="_i", how="anti")
         if rest.height:
@@ -148,9 +146,8 @@ class Baseline:
                 z = (v - med) / mad if upper else (med - v) / mad
                 idx = grp["_i"].to_numpy()
                 p[idx] = _norm_sf(z)
-                for i in idx:
-                    basis[i] = NO_PROFILE if not self.has_profile else "this run's own statistics (a cell the profile lacks)"
-        return p, basis
+                basis[idx] = NO_PROFILE if not self.has_profile else "this run's own statistics (a cell the profile lacks)"
+        return p, list(basis)
 
     def shares(self, layer: int, n_experts: int) -> tuple[np.ndarray, float, bool]:
         """(expected share per expert, overdispersion, from a profile?) for one MoE layer."""
@@ -386,11 +383,6 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
     return out.sort(sev, pl.col("pos"), pl.col("layer"), pl.col("head"), pl.col("expert"), nulls_last=False)
 
 
-def base_kind(store, info: dict) -> str:
-    from .baseline import load_profile
-    return "profile" if load_profile(store, info.get("checkpoint_sha256")) is not None else "within-run"
-
-
 def detect(store, run_id: str, recompute: bool = False, reference: str | None = None, **thresholds) -> pl.DataFrame:
     """Anomalies of run ``run_id``: the stored ones, or computed from its signals, stored, and returned.
 
@@ -408,17 +400,19 @@ def detect(store, run_id: str, recompute: bool = False, reference: str | None = 
         if have.height or query.detected(store, run_id):
             return have
     info = query.run_row(store, run_id)
+    prof = load_profile(store, info.get("checkpoint_sha256"))
     summary = query.model_summary(info)
     ref_att = query.attention(store, query.run_row(store, str(reference))["run_id"]) if reference is not None else None
     n_experts = summary.n_routed_experts if summary.moe_layers else 0
     df = detect_frames(query.tokens(store, run_id), query.attention(store, run_id), query.routing(store, run_id),
                        n_experts, kv=query.kv(store, run_id), reference_attention=ref_att,
-                       profile=load_profile(store, info.get("checkpoint_sha256")),
+                       profile=prof,
                        resid=query.signal(store, "resid_norm", run_id), kv_tokens=query.kv_tokens(store, run_id),
                        head_norm=query.signal(store, "head_norm", run_id),
                        **thresholds)
     df = df.with_columns(pl.lit(run_id).alias("run_id"),
                          pl.arange(0, df.height, dtype=pl.Int32).alias("anomaly_id"))
     store.replace("anomalies", run_id, df)
-    store.update_run(run_id, detection=json.dumps({**DEFAULTS, **thresholds, "profile": base_kind(store, info)}))
+    store.update_run(run_id, detection=json.dumps({**DEFAULTS, **thresholds,
+                                                   "profile": "profile" if prof is not None else "within-run"}))
     return query.anomalies(store, run_id)

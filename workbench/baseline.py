@@ -136,13 +136,27 @@ def load_profile(store: Store, sha: str | None) -> pl.DataFrame | None:
     into the store the first time a run of the demo checkpoint asks for it."""
     if not sha:
         return None
+    key = (str(store.path), sha)
+    cached = _CACHE.get(key)
+    if cached is not None and cached[0] == _profile_stamp(store, sha):
+        return cached[1]
     got = query.profile(store, sha)
     if got.height == 0 and BUNDLED.exists():
         bundled = pl.read_parquet(BUNDLED)
         if bundled.height and bundled["checkpoint_sha256"][0] == sha:
             store.replace_where("profiles", "checkpoint_sha256 = ?", [sha], bundled)
             got = query.profile(store, sha)
-    return got if got.height else None
+    out = got if got.height else None
+    _CACHE[key] = (_profile_stamp(store, sha), out)
+    return out
+
+
+_CACHE: dict[tuple[str, str], tuple] = {}  # (db, sha) -> (stamp, rows): detection runs after every recording
+
+
+def _profile_stamp(store: Store, sha: str):
+    """What changes when a model's profile is replaced (its cell count and newest created_at)."""
+    return store.execute("SELECT count(*), max(created_at) FROM profiles WHERE checkpoint_sha256 = ?", [sha])[0]
 
 
 def export_profile(store: Store, sha: str, path: str | Path) -> Path:
