@@ -274,3 +274,19 @@ def test_ig_check_flags_an_unconverged_attribution():
     bad = rank_causes(np.array([1.0, 2.0]), "ig_routing_frozen", -1.2, comps, np.array([0.5]), 2)
     msg = ig_check(bad, 8)
     assert "did not converge" in msg and "try --steps 16" in msg and "29%" in msg
+
+
+def test_suspects_put_what_a_finding_names_first():
+    from workbench.findings import SCHEMA
+    from workbench.rootcause import rank_causes, suspects
+
+    comps = [("head", 0, 0, None), ("head", 1, 2, None), ("expert", 1, None, 3), ("router", 1, None, None)]
+    causes = rank_causes(np.array([0.1]), "ig_plain", 0.0, comps, np.array([2.0, 0.5, 0.2, 0.01]), 1)
+    f = pl.DataFrame([{"rank": 1, "component": "expert", "layer": 1, "head": None, "expert": 3, "pos_start": 1,
+                       "pos_end": 1, "positions": [1], "n_rows": 1, "kinds": ["overloaded_expert"],
+                       "severity": "warning", "score": 5.0, "explanation": "layer 1 expert 3: overloaded"}],
+                     schema=SCHEMA)
+    s = suspects(causes, f)
+    assert s.select("kind", "layer", "expert").rows()[:2] == [("expert", 1, 3), ("router", 1, None)]
+    assert s["rank"].to_list() == [1, 2, 3, 4] and s["cause_rank"][2] == 1  # the rest keep their order
+    assert suspects(causes, f.clear())["kind"].to_list() == ["head", "head", "expert", "router"]

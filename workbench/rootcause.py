@@ -244,6 +244,41 @@ def reference_adapter(reference, store, info: dict, like: Adapter) -> Adapter:
     return ref
 
 
+def suspects(causes: pl.DataFrame, findings: pl.DataFrame) -> pl.DataFrame:
+    """Components ranked by all the evidence: those a finding names come first (in the findings' order),
+    then the rest by their root-cause rank.
+
+    Args:
+        causes: a ``root_cause`` ranking (its component rows are used).
+        findings: the run's findings (``Run.findings()``).
+    Returns: rank, kind, layer, head, expert, score (the component's root-cause score), cause_rank, finding
+        (the naming finding's rank, NULL if none), evidence (that finding's explanation).
+    """
+    comps = causes.filter(pl.col("kind") != "token").select("kind", "layer", "head", "expert", "score",
+                                                           pl.col("rank").alias("cause_rank"))
+    named: dict[tuple, tuple[int, str]] = {}
+    for f in findings.iter_rows(named=True):
+        if f["severity"] == "info":
+            continue
+        keys: list[tuple] = []
+        if f["component"] == "head":
+            keys = [("head", f["layer"], f["head"], None)]
+        elif f["component"] == "expert":
+            keys = [("expert", f["layer"], None, f["expert"]), ("router", f["layer"], None, None)]
+        elif f["component"] in ("shared_expert", "mlp"):
+            keys = [("shared_expert", f["layer"], None, None)]
+        elif f["component"] == "router":
+            keys = [("router", f["layer"], None, None)]
+        for k in keys:
+            named.setdefault(k, (f["rank"], f["explanation"]))
+    key = [tuple(r) for r in comps.select("kind", "layer", "head", "expert").iter_rows()]
+    comps = comps.with_columns(pl.Series("finding", [named.get(k, (None, None))[0] for k in key], pl.Int32),
+                               pl.Series("evidence", [named.get(k, (None, None))[1] for k in key], pl.Utf8))
+    comps = comps.sort(pl.col("finding").is_null(), pl.col("finding"), pl.col("cause_rank"), nulls_last=True)
+    return comps.with_columns(pl.arange(1, comps.height + 1, dtype=pl.Int32).alias("rank")).select(
+        "rank", "kind", "layer", "head", "expert", "score", "cause_rank", "finding", "evidence")
+
+
 def ig_check(df: pl.DataFrame, steps: int | None = None, tolerance: float = 0.05) -> str | None:
     """A warning when a ranking's Integrated Gradients did not converge: |delta| over ``tolerance`` of
     |f(x) - f(baseline)| (token rows sum to that gap plus delta). None when it converged (or has no IG rows)."""

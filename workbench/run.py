@@ -121,6 +121,12 @@ class Run:
             kw["save"] = kw.pop("store")
         return root_cause(self.store, self.run_id, pos, adapter=self.adapter(), reference=reference, **kw)
 
+    def suspects(self, pos: int, **kw) -> pl.DataFrame:
+        """Components ranked by the findings and the root cause of the token at ``pos`` together."""
+        from .rootcause import suspects
+        kw.setdefault("save", False)
+        return suspects(self.root_cause(pos, **kw), self.findings())
+
     def at_step(self, t: int):
         """The state of the generation after step ``t``, from the database alone."""
         from .replay import at_step
