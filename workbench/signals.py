@@ -170,13 +170,16 @@ class ResidNormProbe(Probe):
         return {"resid_post": self.on_resid}
 
     def on_resid(self, layer: int, h: torch.Tensor) -> None:
-        self.seen[layer].append(h[0].detach().float().norm(dim=-1))  # [T]
+        # decode rows wait for collect (one reduction over all layers is cheaper); a prefill block is reduced
+        # now, so nothing O(T x D) per layer is held at long context
+        self.seen[layer].append(h[0].detach() if h.size(1) == 1 else h[0].detach().float().norm(dim=-1, keepdim=True))
 
     def collect(self, s: StepInfo) -> dict:
         if not self.seen:
             return {}
         layers = sorted(self.seen)
-        norms = torch.stack([torch.cat(self.seen[i]) for i in layers])  # [L, T]
+        norms = torch.stack([torch.cat([x if x.size(-1) == 1 else x.float().norm(dim=-1, keepdim=True)
+                                        for x in self.seen[i]]) for i in layers])[..., 0]  # [L, T]
         t = norms.size(1)
         self.seen = defaultdict(list)
         return {"resid_norm": Rows(s.run_id, {
@@ -193,13 +196,14 @@ class HeadNormProbe(Probe):
         return {"head_out": self.on_heads}
 
     def on_heads(self, layer: int, z: torch.Tensor) -> None:
-        self.seen[layer].append(z[0].detach().float().norm(dim=-1))  # [T, H]
+        self.seen[layer].append(z[0].detach() if z.size(1) == 1 else z[0].detach().float().norm(dim=-1, keepdim=True))
 
     def collect(self, s: StepInfo) -> dict:
         if not self.seen:
             return {}
         layers = sorted(self.seen)
-        norms = torch.stack([torch.cat(self.seen[i]) for i in layers])  # [L, T, H]
+        norms = torch.stack([torch.cat([x if x.size(-1) == 1 else x.float().norm(dim=-1, keepdim=True)
+                                        for x in self.seen[i]]) for i in layers])[..., 0]  # [L, T, H]
         _, t, h = norms.shape
         self.seen = defaultdict(list)
         pos = np.arange(s.start_pos, s.start_pos + t, dtype=np.int32)
