@@ -1,9 +1,15 @@
 """The Gradio workbench: layout and event wiring only.
 
 Every number on screen comes from ``workbench.query`` frames, ``workbench.figures`` (plotly) or a
-``workbench.Run``; this file holds no SQL and no analysis. Token text is untrusted and only ever
-reaches the page through components that render text (HighlightedText, Dataframe with ``str``
-columns, JSON) or escaped HTML, never as markup.
+``workbench.Run``; this file holds no SQL and no analysis. Every string from the database (token
+text, prompts, statuses, errors, run ids) and every exception message is untrusted: it reaches the
+page only through components that render text (HighlightedText, Dataframe with ``str`` columns,
+JSON, Code, Dropdown labels) or through ``md_text`` (escaped HTML and Markdown) in Markdown and
+``gr.Error`` (whose message Gradio renders as HTML), never as markup.
+
+Every run list (Runs table, run picker, reference and Compare pickers) is computed when a page
+loads, on Refresh, when the Runs or Compare tab is opened and after a recording (which selects the
+new run), never when the app is built.
 
     python -m workbench.apps.app --db data/workbench.duckdb      # or: workbench ui
 """
@@ -13,11 +19,14 @@ import os
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported
 
+import contextlib
 import html
 import json
 import queue
+import re
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -34,6 +43,8 @@ BUCKETS = [("< 0.2", "#e63946", 0.2), ("0.2-0.5", "#f4a261", 0.5), ("0.5-0.8", "
 COLOR_MAP = {label: color for label, color, _ in BUCKETS} | {"no prediction": "#adb5bd"}
 RECORD_COLOR_MAP = COLOR_MAP | {"recording": "#a2d2ff"}  # streamed, not yet committed
 RUN_COLUMNS = ["run_id", "status", "created_at", "model", "prompt", "n_tokens", "n_anomalies"]
+# the Runs table fits its box: fixed shares of its width, the prompt wraps in its own column
+RUN_COLUMN_WIDTHS = ["13%", "9%", "15%", "12%", "35%", "8%", "8%"]
 DEFAULT_SQL = "SELECT run_id, status, n_tokens, prompt FROM runs ORDER BY created_at DESC"
 
 CSS = """
@@ -63,11 +74,15 @@ def _short_model(path: str | None) -> str:
     return Path(path).name if path and ("/" in path or "\\" in path) else (path or "")
 
 
+def runs_table_empty() -> pl.DataFrame:
+    return pl.DataFrame({c: [] for c in RUN_COLUMNS}, schema={c: pl.String for c in RUN_COLUMNS})
+
+
 def runs_table(store: Store) -> pl.DataFrame:
     """The Runs tab's table: selected columns of ``query.runs``, prompt shortened."""
     df = query.runs(store)
     if df.height == 0:
-        return pl.DataFrame({c: [] for c in RUN_COLUMNS}, schema={c: pl.String for c in RUN_COLUMNS})
+        return runs_table_empty()
     return df.select(
         "run_id", "status", pl.col("created_at").cast(pl.String).str.slice(0, 19),
         pl.col("model").map_elements(_short_model, return_dtype=pl.String),
@@ -81,12 +96,66 @@ def run_choices(store: Store) -> list[tuple[str, str]]:
             for r in df.iter_rows(named=True)]
 
 
+# what can turn one line of text into markup: links and images ([..](..), ![..](..)), emphasis, code,
+# strike-through, backslash escapes; < > & (HTML) are escaped as entities by html.escape
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]!~])")
+
+
+def md_text(value) -> str:
+    """``value`` as literal text inside Markdown: HTML escaped, Markdown's inline syntax
+    backslash-escaped, on one line. Everything stored (token text, prompt, status, error) or raised
+    goes through it."""
+    one_line = " ".join(str(value).splitlines())
+    return html.escape(_MD_SPECIAL.sub(r"\\\1", one_line), quote=True)
+
+
+def error_text(value) -> str:
+    """A message for ``gr.Error`` (Gradio renders it as HTML): escaped."""
+    return html.escape(str(value), quote=True)
+
+
 def _fail(where: str, e: BaseException) -> str:
     """A one-line, escaped message for a failed optional feature."""
-    import html
+    first = str(e).splitlines()[0] if str(e) else ""
     if isinstance(e, ImportError):
-        return f"⚠️ {where} is not available in this installation yet ({html.escape(str(e))})."
-    return f"⚠️ {where} failed: {html.escape(type(e).__name__)}: {html.escape(str(e).splitlines()[0] if str(e) else '')}"
+        return f"⚠️ {where} is not available in this installation yet ({md_text(e)})."
+    return f"⚠️ {where} failed: {md_text(type(e).__name__)}: {md_text(first)}"
+
+
+# -- serving: how the app shares the CPU with a recording ----------------------------------------
+
+UPDATE_S = 0.1  # the Record tab's streamed strip is refreshed at most this often
+# Read handlers run one at a time per group: the run lists and /tokens share one slot, /sql has its own.
+# Their work is mostly Python (Gradio's request handling, frame conversion) and holds the GIL; a
+# recording in this process needs the GIL between every torch op, so each extra handler running beside
+# it slows its steps (on 2 CPUs, 8 clients with 2 slots for /tokens: ~17x, with 1 slot: ~2.7x). Requests
+# beyond a slot wait in Gradio's queue.
+READ = {"concurrency_id": "read", "concurrency_limit": 1}
+SQL = {"concurrency_id": "sql", "concurrency_limit": 1}
+
+
+@contextlib.contextmanager
+def record_threads():
+    """torch's intra-op threads while the Record tab records: half the CPUs, at least one.
+
+    A parallel region waits for its slowest thread, and with one thread per core while the app (or
+    anything else) keeps the cores busy, a preempted thread stalls every op: 64 demo-model tokens took
+    22-29 s with torch's 2 threads on 2 busy CPUs, 0.9-1.1 s with 1. The recording runs in its own
+    thread; torch also makes the number the default of threads started meanwhile, and it is put back
+    afterwards. ``$WORKBENCH_RECORD_THREADS`` sets the number (0: leave torch's setting).
+    """
+    import torch
+
+    n = int(os.environ.get("WORKBENCH_RECORD_THREADS", max(1, (os.cpu_count() or 2) // 2)))
+    before = torch.get_num_threads()
+    if n <= 0 or n >= before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 # -- the app -------------------------------------------------------------------------------------
@@ -111,7 +180,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         try:
             run = Run(store, run_id)
         except query.RunNotFound as e:
-            raise gr.Error(str(e)) from None
+            raise gr.Error(error_text(e)) from None
         if model is not None and not isinstance(model, (str, Path)):
             if not model_sha:
                 from workbench.model import state_sha256
@@ -133,17 +202,21 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
 
     # -- callbacks: each returns component values; data come from query / figures / Run --------------
 
-    def refresh_runs(current: str | None):
+    def refresh_runs(current: str | None, ref: str | None = None, a: str | None = None, b: str | None = None,
+                     select: str | None = None):
+        """Every run list, read now: the Runs table, the run picker (on ``select`` if it is a run, else
+        ``current`` if it still exists, else the newest), the reference and the two Compare pickers."""
         choices = run_choices(store)
         ids = [v for _, v in choices]
-        value = current if current in ids else (ids[0] if ids else None)
-        return runs_table(store), gr.Dropdown(choices=choices, value=value)
+        keep = lambda v: v if v in ids else None  # noqa: E731
+        value = keep(select) or keep(current) or (ids[0] if ids else None)
+        return (runs_table(store), gr.Dropdown(choices=choices, value=value),
+                gr.Dropdown(choices=[("none", "")] + choices, value=keep(ref) or ""),
+                gr.Dropdown(choices=choices, value=keep(a)), gr.Dropdown(choices=choices, value=keep(b)))
 
-    def reference_choices() -> list[tuple[str, str]]:
-        return [("none", "")] + run_choices(store)
-
-    def refresh_reference(current: str | None):
-        return gr.Dropdown(choices=reference_choices(), value=current or "")
+    def after_record(rid: str | None, current: str | None, ref: str | None, a: str | None, b: str | None):
+        """Every run list after a recording: the new run is listed and becomes the picked one."""
+        return refresh_runs(current, ref, a, b, select=rid or None)
 
     def pick_from_table(evt: gr.SelectData, table: pl.DataFrame | None):
         row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
@@ -161,7 +234,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         n = t.height
         pos = min(int(run.info["n_prompt_tokens"] or 1), max(n - 1, 0))
         s = run.summary()
-        esc = lambda v: html.escape(str(v))  # noqa: E731 - stored strings reach the page as text
+        esc = md_text  # stored strings reach the page as text
         head = (f"**{esc(s['run_id'])}** · {esc(s['status'])} · {s['prompt_tokens']} prompt + {s['generated_tokens']} "
                 f"generated tokens · mean confidence "
                 f"{s['mean_confidence']:.3f}" if s["mean_confidence"] is not None else
@@ -169,6 +242,8 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         head += f"  \n{esc(s['architecture'])}"
         if run.info.get("notes"):
             head += f"  \n⚠️ {esc(run.info['notes'])}"
+        if run.info.get("error"):
+            head += f"  \n⚠️ error: {esc(run.info['error'])}"
         try:
             from workbench.replay import step_range
             last_step = step_range(store, run_id)[1]
@@ -210,7 +285,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
             return _fail("Root cause", e), None, None, None
         progress(1.0, desc="done")
         methods = ", ".join(sorted(set(ranked["method"].drop_nulls().to_list()))) if ranked.height else ""
-        return (f"Root cause of pos {pos}: {ranked.height} ranked causes ({methods}).", run.fig_attribution(pos),
+        return (f"Root cause of pos {pos}: {ranked.height} ranked causes ({md_text(methods)}).", run.fig_attribution(pos),
                 run.fig_components(pos), ranked.head(30))
 
     def attention_views(run_id: str | None, heads: list[str] | None, normalised: bool):
@@ -305,8 +380,8 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         from workbench.sqlsafe import SqlError, run_readonly
         try:
             r = run_readonly(store, text)
-        except SqlError as e:
-            return None, f"⚠️ {e}"
+        except SqlError as e:  # DuckDB's message quotes the data (a token's text, say): text only
+            return None, f"⚠️ {md_text(e)}"
         note = " (cut at the row limit)" if r.truncated else ""
         return r.frame, f"{r.frame.height} rows in {r.elapsed_ms:.0f} ms{note}"
 
@@ -318,7 +393,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
             path = get_run(run_id).report(out, "html")
         except Exception as e:
             return gr.File(visible=False), _fail("Report export", e)
-        return gr.File(value=str(path), visible=True), f"Report written: {Path(path).name}"
+        return gr.File(value=str(path), visible=True), f"Report written: {md_text(Path(path).name)}"
 
     def record_stream(prompt: str, max_new_tokens: float, temperature: float, top_p: float, seed: float,
                       checkpoint: str, progress=gr.Progress()):
@@ -327,17 +402,18 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
 
         if not prompt or not prompt.strip():
             raise gr.Error("empty prompt: type some text to record")
-        rid = uuid.uuid4().hex[:12]
+        rid = "r" + uuid.uuid4().hex[:11]  # as the recorder's ids: never all digits (Parquet/Hive read those as BIGINT)
         events: queue.Queue = queue.Queue()
         result: dict = {}
 
         def work() -> None:
             try:
-                chosen = checkpoint.strip() or default_model()
-                result["run"] = record(prompt, model=chosen, tokenizer=None if checkpoint.strip() else tokenizer,
-                                       max_new_tokens=int(max_new_tokens), temperature=float(temperature),
-                                       top_p=float(top_p), seed=int(seed), db=store, run_id=rid,
-                                       on_token=lambda pos, text: events.put((pos, text)))
+                with record_threads():
+                    chosen = checkpoint.strip() or default_model()
+                    result["run"] = record(prompt, model=chosen, tokenizer=None if checkpoint.strip() else tokenizer,
+                                           max_new_tokens=int(max_new_tokens), temperature=float(temperature),
+                                           top_p=float(top_p), seed=int(seed), db=store, run_id=rid,
+                                           on_token=lambda pos, text: events.put((pos, text)))
             except BaseException as e:  # shown to the user below
                 result["error"] = e
             finally:
@@ -351,8 +427,14 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
             done = item is None
             if not done:
                 pending.append(item)
-                while not events.empty():  # drain bursts so the page is not flooded with updates
-                    nxt = events.get()
+                # one update per UPDATE_S at most: each re-reads the run and sends the whole strip, work
+                # that would otherwise compete with the recording itself for the CPU and the GIL
+                deadline = time.monotonic() + UPDATE_S
+                while (left := deadline - time.monotonic()) > 0:
+                    try:
+                        nxt = events.get(timeout=left)
+                    except queue.Empty:
+                        break
                     if nxt is None:
                         done = True
                         break
@@ -365,31 +447,46 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
             committed = t.height if t is not None else 0
             shown += [(text, "recording") for pos, text in pending if pos >= committed]
             progress(min(len(pending) / max(total, 1), 1.0), desc=f"recording {rid}")
-            status = f"Recording **{rid}**: {len(pending)}/{total} tokens"
+            status = f"Recording **{md_text(rid)}**: {len(pending)}/{total} tokens"
             if done:
                 break
             if committed:  # wait for the prefill's rows so the strip always starts with the prompt
                 yield shown, status, rid
         if "error" in result:
             e = result["error"]
-            yield shown, _fail("Recording", e), rid if query.runs(store).filter(pl.col("run_id") == rid).height else ""
+            yield shown, _fail("Recording", e), rid if _exists(rid) else ""
             return
         live[rid] = result["run"]
         t = query.tokens(store, rid)
-        yield strip_value(t), f"Recorded **{rid}**: {t.height} tokens ({query.run_row(store, rid)['status']}).", rid
+        yield (strip_value(t), f"Recorded **{md_text(rid)}**: {t.height} tokens "
+               f"({md_text(query.run_row(store, rid)['status'])}).", rid)
+
+    def _exists(run_id: str) -> bool:
+        try:
+            query.run_row(store, run_id)
+        except query.RunNotFound:
+            return False
+        return True
 
     def read_tokens(run_id: str):
-        """API: a run's tokens (pos, text, confidence, ...) as a table."""
-        t = get_run(run_id).tokens()
-        return t.select("pos", "token_id", "text", "is_prompt", "prob", "confidence", "entropy", "rank")
+        """API: a run's tokens (pos, text, confidence, ...) as a table. Reads the store only (no ``Run``,
+        no model): the cheapest read there is, for clients that poll."""
+        if not run_id:
+            raise gr.Error("choose a run first (Runs tab or the run picker)")
+        try:
+            query.run_row(store, run_id)
+        except query.RunNotFound as e:
+            raise gr.Error(error_text(e)) from None
+        return query.tokens(store, run_id).select("pos", "token_id", "text", "is_prompt", "prob", "confidence",
+                                                  "entropy", "rank")
 
     # -- layout ------------------------------------------------------------------------------------
 
     with gr.Blocks(title="MoE workbench", analytics_enabled=False) as app:
         gr.Markdown("## MoE observability workbench\nDeepSeek-V3-style MoE runs recorded into "
-                    f"`{store.path.name}`: confidence, attention entropy, routing, KV cache, root cause.")
+                    f"{md_text(store.path.name)}: confidence, attention entropy, routing, KV cache, root cause.")
         with gr.Row():
-            run_pick = gr.Dropdown(label="Run", choices=run_choices(store), value=None, scale=4,
+            run_pick = gr.Dropdown(label="Run", choices=[], value=None, scale=4,  # choices: at page load
                                    elem_id="run-picker", allow_custom_value=True)
             refresh_btn = gr.Button("↻ Refresh", scale=0, min_width=100)
             report_btn = gr.Button("Export report", scale=0, min_width=140, elem_id="export-report")
@@ -397,9 +494,10 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         report_msg = gr.Markdown(elem_classes=["wb-message"])
 
         with gr.Tabs(selected="runs") as tabs:
-            with gr.Tab("Runs", id="runs"):
-                runs_df = gr.Dataframe(value=runs_table(store), interactive=False, type="polars", label="Recorded runs "
-                                       "(click a row to open it)", elem_id="runs-table", wrap=True)
+            with gr.Tab("Runs", id="runs") as runs_tab:
+                runs_df = gr.Dataframe(value=runs_table_empty(), interactive=False, type="polars",
+                                       label="Recorded runs (click a row to open it)", elem_id="runs-table", wrap=True,
+                                       column_widths=RUN_COLUMN_WIDTHS, datatype="str")
 
             with gr.Tab("Record", id="record"):
                 with gr.Row():
@@ -413,10 +511,10 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
                         rec_top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top-p")
                         rec_seed = gr.Number(value=0, precision=0, label="seed")
                         rec_btn = gr.Button("Record", variant="primary", elem_id="record-button")
-                rec_status = gr.Markdown(elem_classes=["wb-message"])
+                rec_status = gr.Markdown(elem_classes=["wb-message"], elem_id="record-status")
                 rec_strip = gr.HighlightedText(label="Tokens (colour: confidence)", color_map=RECORD_COLOR_MAP,
                                                show_legend=True, show_inline_category=False, elem_id="record-strip")
-                rec_id = gr.Textbox(label="Run id", interactive=False)
+                rec_id = gr.Textbox(label="Run id", interactive=False, elem_id="record-id")
 
             with gr.Tab("Run view", id="runview"):
                 run_head = gr.Markdown(elem_id="run-head")
@@ -435,7 +533,8 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
                 with gr.Row():
                     rc_steps = gr.Slider(4, 64, value=16, step=4, label="IG steps")
                     rc_ref = gr.Dropdown(label="Against a known-good run (optional: rank what differs from it)",
-                                         choices=reference_choices(), value="", allow_custom_value=True)
+                                         choices=[("none", "")], value="", allow_custom_value=True,
+                                         elem_id="reference-picker")
                     rc_btn = gr.Button("Explain this token (root cause)", elem_id="explain-button")
                 rc_msg = gr.Markdown(elem_classes=["wb-message"], elem_id="rc-msg")
                 with gr.Row():
@@ -472,10 +571,10 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
                 anom_msg = gr.Markdown(elem_classes=["wb-message"])
                 anom_df = gr.Dataframe(interactive=False, type="polars", label="Anomalies (click to jump to the token)", wrap=True)
 
-            with gr.Tab("Compare", id="compare"):
+            with gr.Tab("Compare", id="compare") as cmp_tab:
                 with gr.Row():
-                    cmp_a = gr.Dropdown(label="Run A", choices=run_choices(store))
-                    cmp_b = gr.Dropdown(label="Run B", choices=run_choices(store))
+                    cmp_a = gr.Dropdown(label="Run A", choices=[], elem_id="compare-a")
+                    cmp_b = gr.Dropdown(label="Run B", choices=[], elem_id="compare-b")
                     cmp_btn = gr.Button("Compare")
                 cmp_msg = gr.Markdown(elem_classes=["wb-message"])
                 cmp_json = gr.JSON(label="Summary")
@@ -491,9 +590,9 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
                     play = gr.Button("▶ Play", scale=0, min_width=90)
                     pause = gr.Button("⏸ Pause", scale=0, min_width=90)
                 timer = gr.Timer(0.8, active=False)
-                rep_info = gr.Markdown(elem_classes=["wb-message"])
+                rep_info = gr.Markdown(elem_classes=["wb-message"], elem_id="replay-info")
                 rep_strip = gr.HighlightedText(label="Tokens so far", color_map=COLOR_MAP, show_legend=True,
-                                               show_inline_category=False)
+                                               show_inline_category=False, elem_id="replay-strip")
                 with gr.Row():
                     rep_conf, rep_heads = gr.Plot(), gr.Plot()
                 with gr.Row():
@@ -505,22 +604,36 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
                 sql_text = gr.Code(value=DEFAULT_SQL, language="sql", label="Query", interactive=True,
                                    elem_id="sql-text")
                 sql_btn = gr.Button("Run query", elem_id="sql-run")
-                sql_msg = gr.Markdown(elem_classes=["wb-message"])
-                sql_out = gr.Dataframe(interactive=False, label="Rows", wrap=True)
+                sql_msg = gr.Markdown(elem_classes=["wb-message"], elem_id="sql-msg")
+                sql_out = gr.Dataframe(interactive=False, label="Rows", wrap=True, elem_id="sql-rows", datatype="str")
 
         # -- wiring ----------------------------------------------------------------------------------
-        (refresh_btn.click(refresh_runs, run_pick, [runs_df, run_pick], api_name=False)
-         .then(refresh_reference, rc_ref, rc_ref, api_name=False))
+        run_lists = [runs_df, run_pick, rc_ref, cmp_a, cmp_b]
+        list_inputs = [run_pick, rc_ref, cmp_a, cmp_b]
+        refresh_btn.click(refresh_runs, list_inputs, run_lists, api_name=False, **READ)
+        runs_tab.select(refresh_runs, list_inputs, run_lists, api_name=False, **READ)
+        cmp_tab.select(refresh_runs, list_inputs, run_lists, api_name=False, **READ)
+        app.load(refresh_runs, list_inputs, run_lists, api_name=False, **READ)
         runs_df.select(pick_from_table, runs_df, [run_pick, tabs], api_name=False)
         run_outputs = [strip, pos, run_head, conf_plot, summary_json, step]
         tok_outputs = [tok_info, topk_plot, heads_plot, route_plot, attr_plot, comp_plot]
-        (run_pick.change(load_run, run_pick, run_outputs, api_name=False)
-         .then(token_views, [run_pick, pos], tok_outputs, api_name=False)
-         .then(attention_views, [run_pick, heads_pick, norm_box], [head_plot, along_plot, heads_pick], api_name=False)
+        rep_outputs = [rep_strip, rep_info, rep_conf, rep_heads, rep_load, rep_kv]
+        # the Replay tab is redrawn by whatever moves it: a new run (even when its last step equals the
+        # slider's value, so the slider does not change), the user's slider, Play and the timer. Never by
+        # the slider's .change: load_run moves the slider too, and that replay of the run picked before
+        # could land after the new run's.
+        # Every step of the chain is "always_last": a step still running for the run picked before
+        # defers this run's (which then reads the picker anew) instead of dropping it, Gradio's default
+        # for a .then() ("once"), which left views on the old run when runs were picked in quick succession.
+        last = {"api_name": False, "trigger_mode": "always_last"}
+        (run_pick.change(load_run, run_pick, run_outputs, **last)
+         .then(replay, [run_pick, step], rep_outputs, **last)
+         .then(token_views, [run_pick, pos], tok_outputs, **last)
+         .then(attention_views, [run_pick, heads_pick, norm_box], [head_plot, along_plot, heads_pick], **last)
          .then(expert_views, [run_pick, exp_layer, exp_window], [load_plot, coact_plot, along_load_plot, exp_layer],
-               api_name=False)
-         .then(kv_views, [run_pick, kv_layer], [kv_plot, kv_recv_plot], api_name=False)
-         .then(lambda r: r, run_pick, cmp_a, api_name=False))
+               **last)
+         .then(kv_views, [run_pick, kv_layer], [kv_plot, kv_recv_plot], **last)
+         .then(lambda r: r, run_pick, cmp_a, **last))
         pos.change(token_views, [run_pick, pos], tok_outputs, api_name=False, trigger_mode="always_last")
         strip.select(pick_token, None, pos, api_name=False)
         rc_btn.click(explain, [run_pick, pos, rc_steps, rc_ref], [rc_msg, attr_plot, comp_plot, rc_table], api_name="explain")
@@ -536,23 +649,21 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         anom_tab.select(anomaly_table, run_pick, [anom_df, anom_msg], api_name=False)
         anom_df.select(pick_anomaly, anom_df, [pos, tabs], api_name=False)
         cmp_btn.click(compare, [cmp_a, cmp_b], [cmp_json, cmp_msg, cmp_f1, cmp_f2, cmp_f3, cmp_f4], api_name=False)
-        step.change(replay, [run_pick, step], [rep_strip, rep_info, rep_conf, rep_heads, rep_load, rep_kv],
-                    api_name=False, trigger_mode="always_last")
-        play.click(replay_play, [run_pick, step], [step, timer], api_name=False)
+        step.input(replay, [run_pick, step], rep_outputs, api_name=False, trigger_mode="always_last")
+        (play.click(replay_play, [run_pick, step], [step, timer], api_name=False)
+         .then(replay, [run_pick, step], rep_outputs, api_name=False))
         pause.click(lambda: gr.Timer(active=False), None, timer, api_name=False)
-        timer.tick(lambda r, s: replay_tick(r, s, _last_step(r)), [run_pick, step], [step, timer], api_name=False)
-        sql_btn.click(sql, sql_text, [sql_out, sql_msg], api_name="sql")
+        (timer.tick(lambda r, s: replay_tick(r, s, _last_step(r)), [run_pick, step], [step, timer], api_name=False)
+         .then(replay, [run_pick, step], rep_outputs, api_name=False))
+        sql_btn.click(sql, sql_text, [sql_out, sql_msg], api_name="sql", **SQL)
         report_btn.click(export_report, run_pick, [report_file, report_msg], api_name=False)
         (rec_btn.click(record_stream, [rec_prompt, rec_max, rec_temp, rec_top_p, rec_seed, rec_ckpt],
                        [rec_strip, rec_status, rec_id], api_name="record")
-         .then(refresh_runs, run_pick, [runs_df, run_pick], api_name=False)
-         .then(refresh_reference, rc_ref, rc_ref, api_name=False))
+         .then(after_record, [rec_id] + list_inputs, run_lists, api_name=False))
         # API only: read a run back (gradio_client)
         api_run = gr.Textbox(visible=False)
         api_tokens = gr.Dataframe(visible=False)
-        api_run.submit(read_tokens, api_run, api_tokens, api_name="tokens")
-        app.load(refresh_runs, run_pick, [runs_df, run_pick], api_name=False).then(
-            refresh_reference, rc_ref, rc_ref, api_name=False)
+        api_run.submit(read_tokens, api_run, api_tokens, api_name="tokens", **READ)
 
     return app
 

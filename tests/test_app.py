@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import time
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -44,6 +45,8 @@ def test_client_records_a_run_and_reads_it_back(served):
     strip, status, run_id = job.result(timeout=120)
     slow.remove()
     assert run_id and "Recorded" in status
+    # the recorder's id scheme: never all digits (a Parquet export would read such an id back as a number)
+    assert re.fullmatch(r"r[0-9a-f]{11}", run_id), run_id
     # tokens streamed in while recording: several updates, each strip a prefix of the next
     updates = [o[0] for o in job.outputs()]
     assert len(updates) >= 2
@@ -85,6 +88,25 @@ def test_empty_prompt_is_a_clear_error(served):
 
     with pytest.raises(AppError, match="empty prompt"):
         Client(served[0], verbose=False).predict("   ", 4, 0.0, 1.0, 0, "", api_name="/record")
+
+
+def test_tokens_of_an_unknown_run_is_a_clear_escaped_error(served):
+    from gradio_client import Client
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError, match="no run &#x27;&lt;b&gt;x&lt;/b&gt;&#x27;"):  # Gradio renders it as HTML
+        Client(served[0], verbose=False).predict("<b>x</b>", api_name="/tokens")
+
+
+def test_md_text_leaves_no_markup():
+    from workbench.apps.app import md_text
+
+    assert md_text("<img src=x onerror=alert(1)>") == "&lt;img src=x onerror=alert(1)&gt;"
+    assert md_text('"><svg onload=alert(1)>') == "&quot;&gt;&lt;svg onload=alert(1)&gt;"
+    # Markdown images and links, emphasis, code and line breaks are literal text too
+    assert md_text("![t](http://x/a.png) [l](javascript:alert(1)) *b* `c`\n# h") == \
+        "\\!\\[t\\](http://x/a.png) \\[l\\](javascript:alert(1)) \\*b\\* \\`c\\` # h"
+    assert md_text("no-such-checkpoint 0.5") == "no-such-checkpoint 0.5"
 
 
 def test_strip_buckets():

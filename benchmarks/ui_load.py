@@ -1,0 +1,325 @@
+"""The UI under load: does a recording slow down while 8 clients read, and how fast do they get answers?
+
+    python benchmarks/ui_load.py [--new-tokens 64] [--clients 8] [--model demo|tiny] [--write]
+
+The app is started in this process (``build_app(store, model)`` + ``app.queue()``, as the tests do) on
+a free port of 127.0.0.1. One recording of ``--new-tokens`` tokens with the bundled demo model (loaded
+once and given to both the app and ``workbench.record``; ``--model tiny``: a tiny random one) is timed
+alone, then again while ``--clients`` clients hammer read endpoints: each client, in a closed loop (no
+pause between requests), calls ``/tokens`` (a recorded run's tokens) and ``/sql`` (``SELECT count(*)
+...``) in turns (``--endpoints``) over Gradio's plain HTTP API (POST ``/gradio_api/call/<name>``, then
+read its event stream). The clients live in another process, as browsers would, so their own Python
+work does not take this process's GIL. ``--reps`` pairs of alone / under load alternate, so that a
+shared machine's drifts hit both alike; medians are reported, and the slowdown of each pair.
+
+The recording is timed two ways, alone and under load:
+
+* ``ui``: through the app's Record endpoint (``/record``, the Record tab's button), from the POST to
+  the last streamed update;
+* ``direct``: ``workbench.record(...)`` called in this process beside the serving app (a notebook
+  user recording while the UI is open).
+
+Reported: wall time of each recording, the median decode step (``steps.wall_ms``), the slowdown
+ratio under load / alone, and the clients' p50 / p95 latency per endpoint (requests that started
+while a recording ran). With ``--write`` the table goes into benchmarks/RESULTS.md under
+"## UI under load" (that section only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from datetime import date
+from pathlib import Path
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+SQL = "SELECT count(*) AS n FROM tokens"
+SECTION = "## UI under load"
+
+
+# -- HTTP client (also used by the client process) ------------------------------------------------
+
+def call(client, base: str, name: str, data: list, timeout: float = 300.0) -> list:
+    """One call of a named Gradio endpoint over plain HTTP; the last data it sent (raises on error)."""
+    r = client.post(f"{base}gradio_api/call/{name}", json={"data": data}, timeout=timeout)
+    r.raise_for_status()
+    event_id = r.json()["event_id"]
+    last, event = None, None
+    with client.stream("GET", f"{base}gradio_api/call/{name}/{event_id}", timeout=timeout) as s:
+        for line in s.iter_lines():
+            if line.startswith("event:"):
+                event = line.split(":", 1)[1].strip()
+            elif line.startswith("data:"):
+                payload = line.split(":", 1)[1].strip()
+                if event == "error":
+                    raise RuntimeError(f"{name} failed: {payload}")
+                if event in ("generating", "complete"):
+                    last = json.loads(payload)
+                if event == "complete":
+                    return last
+    raise RuntimeError(f"{name}: stream ended without a result")
+
+
+def _calls(run_id: str, endpoints: list[str]) -> list[tuple[str, list]]:
+    data = {"tokens": [run_id], "sql": [SQL]}
+    return [(e, data[e]) for e in endpoints]
+
+
+def _client_loop(base: str, run_id: str, endpoints: list[str], go, stop, out: list, lock: threading.Lock,
+                 k: int) -> None:
+    import httpx
+
+    calls = _calls(run_id, endpoints)
+    with httpx.Client() as c:
+        i = k
+        while not stop.is_set():
+            if not go.wait(0.2):
+                continue
+            name, data = calls[i % len(calls)]
+            i += 1
+            t0 = time.time()
+            ok = True
+            try:
+                call(c, base, name, data, timeout=60)
+            except Exception:  # noqa: BLE001 - counted, not fatal
+                ok = False
+            with lock:
+                out.append((name, t0, time.time() - t0, ok))
+
+
+def client_process(base: str, run_id: str, endpoints: list[str], n: int, go, stop, ready, results) -> None:
+    """``n`` closed-loop clients in threads of this (separate) process, calling while ``go`` is set;
+    results: (endpoint, start, seconds, ok) per request."""
+    import httpx  # noqa: F401 - imported before saying ready
+
+    out: list = []
+    lock = threading.Lock()
+    threads = [threading.Thread(target=_client_loop, args=(base, run_id, endpoints, go, stop, out, lock, k),
+                                daemon=True)
+               for k in range(n)]
+    for t in threads:
+        t.start()
+    ready.set()
+    for t in threads:
+        t.join()
+    results.put(out)
+
+
+# -- the measurement ---------------------------------------------------------------------------------
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def machine() -> str:
+    import torch
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        load = "load average %.1f at start" % os.getloadavg()[0]
+    except OSError:
+        load = ""
+    return (f"{os.cpu_count()} CPUs ({cpu}), {load}, Python {platform.python_version()}, "
+            f"torch {torch.__version__} ({torch.get_num_threads()} intra-op threads by default)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--model", choices=["demo", "tiny"], default="demo")
+    ap.add_argument("--warmup", type=float, default=2.0, help="seconds of load before each loaded recording")
+    ap.add_argument("--reps", type=int, default=3, help="alone / under load pairs (medians are reported)")
+    ap.add_argument("--endpoints", default="tokens,sql", help="what the clients call, in turns (tokens, sql)")
+    ap.add_argument("--label", default="", help="what this measurement is (goes into the table)")
+    ap.add_argument("--write", action="store_true", help="append the result to RESULTS.md's '## UI under load'")
+    ap.add_argument("--json", default=None, help="also write the numbers to this JSON file")
+    ap.add_argument("--app", default=None, help="take build_app from this file (e.g. an older apps/app.py)")
+    args = ap.parse_args(argv)
+
+    import httpx
+    import workbench
+    from workbench import query
+    from helpers import free_port
+
+    if args.app:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("workbench.apps.app", args.app)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["workbench.apps.app"] = mod
+        spec.loader.exec_module(mod)
+    from workbench.apps.app import build_app
+
+    endpoints = [e.strip() for e in args.endpoints.split(",") if e.strip()]
+    if not endpoints or set(endpoints) - {"tokens", "sql"}:
+        ap.error("--endpoints: a comma-separated list of tokens, sql")
+    started = time.time()
+    env = machine()
+    if args.model == "tiny":
+        from helpers import tiny_model
+        from workbench.model import load_tokenizer
+        model, tok, what = tiny_model(vocab_size=4096), load_tokenizer(), "tiny random model"
+    else:  # loaded once: both paths then time the recording, not the checkpoint's loading
+        from workbench.model import load_checkpoint, load_tokenizer
+        model, tok, what = load_checkpoint(), load_tokenizer(), "bundled demo model"
+    db = Path(tempfile.mkdtemp(prefix="ui-load-")) / "wb.duckdb"
+    seed = workbench.record(PROMPT, model=model, tokenizer=tok, max_new_tokens=args.new_tokens, db=db)
+    store = seed.store
+    app = build_app(store, model=model, tokenizer=tok)
+    port = free_port()
+    app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    base = f"http://127.0.0.1:{port}/"
+    http = httpx.Client()
+
+    def record_ui() -> tuple[float, str]:
+        t0 = time.perf_counter()
+        out = call(http, base, "record", [PROMPT, args.new_tokens, 0.0, 1.0, 0, ""])
+        return time.perf_counter() - t0, out[2]
+
+    def record_direct() -> tuple[float, str]:
+        t0 = time.perf_counter()
+        r = workbench.record(PROMPT, model=model, tokenizer=tok, max_new_tokens=args.new_tokens, db=store)
+        return time.perf_counter() - t0, r.run_id
+
+    def step_ms(rid: str) -> float:
+        s = query.steps(store, rid)
+        return statistics.median(s.filter(s["step"] > 0)["wall_ms"].to_list())
+
+    # warm both paths (the Record tab loads its model once)
+    record_ui()
+    record_direct()
+    # UI latency with one client, nothing else running
+    lat1: dict[str, list[float]] = {"tokens": [], "sql": []}
+    for i in range(20):
+        name, data = _calls(seed.run_id, ["tokens", "sql"])[i % 2]
+        t0 = time.perf_counter()
+        call(http, base, name, data)
+        lat1[name].append(time.perf_counter() - t0)
+
+    ctx = mp.get_context("spawn")
+    go, stop, ready, results = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
+    proc = ctx.Process(target=client_process, args=(base, seed.run_id, endpoints, args.clients, go, stop, ready,
+                                                    results), daemon=True)
+    proc.start()
+    if not ready.wait(120):
+        raise RuntimeError("the client process did not start")
+    # alone and under load in turns, so that a shared machine's drifts hit both alike
+    runs: list[dict] = []
+    windows: list[tuple[float, float]] = []
+    for _ in range(args.reps):
+        one: dict = {}
+        for how, fn in (("ui", record_ui), ("direct", record_direct)):
+            s, rid = fn()
+            one[how] = {"alone": (s, step_ms(rid))}
+        go.set()
+        time.sleep(args.warmup)
+        for how, fn in (("ui", record_ui), ("direct", record_direct)):
+            t0 = time.time()
+            s, rid = fn()
+            windows.append((t0, time.time()))
+            one[how]["loaded"] = (s, step_ms(rid))
+        go.clear()
+        time.sleep(1.0)  # the clients' requests in flight finish
+        runs.append(one)
+    stop.set()
+    samples = results.get(timeout=120)
+    proc.join(timeout=30)
+    app.close()
+
+    during = [x for x in samples if any(a <= x[1] <= b for a, b in windows)]
+    lat = {name: [x[2] for x in during if x[0] == name and x[3]] for name in ("tokens", "sql")}
+    failed = sum(1 for x in during if not x[3])
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    paths = {}
+    for how in ("ui", "direct"):
+        paths[how] = {
+            "alone": (med([r[how]["alone"][0] for r in runs]), med([r[how]["alone"][1] for r in runs])),
+            "loaded": (med([r[how]["loaded"][0] for r in runs]), med([r[how]["loaded"][1] for r in runs])),
+            "ratio": med([r[how]["loaded"][0] / r[how]["alone"][0] for r in runs]),
+            "ratios": [round(r[how]["loaded"][0] / r[how]["alone"][0], 2) for r in runs],
+        }
+    res = {
+        "date": date.today().isoformat(), "machine": env, "model": what, "new_tokens": args.new_tokens,
+        "clients": args.clients, "endpoints": endpoints, "label": args.label, "reps": args.reps, "paths": paths,
+        "runs": runs,
+        "latency_one_client": {n: (pct(v, 0.5), pct(v, 0.95)) for n, v in lat1.items()},
+        "latency": {n: (pct(v, 0.5), pct(v, 0.95), len(v)) for n, v in lat.items()},
+        "failed": failed, "elapsed_s": time.time() - started,
+    }
+    print(json.dumps(res, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    if args.write:
+        write(res)
+    return 0
+
+
+def rows(res: dict) -> str:
+    """One table row per recording path."""
+    def lat(name: str) -> str:
+        p50, p95, n = res["latency"][name]
+        return f"{p50 * 1e3:.0f} / {p95 * 1e3:.0f} ms ({n})" if n else "-"
+
+    out = []
+    for how in ("ui", "direct"):
+        p = res["paths"][how]
+        a, lo = p["alone"], p["loaded"]
+        out.append(f"| {res['date']} | {res['label'] or '-'} | {res['clients']} x {'+'.join(res['endpoints'])} | "
+                   f"{how} | {a[0]:.2f} s ({a[1]:.1f} ms/step) | {lo[0]:.2f} s ({lo[1]:.1f} ms/step) | "
+                   f"**{p['ratio']:.2f}x** ({', '.join(f'{r:.2f}' for r in p['ratios'])}) | "
+                   f"{lat('tokens')} | {lat('sql')} |")
+    return "\n".join(out)
+
+
+HEADER = ("| date | build | clients | recording via | alone | with the clients | slowdown (per rep) | "
+          "`/tokens` p50 / p95 (n) | `/sql` p50 / p95 (n) |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def write(res: dict) -> None:
+    """Add this measurement's rows to the "## UI under load" section (created at the end if absent)."""
+    path = ROOT / "benchmarks" / "RESULTS.md"
+    text = path.read_text()
+    one = res["latency_one_client"]
+    note = (f"- {res['date']}, {res['label'] or 'this build'}: {res['machine']}; {res['model']}, "
+            f"{res['new_tokens']} new tokens, {res['clients']} clients; one client alone: `/tokens` p50 "
+            f"{one['tokens'][0] * 1e3:.0f} ms, `/sql` p50 {one['sql'][0] * 1e3:.0f} ms; failed requests: {res['failed']}.")
+    if SECTION not in text:
+        intro = (f"\n{SECTION}\n\n`benchmarks/ui_load.py`: {__doc__.split(chr(10) + chr(10), 2)[1].strip()}\n\n"
+                 "Target: with 8 clients, the recording slows by at most 2x and the UI's p95 stays under 500 ms.\n\n"
+                 f"{HEADER}\n{rows(res)}\n\n{note}\n")
+        path.write_text(text.rstrip("\n") + "\n" + intro)
+        return
+    head, rest = text.split(SECTION, 1)
+    nxt = rest.find("\n## ")
+    body, tail = (rest, "") if nxt < 0 else (rest[:nxt], rest[nxt:])
+    lines = body.rstrip("\n").split("\n")
+    last_row = max(i for i, ln in enumerate(lines) if ln.startswith("| "))
+    lines.insert(last_row + 1, rows(res))
+    body = "\n".join(lines) + "\n" + note + "\n"
+    path.write_text(head + SECTION + body + tail)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
