@@ -34,6 +34,7 @@ import gradio as gr
 import polars as pl
 
 from workbench import query
+from workbench.anomalies import select as select_anomalies
 from workbench.run import Run
 from workbench.store import Store
 
@@ -314,21 +315,34 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         run = get_run(run_id)
         return run.fig_kv_bytes(), run.fig_kv_received(None if layer in (None, "", "all") else int(layer))
 
-    def anomaly_table(run_id: str | None, recompute: bool = False):
+    def anomaly_table(run_id: str | None, recompute: bool = False, severity: str = "warning",
+                      kinds: list[str] | None = None, layers: str = ""):
+        """The findings (the diagnosis) and the anomaly rows under the filters."""
         if not run_id:
-            return None, "Choose a run."
+            return None, None, "Choose a run.", gr.Dropdown()
         try:
-            df = get_run(run_id).anomalies(recompute=recompute)
+            run = get_run(run_id)
+            df = run.anomalies(recompute=recompute)
+            found = run.findings()
+            wanted = [int(x) for x in str(layers or "").replace(",", " ").split()]
+            rows = select_anomalies(df, kinds or None, None if severity in (None, "", "all") else severity, wanted)
+        except ValueError as e:
+            return None, None, _fail("Filter", e), gr.Dropdown()
         except Exception as e:
-            return None, _fail("Anomaly detection", e)
-        shown = df.with_columns(pl.col(pl.Float64).round(4))  # display only; the store keeps full precision
-        return shown, f"{df.height} anomalies (click a row to jump to its token)."
+            return None, None, _fail("Anomaly detection", e), gr.Dropdown()
+        shown = rows.with_columns(pl.col(pl.Float64).round(4))  # display only; the store keeps full precision
+        fshown = found.select("rank", "severity", "explanation", "component", "layer", "head", "expert",
+                              "pos_start", "pos_end", pl.col("score").round(2))
+        msg = (f"{found.height} finding{'s' if found.height != 1 else ''}; {rows.height} of {df.height} anomaly rows "
+               "shown (click a row to jump to its token).")
+        return fshown, shown, msg, gr.Dropdown(choices=sorted(set(df["kind"].to_list())), value=kinds or [])
 
     def pick_anomaly(evt: gr.SelectData, df: pl.DataFrame | None):
         row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
-        if df is None or "pos" not in df.columns or row >= df.height or df["pos"][row] is None:
+        col = "pos" if df is not None and "pos" in df.columns else "pos_start"
+        if df is None or col not in df.columns or row >= df.height or df[col][row] is None:
             return gr.Number(), gr.Tabs()
-        return gr.Number(value=int(df["pos"][row])), gr.Tabs(selected="runview")
+        return gr.Number(value=int(df[col][row])), gr.Tabs(selected="runview")
 
     def compare(a: str | None, b: str | None):
         if not a or not b:
@@ -568,7 +582,14 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
                 with gr.Row():
                     anom_btn = gr.Button("Detect / refresh")
                     anom_re = gr.Checkbox(label="recompute", value=False)
-                anom_msg = gr.Markdown(elem_classes=["wb-message"])
+                with gr.Row():
+                    anom_sev = gr.Dropdown(label="severity at least", choices=["all", "warning", "critical"],
+                                           value="warning", elem_id="anom-severity")
+                    anom_kinds = gr.Dropdown(label="kinds", choices=[], multiselect=True, elem_id="anom-kinds")
+                    anom_layers = gr.Textbox(label="layers (e.g. 2 3; empty: all)", value="", elem_id="anom-layers")
+                anom_msg = gr.Markdown(elem_classes=["wb-message"], elem_id="anom-msg")
+                find_df = gr.Dataframe(interactive=False, type="polars", elem_id="findings-table", wrap=True,
+                                       label="Findings: the diagnosis, one per component or token span")
                 anom_df = gr.Dataframe(interactive=False, type="polars", label="Anomalies (click to jump to the token)", wrap=True)
 
             with gr.Tab("Compare", id="compare") as cmp_tab:
@@ -645,9 +666,14 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
             c.input(expert_views, [run_pick, exp_layer, exp_window], [load_plot, coact_plot, along_load_plot, exp_layer],
                     api_name=False)
         kv_layer.submit(kv_views, [run_pick, kv_layer], [kv_plot, kv_recv_plot], api_name=False)
-        anom_btn.click(anomaly_table, [run_pick, anom_re], [anom_df, anom_msg], api_name=False)
-        anom_tab.select(anomaly_table, run_pick, [anom_df, anom_msg], api_name=False)
+        anom_in = [run_pick, anom_re, anom_sev, anom_kinds, anom_layers]
+        anom_out = [find_df, anom_df, anom_msg, anom_kinds]
+        anom_btn.click(anomaly_table, anom_in, anom_out, api_name=False)
+        anom_tab.select(anomaly_table, anom_in, anom_out, api_name=False)
+        for f in (anom_sev.input, anom_kinds.input, anom_layers.submit):  # user edits only: no loop
+            f(anomaly_table, anom_in, anom_out, api_name=False)
         anom_df.select(pick_anomaly, anom_df, [pos, tabs], api_name=False)
+        find_df.select(pick_anomaly, find_df, [pos, tabs], api_name=False)
         cmp_btn.click(compare, [cmp_a, cmp_b], [cmp_json, cmp_msg, cmp_f1, cmp_f2, cmp_f3, cmp_f4], api_name=False)
         step.input(replay, [run_pick, step], rep_outputs, api_name=False, trigger_mode="always_last")
         (play.click(replay_play, [run_pick, step], [step, timer], api_name=False)

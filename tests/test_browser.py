@@ -196,3 +196,20 @@ def test_a_transformers_mixtral_run_is_shown_completely(mixtral_server, page):
     load = page.evaluate("() => document.querySelector('#load-plot .js-plotly-plot').data[0].z")
     assert len(load) == len(ms.moe_layers) and all(len(r) == ms.n_routed_experts for r in load)
     assert _toasts(page) == 0
+
+
+def test_anomalies_tab_leads_with_findings_and_filters(mixtral_server, page):
+    url, run = mixtral_server
+    _open_run(page, url, run.run_id, run.info["n_prompt_tokens"])
+    page.get_by_role("tab", name="Anomalies").click()
+    page.wait_for_function("() => (document.querySelector('#anom-msg')?.innerText || '').includes('finding')",
+                           timeout=30_000)
+    total = run.anomalies().height
+    assert f"of {total} anomaly rows" in page.locator("#anom-msg").inner_text()
+    assert page.locator("#findings-table").count() == 1
+    # widen the severity filter: every row shows
+    page.locator("#anom-severity input").click()
+    page.get_by_role("option", name="all").click()
+    page.wait_for_function(f"(t) => (document.querySelector('#anom-msg')?.innerText || '').includes(t + ' of ' + t)",
+                           arg=str(total), timeout=30_000)
+    assert _toasts(page) == 0

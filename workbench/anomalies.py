@@ -74,6 +74,24 @@ WORDS = {
 }
 
 
+SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+
+
+def select(df: pl.DataFrame, kinds: list[str] | None = None, severity: str | None = None,
+           layers: list[int] | None = None) -> pl.DataFrame:
+    """Anomaly rows filtered by kind, by at least a severity, and by layer (the CLI's and the UI's filters)."""
+    if kinds:
+        df = df.filter(pl.col("kind").is_in(kinds))
+    if severity:
+        if severity not in SEVERITY_ORDER:
+            raise ValueError(f"severity must be one of {list(SEVERITY_ORDER)}, got {severity!r}")
+        df = df.filter(pl.col("severity").replace_strict(SEVERITY_ORDER, return_dtype=pl.Int32)
+                       <= SEVERITY_ORDER[severity])
+    if layers:
+        df = df.filter(pl.col("layer").is_in(layers))
+    return df
+
+
 def _rows(rows: list[dict]) -> pl.DataFrame:
     """A frame in the detectors' output schema (missing columns are null)."""
     return pl.DataFrame({c: [r.get(c) for r in rows] for c in SCHEMA}, schema=SCHEMA)

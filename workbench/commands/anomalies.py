@@ -4,27 +4,18 @@ from __future__ import annotations
 import json
 import math
 
-SEVERITY = {"info": 2, "warning": 1, "critical": 0}
-
-
 def _num(v):
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
 def main(args) -> int:
-    import polars as pl
-
+    from workbench.anomalies import select
     from workbench.run import Workbench
 
     run = Workbench(args.db).run(args.run_id)
     df = run.anomalies(recompute=args.recompute)
     total = df.height
-    if args.kind:
-        df = df.filter(pl.col("kind").is_in(args.kind))
-    if args.severity:
-        df = df.filter(pl.col("severity").replace_strict(SEVERITY, return_dtype=pl.Int32) <= SEVERITY[args.severity])
-    if args.layer:
-        df = df.filter(pl.col("layer").is_in(args.layer))
+    df = select(df, args.kind, args.severity, args.layer)
     if args.json:
         rows = [{k: _num(v) for k, v in r.items()} for r in df.iter_rows(named=True)]
         print(json.dumps({"run_id": run.run_id, "total": total, "anomalies": rows}))
