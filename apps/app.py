@@ -286,7 +286,10 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
             return _fail("Root cause", e), None, None, None
         progress(1.0, desc="done")
         methods = ", ".join(sorted(set(ranked["method"].drop_nulls().to_list()))) if ranked.height else ""
-        return (f"Root cause of pos {pos}: {ranked.height} ranked causes ({md_text(methods)}).", run.fig_attribution(pos),
+        from workbench.rootcause import ig_check
+        warn = ig_check(ranked, int(steps))
+        return (f"Root cause of pos {pos}: {ranked.height} ranked causes ({md_text(methods)})."
+                + (f"  \n⚠️ {md_text(warn)}" if warn else ""), run.fig_attribution(pos),
                 run.fig_components(pos), ranked.head(30))
 
     def attention_views(run_id: str | None, heads: list[str] | None, normalised: bool):
