@@ -197,7 +197,7 @@ def profile(prompts, *, model=None, db=None, max_new_tokens: int = 32, tokenizer
         prompts: a prompt-set path (workbench.prompts: JSONL, folder of .txt, or .txt) or a list of strings.
     """
     from .prompts import load_prompts
-    from .run import record  # the facade records; this module only reads runs afterwards
+    from .recorder import record_run
 
     items = load_prompts(prompts) if isinstance(prompts, (str, Path)) else [{"prompt": p, "id": str(i)}
                                                                            for i, p in enumerate(prompts)]
@@ -208,13 +208,11 @@ def profile(prompts, *, model=None, db=None, max_new_tokens: int = 32, tokenizer
         from tqdm import tqdm
         bar = tqdm(total=len(items), desc="profile", unit="prompt")
     for it in items:
-        run = record(it["prompt"], model=adapter, tokenizer=tokenizer, db=store, detect=False, seed=int(it.get("seed", seed)),
-                     max_new_tokens=int(it.get("max_new_tokens", max_new_tokens)),
-                     temperature=float(it.get("temperature", 0.0)))
-        adapter = run.adapter()  # loaded once, reused for every prompt
-        tokenizer = run.tokenizer()
-        sha = run.info["checkpoint_sha256"]
-        run_ids.append(run.run_id)
+        rid, _, adapter, tokenizer = record_run(  # the model is loaded once, then reused for every prompt
+            it["prompt"], model=adapter, tokenizer=tokenizer, db=store, seed=int(it.get("seed", seed)),
+            max_new_tokens=int(it.get("max_new_tokens", max_new_tokens)), temperature=float(it.get("temperature", 0.0)))
+        sha = query.run_row(store, rid)["checkpoint_sha256"]
+        run_ids.append(rid)
         if bar:
             bar.update(1)
     if bar:
