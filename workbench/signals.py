@@ -161,51 +161,53 @@ class RoutingProbe(Probe):
             "margin": np.repeat(rec["margin"], k)})}
 
 
-class ResidNormProbe(Probe):
+class _NormProbe(Probe):
+    """L2 norms over the last dim of what one seam hands over, per layer: decode rows wait for ``collect``
+    (one reduction over all layers is cheaper); a prefill block is reduced at once, so nothing O(T x D) per
+    layer is held at long context."""
+
+    seam = ""
+
     def __init__(self, adapter: Adapter, run_id: str):
         super().__init__(adapter, run_id)
         self.seen: dict[int, list[torch.Tensor]] = defaultdict(list)
 
     def listeners(self) -> dict:
-        return {"resid_post": self.on_resid}
+        return {self.seam: self.on_value}
 
-    def on_resid(self, layer: int, h: torch.Tensor) -> None:
-        # decode rows wait for collect (one reduction over all layers is cheaper); a prefill block is reduced
-        # now, so nothing O(T x D) per layer is held at long context
-        self.seen[layer].append(h[0].detach() if h.size(1) == 1 else h[0].detach().float().norm(dim=-1, keepdim=True))
+    def on_value(self, layer: int, x: torch.Tensor) -> None:
+        self.seen[layer].append(x[0].detach() if x.size(1) == 1 else x[0].detach().float().norm(dim=-1, keepdim=True))
+
+    def norms(self) -> tuple[list[int], torch.Tensor]:
+        """(layers, norms [L, T, ...]) of this step, and the buffer emptied."""
+        layers = sorted(self.seen)
+        norms = torch.stack([torch.cat([x if x.size(-1) == 1 else x.float().norm(dim=-1, keepdim=True)
+                                        for x in self.seen[i]]) for i in layers])[..., 0]
+        self.seen = defaultdict(list)
+        return layers, norms
+
+
+class ResidNormProbe(_NormProbe):
+    seam = "resid_post"
 
     def collect(self, s: StepInfo) -> dict:
         if not self.seen:
             return {}
-        layers = sorted(self.seen)
-        norms = torch.stack([torch.cat([x if x.size(-1) == 1 else x.float().norm(dim=-1, keepdim=True)
-                                        for x in self.seen[i]]) for i in layers])[..., 0]  # [L, T]
+        layers, norms = self.norms()  # [L, T]
         t = norms.size(1)
-        self.seen = defaultdict(list)
         return {"resid_norm": Rows(s.run_id, {
             "pos": np.tile(np.arange(s.start_pos, s.start_pos + t, dtype=np.int32), len(layers)),
             "layer": np.repeat(np.array(layers, np.int32), t), "norm": norms.cpu().numpy().ravel().astype(np.float64)})}
 
 
-class HeadNormProbe(Probe):
-    def __init__(self, adapter: Adapter, run_id: str):
-        super().__init__(adapter, run_id)
-        self.seen: dict[int, list[torch.Tensor]] = defaultdict(list)
-
-    def listeners(self) -> dict:
-        return {"head_out": self.on_heads}
-
-    def on_heads(self, layer: int, z: torch.Tensor) -> None:
-        self.seen[layer].append(z[0].detach() if z.size(1) == 1 else z[0].detach().float().norm(dim=-1, keepdim=True))
+class HeadNormProbe(_NormProbe):
+    seam = "head_out"
 
     def collect(self, s: StepInfo) -> dict:
         if not self.seen:
             return {}
-        layers = sorted(self.seen)
-        norms = torch.stack([torch.cat([x if x.size(-1) == 1 else x.float().norm(dim=-1, keepdim=True)
-                                        for x in self.seen[i]]) for i in layers])[..., 0]  # [L, T, H]
+        layers, norms = self.norms()  # [L, T, H]
         _, t, h = norms.shape
-        self.seen = defaultdict(list)
         pos = np.arange(s.start_pos, s.start_pos + t, dtype=np.int32)
         return {"head_norm": Rows(s.run_id, {
             "pos": np.tile(np.repeat(pos, h), len(layers)), "layer": np.repeat(np.array(layers, np.int32), t * h),
