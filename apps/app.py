@@ -110,6 +110,46 @@ def md_text(value) -> str:
     return html.escape(_MD_SPECIAL.sub(r"\\\1", one_line), quote=True)
 
 
+KV_POLICY_CHOICES = ["full", "window:sink=4,recent=64", "window:sink=4,recent=16", "heavy_hitters:budget=32",
+                     "entropy", "confidence:threshold=0.85", "confidence:shallow=0.80,deep=0.92", "topk_int8:k=512",
+                     "topk_int8:k=16", "quant_tree", "recompute:delta=0.012,window=3"]
+KV_POLICY_DEFAULT = ["full", "window:sink=4,recent=16", "heavy_hitters:budget=32", "topk_int8:k=16", "quant_tree"]
+
+
+def _kv_shown(df: pl.DataFrame | None) -> pl.DataFrame | None:
+    """A KV what-if frame for display: memory kept as a share, numbers rounded (the store keeps them whole)."""
+    if df is None or df.height == 0:
+        return None
+    return df.select(pl.col("policy").cast(pl.String),
+                     (pl.col("bytes_kept") / pl.col("bytes_full").clip(1)).round(4).alias("memory_kept"),
+                     "bytes_kept", "bytes_full", pl.col("delta_nll").round(5), pl.col("top1_agreement").round(4),
+                     "first_divergence", "events")
+
+
+CODE_COLOR_MAP = {"keyword": "#c77dff", "name": "#a2d2ff", "number": "#ffb703", "string": "#95d5b2",
+                  "operator": "#dee2e6", "comment": "#adb5bd", "newline": "#f8f9fa", "indent": "#f8f9fa",
+                  "whitespace": "#f8f9fa", "error": "#e63946", "syntax error here": "#e63946"}
+
+
+def code_strip(classes: pl.DataFrame, error_pos: int | None = None) -> list[tuple[str, str | None]]:
+    """HighlightedText value of the Code tab: one (text, Python token class) per model token; the token of
+    the first syntax error is marked instead."""
+    return [(t if t else "\u2205", "syntax error here" if p == error_pos else c)
+            for p, t, c in zip(classes["pos"].to_list(), classes["text"].to_list(), classes["class"].to_list())]
+
+
+def compile_message(check: dict, text: str | None = None) -> str:
+    """The compile check in one escaped line of Markdown."""
+    if check["ok"]:
+        return f"✅ The run's text parses as Python ({check['lines']} lines)."
+    what = "Incomplete (the text ends mid-statement)" if check["status"] == "incomplete" else "❌ Syntax error"
+    where = f"line {check['line']}, col {check['col']}"
+    if check.get("pos") is not None:
+        where += f", token pos {check['pos']}" + (f" “{md_text(text)}”" if text else "")
+    return (f"{'⚠️ ' if check['status'] == 'incomplete' else ''}{what}: {md_text(check['message'])} at {where}; "
+            f"the first {check['ok_lines']} of {check['lines']} lines parse.")
+
+
 def error_text(value) -> str:
     """A message for ``gr.Error`` (Gradio renders it as HTML): escaped."""
     return html.escape(str(value), quote=True)
@@ -402,6 +442,53 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         note = " (cut at the row limit)" if r.truncated else ""
         return r.frame, f"{r.frame.height} rows in {r.elapsed_ms:.0f} ms{note}"
 
+    def kv_whatif_stored(run_id: str | None):
+        """The KV what-if rows stored for the run (``policy_results``) and their Pareto figure."""
+        from workbench.figures import fig_kv_pareto
+        if not run_id:
+            return "Choose a run.", None, None
+        df = query.policy_results(store, run_id)
+        msg = (f"{df.height} stored polic{'ies' if df.height != 1 else 'y'} for {md_text(run_id)}." if df.height else
+               "No KV what-if results for this run yet: pick policies and press Run.")
+        return msg, _kv_shown(df), fig_kv_pareto(df)
+
+    def kv_whatif_run(run_id: str | None, picked: list[str] | None, extra: str, progress=gr.Progress()):
+        """Re-run the run's tokens with each chosen policy (``Run.kv_whatif``); the table and the figure."""
+        from workbench.figures import fig_kv_pareto
+        if not run_id:
+            return "Choose a run first.", None, None
+        specs = list(picked or []) + [x.strip() for x in re.split(r"[;\n]", extra or "") if x.strip()]
+        if not specs:
+            return "Pick at least one policy (or type a spec).", None, None
+        progress(0.05, desc=f"re-running the run's tokens with {len(specs)} KV policies")
+        try:
+            with record_threads():
+                df = get_run(run_id).kv_whatif(specs)
+        except Exception as e:  # a bad spec, a model that is not here: say why, keep the app alive
+            return _fail("KV what-if", e), None, None
+        progress(1.0, desc="done")
+        return (f"{df.height} policies re-run on {md_text(run_id)} (stored in policy_results).",
+                _kv_shown(df), fig_kv_pareto(df))
+
+    def code_views(run_id: str | None, generated_only: bool = True):
+        """The Code tab: compile check, each token's Python class, confidence by class (workbench.codeview)."""
+        if not run_id:
+            return "Choose a run.", [], None, None
+        run = get_run(run_id)
+        try:
+            classes = run.code_view(per_token=True)
+            check = run.compile_check()
+            by_class = run.code_view(generated_only=bool(generated_only))
+        except Exception as e:
+            return _fail("Code view", e), [], None, None
+        text = None
+        if check.get("pos") is not None:
+            row = classes.filter(pl.col("pos") == check["pos"])
+            text = row["text"][0] if row.height else None
+        shown = by_class.with_columns(pl.col(pl.Float64).round(4))  # display only
+        return (compile_message(check, text), code_strip(classes, check.get("pos")), shown,
+                run.fig_code_view(generated_only=bool(generated_only)))
+
     def export_report(run_id: str | None):
         if not run_id:
             return gr.File(visible=False), "Choose a run first."
@@ -581,6 +668,33 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
                 kv_layer = gr.Textbox(label="Layer for attention received (empty: all layers)", value="")
                 kv_recv_plot = gr.Plot(label="Attention received per cached token")
 
+            with gr.Tab("KV what-if", id="kvwhatif") as kvw_tab:
+                gr.Markdown("Re-run the picked run's tokens teacher-forced with KV-cache policies acting on the "
+                            "cache, against the full cache: Δ NLL (nats per generated token), top-1 agreement, "
+                            "memory kept at the end (`workbench kv-whatif`; the specs: `workbench.kvwhatif`).")
+                with gr.Row():
+                    kvw_pick = gr.CheckboxGroup(label="Policies", choices=KV_POLICY_CHOICES,
+                                                value=KV_POLICY_DEFAULT, elem_id="kvw-policies", scale=3)
+                    with gr.Column(scale=1):
+                        kvw_extra = gr.Textbox(label="More specs (one per line or ; separated)", lines=3,
+                                               placeholder="window:sink=2,recent=32", elem_id="kvw-extra")
+                        kvw_btn = gr.Button("Run what-if", variant="primary", elem_id="kvw-run")
+                kvw_msg = gr.Markdown(elem_classes=["wb-message"], elem_id="kvw-msg")
+                kvw_df = gr.Dataframe(interactive=False, type="polars", label="Policies against the full cache",
+                                      wrap=True, elem_id="kvw-table")
+                kvw_plot = gr.Plot(label="Memory kept vs Δ NLL", elem_id="kvw-plot")
+
+            with gr.Tab("Code", id="code") as code_tab:
+                code_msg = gr.Markdown(elem_classes=["wb-message"], elem_id="code-msg")
+                code_tokens = gr.HighlightedText(label="Tokens by Python token class (tokenize); red: the first "
+                                                       "syntax error", color_map=CODE_COLOR_MAP, show_legend=True,
+                                                 show_inline_category=False, elem_id="code-strip")
+                code_gen = gr.Checkbox(label="generated tokens only", value=True, elem_id="code-generated")
+                with gr.Row():
+                    code_df = gr.Dataframe(interactive=False, type="polars", label="Confidence by token class",
+                                           wrap=True, elem_id="code-table")
+                    code_plot = gr.Plot(label="Confidence and entropy by class", elem_id="code-plot")
+
             with gr.Tab("Anomalies", id="anomalies") as anom_tab:
                 with gr.Row():
                     anom_btn = gr.Button("Detect / refresh")
@@ -642,6 +756,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         run_outputs = [strip, pos, run_head, conf_plot, summary_json, step]
         tok_outputs = [tok_info, topk_plot, heads_plot, route_plot, attr_plot, comp_plot]
         rep_outputs = [rep_strip, rep_info, rep_conf, rep_heads, rep_load, rep_kv]
+        code_outputs = [code_msg, code_tokens, code_df, code_plot]
         # the Replay tab is redrawn by whatever moves it: a new run (even when its last step equals the
         # slider's value, so the slider does not change), the user's slider, Play and the timer. Never by
         # the slider's .change: load_run moves the slider too, and that replay of the run picked before
@@ -657,6 +772,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
          .then(expert_views, [run_pick, exp_layer, exp_window], [load_plot, coact_plot, along_load_plot, exp_layer],
                **last)
          .then(kv_views, [run_pick, kv_layer], [kv_plot, kv_recv_plot], **last)
+         .then(code_views, [run_pick, code_gen], code_outputs, **last)
          .then(lambda r: r, run_pick, cmp_a, **last))
         pos.change(token_views, [run_pick, pos], tok_outputs, api_name=False, trigger_mode="always_last")
         strip.select(pick_token, None, pos, api_name=False)
@@ -684,6 +800,10 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         pause.click(lambda: gr.Timer(active=False), None, timer, api_name=False)
         (timer.tick(lambda r, s: replay_tick(r, s, _last_step(r)), [run_pick, step], [step, timer], api_name=False)
          .then(replay, [run_pick, step], rep_outputs, api_name=False))
+        kvw_btn.click(kv_whatif_run, [run_pick, kvw_pick, kvw_extra], [kvw_msg, kvw_df, kvw_plot], api_name="kv_whatif")
+        kvw_tab.select(kv_whatif_stored, run_pick, [kvw_msg, kvw_df, kvw_plot], api_name=False, **READ)
+        code_tab.select(code_views, [run_pick, code_gen], code_outputs, api_name=False, **READ)
+        code_gen.input(code_views, [run_pick, code_gen], code_outputs, api_name=False)
         sql_btn.click(sql, sql_text, [sql_out, sql_msg], api_name="sql", **SQL)
         report_btn.click(export_report, run_pick, [report_file, report_msg], api_name=False)
         (rec_btn.click(record_stream, [rec_prompt, rec_max, rec_temp, rec_top_p, rec_seed, rec_ckpt],

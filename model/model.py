@@ -257,15 +257,19 @@ class MLA(nn.Module):
         outs = []
         for t0 in range(0, seqlen, self.attn_chunk):
             t1 = min(t0 + self.attn_chunk, seqlen)
-            scores = (torch.einsum("bthc,bsc->bths", q_abs[:, t0:t1], kv)
-                      + torch.einsum("bthr,bsr->bths", q_pe[:, t0:t1], k_pe)) * self.softmax_scale
-            if t1 - t0 > 1 or start_pos + t0 + 1 < keys:
-                mask = causal_mask(t1 - t0, keys, start_pos + t0, q_abs.device)  # [Tc, S]
+            tc = t1 - t0
+            # "bthc,bsc->bths" as one [B, Tc*H, C] @ [B, C, S] matmul (all heads share the latent keys)
+            scores = (torch.bmm(q_abs[:, t0:t1].flatten(1, 2), kv.transpose(1, 2))
+                      + torch.bmm(q_pe[:, t0:t1].flatten(1, 2), k_pe.transpose(1, 2))).view(
+                          q_abs.size(0), tc, self.n_heads, keys) * self.softmax_scale
+            if tc > 1 or start_pos + t0 + 1 < keys:
+                mask = causal_mask(tc, keys, start_pos + t0, q_abs.device)  # [Tc, S]
                 scores = scores + mask[None, :, None, :]
             probs = scores.softmax(dim=-1, dtype=torch.float32).type_as(q_abs)  # [B, Tc, H, S]
             probs = self.hook_attn_probs(probs, q_start=start_pos + t0)
-            outs.append(torch.einsum("bths,bsc->bthc", probs, kv))
-        return torch.cat(outs, 1)
+            # "bths,bsc->bthc"
+            outs.append(torch.bmm(probs.flatten(1, 2), kv).view(q_abs.size(0), tc, self.n_heads, -1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
 
 def causal_mask(seqlen: int, keys: int, start_pos: int, device) -> torch.Tensor:

@@ -55,25 +55,40 @@ def attention_stats(probs: torch.Tensor, q_start: int, window: int | None = None
         on position 0 (0 once a sliding window has moved past it).
     """
     tc, s = probs.size(0), probs.size(-1)
-    offset = max(0, q_start + tc - s)  # position of key 0
+    pos = np.arange(q_start, q_start + tc, dtype=np.int32)
+    return {"pos": pos, **attention_row_stats(probs, pos, max(0, q_start + tc - s), window)}
+
+
+def attention_row_stats(probs: torch.Tensor, pos, key0=0, window=None) -> dict[str, np.ndarray]:
+    """``attention_stats`` for rows that need not be consecutive queries (decode steps batched together).
+
+    Args:
+        probs: [N, H, S] each row's probabilities over its keys; keys past a row's own (zero weights, or zero
+            padding to a common S) add nothing to any statistic.
+        pos: [N] the absolute query position of each row.
+        key0: position of each row's key 0 ([N] or one int): > 0 where a sliding-window cache has dropped
+            older tokens.
+        window: each row's sliding attention window ([N], one int, or None: full causal attention).
+    Returns: entropy / norm_entropy / max_weight / sink_weight [N, H].
+    """
     if probs.is_cuda and _fused_rows_available():
         from .triton_entropy import row_stats
         entropy, max_weight, sink = row_stats(probs)  # one fused pass over each row
     else:
         probs = probs.float()
-        entropy = -torch.special.xlogy(probs, probs).sum(-1)  # [Tc, H]
+        entropy = -torch.special.xlogy(probs, probs).sum(-1)  # [N, H]
         max_weight, sink = probs.amax(-1), probs[..., 0]
-    if offset > 0:
-        sink = torch.zeros_like(sink)
-    pos = np.arange(q_start, q_start + tc, dtype=np.int32)
-    n_keys = torch.arange(q_start + 1, q_start + tc + 1, dtype=torch.float32, device=probs.device)[:, None] - offset
+    dev = entropy.device
+    key0 = torch.as_tensor(key0, device=dev).expand(entropy.size(0))[:, None]
+    sink = torch.where(key0 > 0, torch.zeros_like(sink), sink)
+    n_keys = (torch.as_tensor(pos, device=dev, dtype=torch.float32)[:, None] + 1 - key0)
     if window is not None:
-        n_keys = n_keys.clamp(max=window)
+        n_keys = torch.minimum(n_keys, torch.as_tensor(window, device=dev, dtype=torch.float32).expand(
+            entropy.size(0))[:, None])
     norm = torch.where(n_keys > 1, entropy / torch.log(n_keys.clamp(min=2)), torch.full_like(entropy, float("nan")))
-    # one stacked conversion instead of four: this runs per layer at every decode step
-    stats = torch.stack([entropy, norm, max_weight, sink]).cpu().numpy().astype(np.float64)  # [4, Tc, H]
-    return {"pos": pos, "entropy": stats[0], "norm_entropy": stats[1], "max_weight": stats[2],
-            "sink_weight": stats[3]}
+    # one stacked conversion instead of four: with decode steps batched this runs once per flush
+    stats = torch.stack([entropy, norm, max_weight, sink]).cpu().numpy().astype(np.float64)  # [4, N, H]
+    return {"entropy": stats[0], "norm_entropy": stats[1], "max_weight": stats[2], "sink_weight": stats[3]}
 
 
 def _fused_rows_available() -> bool:

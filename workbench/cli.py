@@ -125,6 +125,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="root-cause the N most severe anomalous positions (IG is slow; stored results are reused)")
     _db(p)
 
+    p = sub.add_parser("kv-whatif", help="re-run a run's tokens with KV-cache policies; cost vs the full cache")
+    p.add_argument("run_id")
+    p.add_argument("--policy", action="append", required=True, metavar="SPEC",
+                   help="repeatable: full, window:sink=4,recent=64, heavy_hitters:budget=64, entropy, "
+                        "confidence:threshold=0.85 (or shallow=0.80,deep=0.92), topk_int8:k=512, quant_tree, "
+                        "recompute:delta=0.012,window=3 (see workbench.kvwhatif)")
+    p.add_argument("--json", action="store_true")
+    _db(p)
+
+    p = sub.add_parser("expert-cache", help="replay a run's routing through a per-layer LRU cache of K experts")
+    p.add_argument("run_id")
+    p.add_argument("--slots", default="2,4,8", metavar="K,K,...", help="cache sizes K per MoE layer (default 2,4,8)")
+    p.add_argument("--predictor", default="none", choices=["none", "prev3", "lookahead", "all"],
+                   help="prefetch: none (plain LRU), prev3 (last 3 tokens' experts), lookahead (the recorded "
+                        "routing of the next 5 positions: an oracle), all (each of them)")
+    p.add_argument("--decode-only", action="store_true", help="count generated positions only")
+    p.add_argument("--json", action="store_true")
+    _db(p)
+
     p = sub.add_parser("export", help="export runs as Hive-partitioned Parquet")
     p.add_argument("--parquet", required=True, metavar="DIR")
     p.add_argument("--run", dest="run_id", default=None, help="only this run")
@@ -137,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from .query import RunNotFound
     from .store import StoreError
 
-    mod = importlib.import_module(f"workbench.commands.{args.command}")
+    mod = importlib.import_module(f"workbench.commands.{args.command.replace('-', '_')}")  # kv-whatif: kv_whatif.py
     try:
         return int(mod.main(args) or 0)
     except (RunNotFound, StoreError, ValueError, FileNotFoundError) as e:

@@ -430,4 +430,208 @@ def fig_components(store: Store, run_id: str, pos: int, top: int = 15) -> go.Fig
     return fig
 
 
+# -- what-if: expert cache, latency against context, precision, code view ---------------------------
+# ``*_figure(frame or fit)`` draw what ``workbench.whatif`` / ``workbench.codeview`` computed (several runs
+# pooled, or a model re-run: the precision probe); ``fig_*(store, run_id)`` compute it from one run's rows.
+
+def expert_cache_figure(df: pl.DataFrame, title: str = "Expert cache: hit rate against cache size K") -> go.Figure:
+    """Hit rate (all MoE layers together: the ``layer`` null rows) against K, one line per predictor
+    (``workbench.whatif.expert_cache_sweep``; a frame without ``predictor`` is one line), with the seed
+    documents' 82.4% (last 3 tokens) and 94.1% (next 5 positions) as reference lines."""
+    from .whatif import SEED_HIT_RATES
+
+    tot = df.filter(pl.col("layer").is_null())
+    if tot.height == 0:
+        return _empty("no expert-cache rows (no routing recorded)")
+    if "predictor" not in tot.columns:
+        tot = tot.with_columns(pl.lit("none").alias("predictor"))
+    names = {"none": "LRU only", "prev3": "LRU + prefetch: last 3 tokens' experts",
+             "lookahead": "LRU + prefetch: next 5 positions (oracle)"}
+    fig = go.Figure()
+    for p in dict.fromkeys(tot["predictor"].to_list()):
+        s = tot.filter(pl.col("predictor") == p).sort("slots")
+        fig.add_trace(go.Scatter(
+            x=s["slots"].to_list(), y=s["hit_rate"].to_list(), mode="lines+markers",
+            name=html.escape(names.get(p, str(p))), customdata=list(zip(s["hits"].to_list(), s["lookups"].to_list())),
+            hovertemplate="K=%{x}: hit rate %{y:.1%}<br>%{customdata[0]} of %{customdata[1]} lookups<extra></extra>"))
+    for label, rate, dash in (("seeds, level 1 (last 3 tokens)", SEED_HIT_RATES["prev3"], "dot"),
+                              ("seeds, level 2 (next 5 positions)", SEED_HIT_RATES["lookahead"], "dash")):
+        fig.add_hline(y=rate, line={"dash": dash, "color": "#888"}, annotation_text=f"{label}: {rate:.1%}",
+                      annotation_position="bottom right")
+    _layout(fig, html.escape(title), xaxis={"title": "cache slots per MoE layer (K)", "dtick": 1},
+            yaxis={"title": "hit rate", "range": [0, 1.02], "tickformat": ".0%"}, legend={"orientation": "h", "y": -0.25})
+    return fig
+
+
+def fig_expert_cache(store: Store, run_id: str, slots=(1, 2, 3, 4, 6, 8, 12, 16), predictors=None,
+                     decode_only: bool = False) -> go.Figure:
+    """The run's expert-cache hit rate against K for each predictor (``workbench.whatif``)."""
+    from .whatif import PREDICTORS, expert_cache_sweep
+
+    r = query.routing(store, run_id)
+    if r.height == 0:
+        return _no_routing(store, run_id)
+    n_exp = _n_experts(store, run_id) or int(r["expert"].max()) + 1
+    ks = [k for k in slots if 1 <= k <= n_exp] or [n_exp]
+    start = int(query.run_row(store, run_id)["n_prompt_tokens"] or 0) if decode_only else 0
+    df = expert_cache_sweep(r, ks, predictors or PREDICTORS, start)
+    return expert_cache_figure(df, f"Expert cache over the recorded routing ({n_exp} experts per layer)")
+
+
+def latency_fit_figure(fit, reference: bool = True) -> go.Figure:
+    """Decode-step wall time against context length with the fitted ``a (L/L0)^b + c`` (a
+    ``workbench.whatif.LatencyFit``), the residuals below; ``reference``: the seeds' curve (a=12.4, b=1.38, c=8.2)."""
+    from plotly.subplots import make_subplots
+
+    from .whatif import SEED_LATENCY, latency_model
+
+    r = fit.residuals
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.7, 0.3], vertical_spacing=0.06)
+    fig.add_trace(go.Scatter(x=r["L"].to_list(), y=r["wall_ms"].to_list(), mode="markers", name="decode steps",
+                             marker={"size": 5, "color": "#457b9d"},
+                             hovertemplate="L=%{x}: %{y:.2f} ms<extra></extra>"), row=1, col=1)
+    lo, hi = float(r["L"].min()), float(r["L"].max())
+    xs = [lo + (hi - lo) * i / 200 for i in range(201)]
+    fig.add_trace(go.Scatter(x=xs, y=fit.predict(xs).tolist(), mode="lines", name="fit", line={"color": "#e63946"}),
+                  row=1, col=1)
+    if reference:
+        fig.add_trace(go.Scatter(x=xs, y=latency_model(xs, **SEED_LATENCY, L0=fit.L0).tolist(), mode="lines",
+                                 name="seeds: 12.4 (L/L0)^1.38 + 8.2", line={"dash": "dash", "color": "#888"}),
+                      row=1, col=1)
+    fig.add_trace(go.Scatter(x=r["L"].to_list(), y=r["residual"].to_list(), mode="markers", name="residual",
+                             marker={"size": 4, "color": "#6c757d"}, showlegend=False,
+                             hovertemplate="L=%{x}: residual %{y:.2f} ms<extra></extra>"), row=2, col=1)
+    fig.add_hline(y=0, line={"color": "#bbb"}, row=2, col=1)
+    title = (f"Latency = a (L/{fit.L0})^b + c: a = {fit.a:.3g} ± {fit.a_se:.2g}, b = {fit.b:.3g} ± {fit.b_se:.2g}, "
+             f"c = {fit.c:.3g} ± {fit.c_se:.2g} ms (n = {fit.n})")
+    _layout(fig, title, height=460, legend={"orientation": "h", "y": -0.2})
+    fig.update_yaxes(title_text="wall ms per step", row=1, col=1)
+    fig.update_yaxes(title_text="residual ms", row=2, col=1)
+    fig.update_xaxes(title_text="cached tokens L", row=2, col=1)
+    return fig
+
+
+def fig_latency_fit(store: Store, run_id: str, L0: int = 32768) -> go.Figure:
+    """The run's decode-step latency against context with the fit (``workbench.whatif.fit_latency``)."""
+    from .whatif import decode_points, fit_latency
+
+    info = query.run_row(store, run_id)
+    pts = decode_points(query.steps(store, run_id), int(info["n_prompt_tokens"] or 0))
+    try:
+        fit = fit_latency(pts, L0=L0)
+    except (ValueError, RuntimeError) as e:
+        return _empty(f"no latency fit: {e}")
+    return latency_fit_figure(fit)
+
+
+def precision_figure(df: pl.DataFrame, value: str = "delta_nll") -> go.Figure:
+    """Heat map layer x format of a precision probe (``workbench.whatif.precision_probe``): ``value``
+    ``delta_nll`` (nats, diverging around 0) or ``rel_l2``; the ``layer`` null row is "all layers"."""
+    if df.height == 0:
+        return _empty("no precision-probe rows")
+    if value not in ("delta_nll", "rel_l2", "top1_agreement"):
+        raise ValueError(f"value must be delta_nll, rel_l2 or top1_agreement, not {value!r}")
+    formats = list(dict.fromkeys(df["format"].to_list()))
+    layers = sorted({l for l in df["layer"].to_list() if l is not None})
+    rows = layers + ([None] if df["layer"].null_count() else [])
+    cell = {(r["layer"], r["format"]): r for r in df.iter_rows(named=True)}
+    z = [[cell.get((l, f), {}).get(value) for f in formats] for l in rows]
+    hover = [[(lambda c: f"{'all layers' if l is None else f'layer {l}'}, {html.escape(str(f))}<br>"
+                         f"Δ NLL {c['delta_nll']:.4g} nats<br>rel. L2 {c['rel_l2']:.3g}<br>"
+                         f"top-1 agreement {c['top1_agreement']:.1%}" if c else "")(cell.get((l, f)))
+              for f in formats] for l in rows]
+    scale = {"delta_nll": {"colorscale": "RdBu_r", "zmid": 0}, "rel_l2": {"colorscale": "Reds", "zmin": 0},
+             "top1_agreement": {"colorscale": "Greens", "zmin": 0, "zmax": 1}}[value]
+    fig = go.Figure(go.Heatmap(z=z, x=[html.escape(str(f)) for f in formats],
+                               y=["all" if l is None else f"L{l}" for l in rows], customdata=hover,
+                               hovertemplate="%{customdata}<extra></extra>",
+                               colorbar={"title": "nats" if value == "delta_nll" else value}, **scale))
+    what = {"delta_nll": "mean NLL change of the recorded tokens", "rel_l2": "relative L2 error of the logits",
+            "top1_agreement": "top-1 agreement with the unquantized run"}[value]
+    _layout(fig, f"Precision sensitivity: {what} (one layer quantized at a time)",
+            height=max(280, 40 * len(rows) + 120), xaxis={"title": "format"},
+            yaxis={"title": "quantized layer", "autorange": "reversed"})
+    return fig
+
+
+def code_view_figure(summary: pl.DataFrame, title: str = "Confidence by Python token class") -> go.Figure:
+    """Mean confidence per token class (bars, token counts on them) and mean entropy (markers, right axis),
+    from ``workbench.codeview.code_view``."""
+    if summary.height == 0:
+        return _empty("no classified tokens (no generated text?)")
+    cls = summary["class"].to_list()
+    fig = go.Figure(go.Bar(x=cls, y=summary["mean_confidence"].to_list(), name="mean confidence",
+                           text=[str(n) for n in summary["tokens"].to_list()], textposition="outside",
+                           marker={"color": summary["mean_confidence"].to_list(), "colorscale": CONFIDENCE_SCALE,
+                                   "cmin": 0, "cmax": 1},
+                           customdata=list(zip(summary["tokens"].to_list(), summary["low_confidence_share"].to_list())),
+                           hovertemplate="%{x}: mean confidence %{y:.3f}<br>%{customdata[0]} tokens, "
+                                         "%{customdata[1]:.0%} below 0.2<extra></extra>"))
+    fig.add_trace(go.Scatter(x=cls, y=summary["mean_entropy"].to_list(), mode="markers", name="mean entropy (nats)",
+                             yaxis="y2", marker={"color": "black", "size": 9, "symbol": "diamond"},
+                             hovertemplate="%{x}: mean entropy %{y:.3f} nats<extra></extra>"))
+    _layout(fig, html.escape(title), yaxis={"title": "mean confidence", "range": [0, 1.1]},
+            yaxis2={"title": "mean entropy (nats)", "overlaying": "y", "side": "right", "rangemode": "tozero"},
+            xaxis={"title": "token class (tokenize)"}, legend={"orientation": "h", "y": -0.25})
+    return fig
+
+
+def fig_code_view(store: Store, run_id: str, generated_only: bool = True) -> go.Figure:
+    """The run's confidence and entropy by Python token class (``workbench.codeview``)."""
+    from .codeview import code_view
+
+    t = query.tokens(store, run_id)
+    if t.height == 0:
+        return _empty("no tokens recorded")
+    what = "generated tokens" if generated_only else "all tokens"
+    return code_view_figure(code_view(t, generated_only), f"Confidence by Python token class ({what})")
+
+
+# -- what-if: KV-cache policies (workbench.kvwhatif) ------------------------------------------------
+
+SEED_TOPK_INT8_KEPT = 0.53  # the seed documents: top-512 in FP16 + the rest INT8, "memory -47%"
+
+
+def fig_kv_pareto(frame, run_id: str | None = None) -> go.Figure:
+    """Memory kept (``bytes_kept / bytes_full``) against ``delta_nll`` per KV-cache policy, the Pareto front
+    (no other policy keeps less memory and loses less) as a line. ``frame``: ``Run.kv_whatif(...)``'s frame
+    (rows of one policy are averaged, e.g. over several runs), or a store with ``run_id`` (its stored rows)."""
+    if isinstance(frame, Store):
+        frame = query.policy_results(frame, run_id)
+    if frame is None or frame.height == 0:
+        return _empty("no KV what-if results yet (Run.kv_whatif / workbench kv-whatif)")
+    df = (frame.with_columns((pl.col("bytes_kept") / pl.col("bytes_full").clip(1)).alias("kept"))
+          .group_by("policy", maintain_order=True)
+          .agg(pl.col("kept").mean(), pl.col("delta_nll").mean(), pl.col("top1_agreement").mean(),
+               pl.col("events").mean(), pl.len().alias("n")))
+    rows = df.to_dicts()
+    front, best = [], float("inf")
+    for r in sorted(rows, key=lambda r: (r["kept"], r["delta_nll"])):
+        if r["delta_nll"] is not None and r["delta_nll"] < best:
+            front.append(r)
+            best = r["delta_nll"]
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=[r["kept"] for r in front], y=[r["delta_nll"] for r in front], mode="lines",
+                             line={"shape": "hv", "color": "#bbb", "dash": "dot"}, name="Pareto front",
+                             hoverinfo="skip"))
+    for fam in dict.fromkeys(str(r["policy"]).split(":")[0] for r in rows):
+        g = [r for r in rows if str(r["policy"]).split(":")[0] == fam]
+        labels = [token_label(str(r["policy"]), 40) for r in g]
+        fig.add_trace(go.Scatter(
+            x=[r["kept"] for r in g], y=[r["delta_nll"] for r in g], mode="markers+text", name=token_label(fam, 40),
+            text=labels, textposition="top center", textfont={"size": 9}, marker={"size": 10},
+            customdata=[[lab, r["top1_agreement"], r["events"], r["n"]] for lab, r in zip(labels, g)],
+            hovertemplate="%{customdata[0]}<br>memory kept %{x:.1%}<br>Δ NLL %{y:.4f} nats<br>"
+                          "top-1 agreement %{customdata[1]:.1%}<br>events %{customdata[2]:.0f} "
+                          "(%{customdata[3]} runs)<extra></extra>"))
+    fig.add_vline(x=SEED_TOPK_INT8_KEPT, line={"dash": "dash", "color": "#888"},
+                  annotation_text="seeds: topk_int8 memory -47%", annotation_position="top left")
+    fig.add_hline(y=0, line={"color": "#ddd"})
+    return _layout(fig, "KV-cache policies: memory kept vs Δ NLL (lower left is better)", height=440,
+                   xaxis={"title": "memory kept (bytes_kept / bytes_full, end of run)", "tickformat": ".0%",
+                          "range": [0, 1.08]},
+                   yaxis={"title": "Δ NLL of the recorded tokens (nats per generated token)"},
+                   legend={"orientation": "h", "y": -0.2})
+
+
 __all__ = [n for n in dir() if n.startswith("fig_")] + ["token_label", "CONFIDENCE_SCALE"]

@@ -123,6 +123,12 @@ def no_routing_reason(store: Store, run_id: str) -> str:
     return "no routing rows recorded for this run (the routing probe was off)"
 
 
+def policy_results(store: Store, run_id: str) -> pl.DataFrame:
+    """A run's stored KV-cache what-if rows (``workbench.kvwhatif``), least memory kept first."""
+    return store.sql("""SELECT * EXCLUDE (run_id) FROM policy_results WHERE run_id = ?
+                        ORDER BY bytes_kept / greatest(bytes_full, 1), delta_nll, policy""", [run_id])
+
+
 def anomalies(store: Store, run_id: str) -> pl.DataFrame:
     return store.sql("""SELECT * EXCLUDE (run_id) FROM anomalies WHERE run_id = ?
                         ORDER BY CASE severity WHEN 'critical' THEN 0 WHEN 'warning' THEN 1 ELSE 2 END,

@@ -62,10 +62,28 @@ class Recorder:
         return {seam: fan(fns) for seam, fns in by_seam.items()}
 
     def collect(self, step: StepInfo) -> dict:
-        out: dict = {}
-        for p in self.probes:
-            out.update(p.collect(step))
-        return out
+        return merge_batches([p.collect(step) for p in self.probes])
+
+    def flush(self) -> dict:
+        return merge_batches([p.flush() for p in self.probes])
+
+    def pending_bytes(self) -> int:
+        return sum(p.pending_bytes() for p in self.probes)
+
+
+# Decode steps are reduced together: at most this many steps, this long, or these many kept bytes apart
+# (the prefill, the last step, and every step of a recording with an ``on_token`` consumer are flushed at
+# once). The writer commits every 0.5 s anyway, so this holds back little the store would already have had.
+FLUSH_STEPS, FLUSH_SECONDS, FLUSH_BYTES = 32, 0.2, 32 << 20
+
+
+def merge_batches(items: list[dict]) -> dict[str, list]:
+    """Several ``{table: rows | [rows]}`` batches as one (lists of rows per table; frames built later)."""
+    out: dict[str, list] = {}
+    for item in items:
+        for table, rows in item.items():
+            out.setdefault(table, []).extend(rows if isinstance(rows, list) else [rows])
+    return out
 
 
 def resolve_tokenizer(tokenizer, adapter: Adapter, bundled: bool):
@@ -215,6 +233,8 @@ def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_t
         from tqdm import tqdm
         bar = tqdm(total=max_new_tokens, desc=f"record {run_id}", unit="tok", file=sys.stderr)
     status, error = "complete", None
+    pending: list[dict] = []  # collected steps not yet flushed
+    last_flush = time.monotonic()
     try:
         with adapter.seams(rec.listeners()):
             t0 = time.perf_counter()
@@ -223,8 +243,14 @@ def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_t
                 new_pos = step.start_pos + len(step.input_ids)
                 new_text = tokenizer.decode([step.next_token])
                 final = new_pos + 1 >= len(ids) + max_new_tokens or step.next_token == eos
-                writer.put(rec.collect(StepInfo(run_id, step.index, step.start_pos, step.input_ids, step.logits,
-                                                step.next_token, new_text, texts, final, wall_ms, topk)))
+                pending.append(rec.collect(StepInfo(run_id, step.index, step.start_pos, step.input_ids, step.logits,
+                                                    step.next_token, new_text, texts, final, wall_ms, topk)))
+                # a live consumer (on_token) may read the store, or block, before the next step: it gets every
+                # step handed to the writer before it is told of the step
+                if (on_token is not None or final or step.index == 0 or len(pending) >= FLUSH_STEPS
+                        or rec.pending_bytes() > FLUSH_BYTES or time.monotonic() - last_flush > FLUSH_SECONDS):
+                    writer.put(merge_batches(pending + [rec.flush()]))  # whole steps, one put
+                    pending, last_flush = [], time.monotonic()
                 n_tokens = new_pos + 1
                 if on_token:
                     on_token(new_pos, new_text)
@@ -241,8 +267,13 @@ def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_t
         if bar:
             bar.close()
         try:
-            writer.close()
+            if pending:  # the steps collected before an interruption are kept
+                with torch.inference_mode():  # the kept tensors are the stream's inference tensors
+                    writer.put(merge_batches(pending + [rec.flush()]))
         finally:
-            store.update_run(run_id, status=status, error=error, n_tokens=n_tokens,
-                             finished_at=datetime.now(timezone.utc).replace(tzinfo=None))
+            try:
+                writer.close()
+            finally:
+                store.update_run(run_id, status=status, error=error, n_tokens=n_tokens,
+                                 finished_at=datetime.now(timezone.utc).replace(tzinfo=None))
     return run_id, store, adapter, tokenizer

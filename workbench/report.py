@@ -33,9 +33,12 @@ CAUSES_SHOWN = 10
 FINDINGS_SHOWN = 10
 EXPLAIN_BUDGET_S = 60.0  # root cause (IG + ablations) takes seconds to minutes per position on a CPU
 ANOMALIES_SHOWN = 30  # rows of the HTML table shown before the rest is folded away
+KV_POLICY_COLUMNS = ["policy", "bytes_kept", "bytes_full", "delta_nll", "top1_agreement", "first_divergence", "events"]
+CODE_COLUMNS = ["class", "tokens", "mean_confidence", "median_confidence", "mean_entropy", "low_confidence_share"]
 
 
 # -- collecting the facts ---------------------------------------------------------------------------
+
 
 def _plain(x: Any) -> Any:
     """A JSON-ready value: non-finite floats become None, dates ISO strings, containers recursively."""
@@ -127,6 +130,29 @@ def _findings(run, anomalies, rep: Report):
         return None
 
 
+def _code_facts(rep: Report, toks: pl.DataFrame) -> None:
+    """The text read as Python (workbench.codeview): the compile check and confidence by token class."""
+    if toks.height == 0:
+        return
+    try:
+        from .codeview import code_view, run_compile_check
+        rep.facts["code"] = {"compile": _plain(run_compile_check(toks)), "classes": _records(code_view(toks))}
+    except Exception as e:  # noqa: BLE001 - a report still comes out
+        rep.notes.append(f"code view failed: {type(e).__name__}: {e}")
+        return
+    _figure(rep, "code", "code_view", "fig_code_view")
+
+
+def _compile_line(chk: dict, text: dict) -> str:
+    """The compile check in words (not escaped)."""
+    if chk["ok"]:
+        return f"The text parses as Python ({chk['lines']} lines)."
+    what = "Incomplete (the text ends mid-statement)" if chk["status"] == "incomplete" else "Syntax error"
+    tok = f", token {chk['pos']} {_show(text.get(chk['pos']))!r}" if chk.get("pos") is not None else ""
+    return (f"{what}: {chk['message']} at line {chk['line']}, col {chk['col']}{tok}; the first {chk['ok_lines']} "
+            f"of {chk['lines']} lines parse.")
+
+
 def build_report(run, explain: int = 3, root_cause_kw: dict | None = None,
                  explain_budget_s: float | None = EXPLAIN_BUDGET_S) -> Report:
     """Collect a report's facts and figures for ``run`` (a ``workbench.Run``).
@@ -211,6 +237,11 @@ def build_report(run, explain: int = 3, root_cause_kw: dict | None = None,
     _figure(rep, "signals", "expert_load", "fig_expert_load")
     _figure(rep, "signals", "kv_bytes", "fig_kv_bytes")
     _figure(rep, "signals", "kv_received", "fig_kv_received")
+    _code_facts(rep, toks)
+    # KV-cache policy what-if rows stored for the run (workbench kv-whatif); none: no section
+    facts["kv_policies"] = _records(query.policy_results(store, rid))
+    if facts["kv_policies"]:
+        _figure(rep, "kv_whatif", "kv_pareto", "fig_kv_pareto")
     return rep
 
 
@@ -353,6 +384,21 @@ def render_html(rep: Report) -> str:
     parts.append("<h2>Attention entropy, routing and KV cache</h2>")
     for key, fig in by_section.get("signals", []):
         parts.append(fig_div(key, fig))
+    if f.get("kv_policies"):
+        parts.append("<h2>KV-cache policies (what-if)</h2><p class='muted'>the run's tokens re-run teacher-forced "
+                     "with each policy acting on the cache, against the full cache (<code>workbench kv-whatif</code>); "
+                     "delta_nll in nats per generated token, memory at the end of the run</p>")
+        parts.append(_table(f["kv_policies"], KV_POLICY_COLUMNS))
+        for key, fig in by_section.get("kv_whatif", []):
+            parts.append(fig_div(key, fig))
+    if f.get("code"):
+        text = {t["pos"]: t["text"] for t in f["tokens"]}
+        parts.append("<h2>Code</h2><p class='muted'>the run's text read as Python: <code>ast.parse</code> as it is, "
+                     "and the generated tokens' confidence by <code>tokenize</code> class (workbench.codeview)</p>"
+                     f"<p>{_e(_compile_line(f['code']['compile'], text))}</p>")
+        parts.append(_table(f["code"]["classes"], CODE_COLUMNS))
+        for key, fig in by_section.get("code", []):
+            parts.append(fig_div(key, fig))
     if f["notes"]:
         parts.append("<h2>Notes</h2><ul class='notes'>" + "".join(f"<li>{_e(n)}</li>" for n in f["notes"]) + "</ul>")
     parts.append("<p class='muted'>The facts of this report are embedded as JSON in "
@@ -423,6 +469,14 @@ def render_md(rep: Report) -> str:
     for ex in f["explained"]:
         out += ["", f"## Root cause of position {ex['pos']} ({_md(ex['text'])})", "",
                 _md_table(ex["causes"], ["rank", "kind", "layer", "head", "expert", "source_pos", "score", "method"])]
+    if f.get("kv_policies"):
+        out += ["", "## KV-cache policies (what-if)", "",
+                "The run's tokens re-run with each policy acting on the cache, against the full cache "
+                "(`workbench kv-whatif`); delta_nll in nats per generated token.", "",
+                _md_table(f["kv_policies"], KV_POLICY_COLUMNS)]
+    if f.get("code"):
+        out += ["", "## Code", "", _md(_compile_line(f["code"]["compile"], text)), "",
+                _md_table(f["code"]["classes"], CODE_COLUMNS)]
     if f["notes"]:
         out += ["", "## Notes", ""] + [f"- {_md(n)}" for n in f["notes"]]
     return "\n".join(out) + "\n"

@@ -45,11 +45,13 @@ def add_received(received: dict[int, torch.Tensor], layer: int, got: torch.Tenso
 
 
 def attention_rows(run_id: str, recs: list[dict]) -> Rows:
-    """``attention`` rows from ``attention_stats`` records, each tagged with its layer."""
+    """``attention`` rows from ``attention_stats`` / ``attention_row_stats`` records: each has pos [N], layer
+    (one int or [N]) and the [N, H] statistics."""
     h = recs[0]["entropy"].shape[1]
     return Rows(run_id, {
         "pos": np.concatenate([np.repeat(r["pos"], h) for r in recs]),
-        "layer": np.concatenate([np.full(r["entropy"].size, r["layer"], np.int32) for r in recs]),
+        "layer": np.concatenate([np.repeat(np.broadcast_to(np.asarray(r["layer"], np.int32), r["pos"].shape), h)
+                                 for r in recs]),
         "head": np.tile(np.arange(h, dtype=np.int32), sum(r["entropy"].shape[0] for r in recs)),
         **{c: np.concatenate([r[c].ravel() for r in recs])
            for c in ("entropy", "norm_entropy", "max_weight", "sink_weight")},
@@ -65,11 +67,12 @@ def kv_token_cols(layer: int, n: int, norms: dict[str, np.ndarray], received: di
             "attn_received": recv.numpy().astype(np.float64)}
 
 
-def kv_rows(run_id: str, step: int, rows: list[tuple[int, int, int]], tok_cols: list[dict]) -> dict[str, Rows]:
-    """``kv`` rows from (layer, cached_tokens, bytes) and ``kv_tokens`` rows from ``kv_token_cols``."""
+def kv_rows(run_id: str, step, rows: list[tuple[int, int, int]], tok_cols: list[dict]) -> dict[str, Rows]:
+    """``kv`` rows from (layer, cached_tokens, bytes) and ``kv_tokens`` rows from ``kv_token_cols``; ``step``
+    is one step or each row's step."""
     out: dict[str, Rows] = {}
     if rows:
-        out["kv"] = Rows(run_id, {"step": np.full(len(rows), step, np.int32),
+        out["kv"] = Rows(run_id, {"step": np.broadcast_to(np.asarray(step, np.int32), (len(rows),)).copy(),
                                   **{c: np.array([r[j] for r in rows], np.int32 if j < 2 else np.int64)
                                      for j, c in enumerate(("layer", "cached_tokens", "bytes"))}})
     if tok_cols:
@@ -84,9 +87,10 @@ def steps_rows(run_id: str, step: int, n_fed: int, wall_ms: float) -> Rows:
                          "n_tokens": np.array([n_fed], np.int32), "wall_ms": np.array([wall_ms])})
 
 
-def token_frame(run_id: str, step: int, positions: list[int], token_ids: list[int], texts: list[str],
+def token_frame(run_id: str, step, positions: list[int], token_ids: list[int], texts: list[str],
                 is_prompt: list[bool], logits: torch.Tensor | None, k: int) -> pl.DataFrame | Rows:
-    """Token rows; ``logits`` [n, V] are the distributions that produced them (None: position 0)."""
+    """Token rows; ``logits`` [n, V] are the distributions that produced them (None: position 0); ``step``
+    is one step or each row's step."""
     n = len(positions)
     schema = {"prob": pl.Float64, "logprob": pl.Float64, "confidence": pl.Float64, "entropy": pl.Float64,
               "rank": pl.Int32, "topk_ids": pl.List(pl.Int32), "topk_probs": pl.List(pl.Float64)}
@@ -99,7 +103,7 @@ def token_frame(run_id: str, step: int, positions: list[int], token_ids: list[in
     sig = token_confidence(logits, torch.tensor(token_ids), k)
     # NaN stays NaN (not NULL): the anomaly detectors look for non-finite values
     return Rows(run_id, {
-        "pos": np.asarray(positions, np.int32), "step": np.full(n, step, np.int32),
+        "pos": np.asarray(positions, np.int32), "step": np.broadcast_to(np.asarray(step, np.int32), (n,)).copy(),
         "token_id": np.asarray(token_ids, np.int32), "text": np.asarray(texts, dtype=object),
         "is_prompt": np.asarray(is_prompt, bool), **{c: sig[c] for c in ("prob", "logprob", "confidence", "entropy")},
         "rank": sig["rank"], "topk_ids": sig["topk_ids"], "topk_probs": sig["topk_probs"],

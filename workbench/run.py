@@ -141,6 +141,53 @@ class Run:
         from .report import write_report
         return write_report(self, out, format)
 
+    # -- what-if on the record (workbench.whatif, workbench.codeview) -------------------------------
+    def expert_cache(self, slots=(2, 4, 8), predictor: str = "none", decode_only: bool = False) -> pl.DataFrame:
+        """Hit rates of a per-layer LRU cache of K expert ``slots`` replayed over this run's routing
+        (``predictor``: "none", "prev3" or "lookahead"; ``decode_only``: count generated positions only)."""
+        from .whatif import expert_cache
+        start = int(self.info["n_prompt_tokens"] or 0) if decode_only else 0
+        return expert_cache(self.routing(), slots, predictor, count_from=start)
+
+    def latency_fit(self, L0: int = 32768):
+        """``wall_ms = a * (L / L0)^b + c`` fitted to this run's decode steps (``workbench.whatif.LatencyFit``)."""
+        from .whatif import fit_latency
+        return fit_latency(self, L0=L0)
+
+    def precision_probe(self, formats=("fp8_e4m3", "int8", "bf16"), layers=None,
+                        parts=("weights", "activations", "kv"), all_layers: bool = True) -> pl.DataFrame:
+        """The recorded tokens re-run teacher-forced with one layer at a time fake-quantized to each format:
+        ``layer, format, rel_l2, delta_nll, top1_agreement`` (``workbench.whatif.precision_probe``)."""
+        from .whatif import precision_probe
+        return precision_probe(self.adapter(), self.tokens()["token_id"].to_list(), formats, layers, parts,
+                               all_layers)
+
+    def code_view(self, generated_only: bool = True, per_token: bool = False) -> pl.DataFrame:
+        """Confidence and entropy by Python token class (``workbench.codeview``); ``per_token``: each token's class."""
+        from .codeview import code_view, token_classes
+        return token_classes(self.tokens()) if per_token else code_view(self.tokens(), generated_only)
+
+    def compile_check(self) -> dict:
+        """``ast.parse`` of the run's text: status, the first syntax error's line, col and token ``pos``."""
+        from .codeview import run_compile_check
+        return run_compile_check(self.tokens())
+
+    def fig_precision(self, formats=("fp8_e4m3", "int8", "bf16"), value: str = "delta_nll", **kw):
+        """Heat map (layer x format) of ``precision_probe``."""
+        from .figures import precision_figure
+        return precision_figure(self.precision_probe(formats, **kw), value=value)
+
+    def kv_whatif(self, policies, save: bool = True) -> pl.DataFrame:
+        """The recorded tokens re-run teacher-forced with each KV-cache policy acting on the cache (spec strings
+        such as ``"window:sink=4,recent=64"``): ``policy, bytes_kept, bytes_full, delta_nll, top1_agreement,
+        first_divergence, events`` against the full cache (``workbench.kvwhatif``); stored in ``policy_results``."""
+        from .kvwhatif import kv_whatif
+        return kv_whatif(self.store, self.run_id, policies, adapter=self.adapter(), save=save)
+
+    def policy_results(self) -> pl.DataFrame:
+        """This run's stored KV what-if rows (``policy_results``), one per policy."""
+        return query.policy_results(self.store, self.run_id)
+
     # -- figures ----------------------------------------------------------------------------------
     def __getattr__(self, name: str):
         if name in TABLES:

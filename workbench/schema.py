@@ -74,6 +74,16 @@ TABLES: dict[str, str] = {
         quantiles DOUBLE[],        -- empirical quantiles at workbench.baseline.PROBS
         created_at TIMESTAMP,
         source VARCHAR             -- what it was calibrated on (JSON: prompts, runs, max_new_tokens)""",
+    "policy_results": """
+        run_id VARCHAR,
+        policy VARCHAR,            -- the KV policy's canonical spec (workbench.kvwhatif), e.g. window:sink=4,recent=64
+        bytes_kept BIGINT,         -- cache bytes at the end of the run under the policy, all layers
+        bytes_full BIGINT,         -- the same cache unpruned
+        delta_nll DOUBLE,          -- mean change in NLL of the recorded generated tokens vs the full cache (nats)
+        top1_agreement DOUBLE,     -- share of generated positions whose argmax is the full cache's
+        first_divergence INTEGER,  -- first position whose argmax differs; NULL: none
+        events BIGINT,             -- evictions / low-precision entries / recompute triggers (per policy)
+        created_at TIMESTAMP""",
 }
 
 # the signal tables come from the registry (workbench/signals.py), after runs and before the derived ones

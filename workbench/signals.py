@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from workbench.probes.signals import (attention_received, attention_stats, kv_token_norms, routing_records)
+from workbench.probes.signals import (attention_received, attention_row_stats, attention_stats, kv_token_norms,
+                                      routing_records)
 
 from .adapters.base import Adapter, Route
 from .rows import Rows, add_received, attention_rows, kv_rows, kv_token_cols, steps_rows, token_frame
@@ -68,7 +69,15 @@ class StepInfo:
 
 
 class Probe:
-    """Reduces what one signal's seams see during a step; ``collect`` returns the step's rows per table."""
+    """Reduces what one signal's seams see during a generation into rows.
+
+    ``collect(step)`` is called once a step has finished; it returns that step's rows, or keeps what the step
+    left (cheap references, no reduction) and returns nothing. ``flush()`` reduces everything kept since the
+    last flush in one batch and returns those rows: one reduction over many decode steps costs about what
+    one step's reduction cost, because a small model's decode step is dominated by per-call overheads. The
+    recorder flushes every probe together, so each write to the store still holds whole steps; what a
+    forward that failed half-way left in a listener's buffer is never collected, so never written.
+    """
 
     def __init__(self, adapter: Adapter, run_id: str):
         self.adapter, self.run_id = adapter, run_id
@@ -79,8 +88,20 @@ class Probe:
     def collect(self, step: StepInfo) -> dict[str, Rows | list]:
         raise NotImplementedError
 
+    def flush(self) -> dict[str, Rows | list]:
+        return {}
+
+    def pending_bytes(self) -> int:
+        """Bytes of tensors kept for the next flush (the recorder flushes early when they grow)."""
+        return 0
+
 
 class TokensProbe(Probe):
+    def __init__(self, adapter: Adapter, run_id: str):
+        super().__init__(adapter, run_id)
+        self.kept: list[tuple[int, int, int, str, torch.Tensor]] = []  # (step, pos, token, text, logits [1, V])
+        self.topk = 5
+
     def collect(self, s: StepInfo) -> dict:
         frames = []
         n = len(s.input_ids)
@@ -90,48 +111,79 @@ class TokensProbe(Probe):
             if n > 1:
                 frames.append(token_frame(s.run_id, 0, list(range(1, n)), ids[1:], texts[1:], [True] * (n - 1),
                                           s.logits[:-1].cpu(), s.topk))
-        frames.append(token_frame(s.run_id, s.index, [s.start_pos + n], [s.next_token], [s.next_text], [False],
-                                  s.logits[-1:].cpu(), s.topk))
-        return {"tokens": frames}
+        self.kept.append((s.index, s.start_pos + n, s.next_token, s.next_text, s.logits[-1:]))
+        self.topk = s.topk
+        return {"tokens": frames} if frames else {}
+
+    def flush(self) -> dict:
+        if not self.kept:
+            return {}
+        k, self.kept = self.kept, []
+        return {"tokens": [token_frame(self.run_id, [r[0] for r in k], [r[1] for r in k], [r[2] for r in k],
+                                       [r[3] for r in k], [False] * len(k),
+                                       (k[0][4] if len(k) == 1 else torch.cat([r[4] for r in k])).cpu(), self.topk)]}
+
+    def pending_bytes(self) -> int:
+        return sum(r[4].numel() * 4 for r in self.kept)
 
 
 class AttentionProbe(Probe):
     def __init__(self, adapter: Adapter, run_id: str):
         super().__init__(adapter, run_id)
-        self.blocks: list[dict] = []
+        self.blocks: list[dict] = []  # reduced query blocks (a prefill), per step
         self.single: list[tuple[int, int, torch.Tensor, int | None]] = []  # decode rows (layer, pos, [H, S], window)
+        self.kept_blocks: list[dict] = []
+        self.kept_single: list[tuple[int, int, torch.Tensor, int | None]] = []
+        self.kept_bytes = 0
 
     def listeners(self) -> dict:
         return {"attn_probs": self.on_probs}
 
     def on_probs(self, layer: int, p: torch.Tensor, q_start: int, window: int | None = None) -> None:
-        if p.size(0) == 1:  # a decode step: reduced for all layers at once in collect (cheaper)
+        if p.size(0) == 1:  # a decode row: kept, reduced with many others at the next flush
             self.single.append((layer, q_start, p[0].detach(), window))
-        else:
+        else:  # a block of prefill rows: reduced at once, so nothing O(T x S) outlives it
             self.blocks.append({"layer": layer, **attention_stats(p.detach(), q_start, window)})
 
     def collect(self, s: StepInfo) -> dict:
-        # one query row per layer, same position: one [1, layers*H, S] reduction per cache length and window
-        # instead of one per layer
-        groups: dict[tuple, list] = defaultdict(list)
-        for row in self.single:
-            groups[(row[2].size(-1), row[3])].append(row)
-        for (_, window), rows in groups.items():
-            h = rows[0][2].size(0)
-            st = attention_stats(torch.cat([r[2] for r in rows])[None], rows[0][1], window)
-            for i, (layer, q, _, _) in enumerate(rows):
-                self.blocks.append({"layer": layer, "pos": np.array([q], np.int32),
-                                    **{c: st[c][:, i * h:(i + 1) * h] for c in st if c != "pos"}})
-        self.blocks.sort(key=lambda b: (int(b["pos"][0]), b["layer"]))
-        out = {"attention": attention_rows(s.run_id, self.blocks)} if self.blocks else {}
+        self.kept_blocks += self.blocks
+        self.kept_single += self.single
+        self.kept_bytes += sum(r[2].numel() * r[2].element_size() for r in self.single)
         self.blocks, self.single = [], []
-        return out
+        return {}
+
+    def flush(self) -> dict:
+        blocks, single = self.kept_blocks, self.kept_single
+        self.kept_blocks, self.kept_single, self.kept_bytes = [], [], 0
+        recs = [{**b, "layer": np.full(b["pos"].size, b["layer"], np.int32)} for b in blocks]
+        by_window: dict = defaultdict(list)
+        for row in single:
+            by_window[row[3]].append(row)
+        for window, rows in by_window.items():
+            # rows of consecutive (layer) calls share a key count: stack those, pad every run of them to the
+            # longest, one reduction for all
+            runs, start = [], 0
+            for i in range(1, len(rows) + 1):
+                if i == len(rows) or rows[i][2].shape != rows[start][2].shape:
+                    runs.append(torch.stack([r[2] for r in rows[start:i]]))
+                    start = i
+            s_max = max(r.size(-1) for r in runs)
+            probs = torch.cat([torch.nn.functional.pad(r, (0, s_max - r.size(-1))) for r in runs])
+            pos = np.array([r[1] for r in rows], np.int32)
+            key0 = np.maximum(0, pos + 1 - np.array([r[2].size(-1) for r in rows]))
+            recs.append({"pos": pos, "layer": np.array([r[0] for r in rows], np.int32),
+                         **attention_row_stats(probs, pos, key0, window)})
+        return {"attention": attention_rows(self.run_id, recs)} if recs else {}
+
+    def pending_bytes(self) -> int:
+        return self.kept_bytes
 
 
 class RoutingProbe(Probe):
     def __init__(self, adapter: Adapter, run_id: str):
         super().__init__(adapter, run_id)
         self.seen: dict[int, list[Route]] = defaultdict(list)
+        self.kept: list[tuple[int, dict[int, list[Route]]]] = []  # (start_pos, routes by layer) per step
 
     def listeners(self) -> dict:
         return {"routed": self.on_route}
@@ -140,21 +192,29 @@ class RoutingProbe(Probe):
         self.seen[layer].append(r)
 
     def collect(self, s: StepInfo) -> dict:
-        if not self.seen:
+        if self.seen:
+            self.kept.append((s.start_pos, self.seen))
+            self.seen = defaultdict(list)
+        return {}
+
+    def flush(self) -> dict:
+        if not self.kept:
             return {}
-        layers = sorted(self.seen)
-        parts = [self.seen[i] for i in layers]
-        idx = [torch.cat([r.indices for r in p]).detach() for p in parts]
-        n, k = idx[0].shape
-        logits = [torch.cat([r.logits for r in p]).detach().float() for p in parts]
-        math = [p[0].math for p in parts]
-        # all MoE layers in one call: per-layer calls cost more than the reductions themselves
-        rec = routing_records(torch.cat(idx), torch.cat([torch.cat([r.weights for r in p]).detach() for p in parts]),
-                              torch.cat([m.scores(lg) for m, lg in zip(math, logits)]),
-                              torch.cat([m.basis(lg) for m, lg in zip(math, logits)]))
-        pos = np.arange(s.start_pos, s.start_pos + n, dtype=np.int32)
-        self.seen = defaultdict(list)
-        return {"routing": Rows(s.run_id, {
+        kept, self.kept = self.kept, []
+        layers = sorted(kept[0][1])
+        # every step's rows of one layer together, then all MoE layers in one call: per-call costs dominate
+        routes = {i: [r for _, seen in kept for r in seen[i]] for i in layers}
+        pos = np.concatenate([np.arange(p0, p0 + sum(r.indices.size(0) for r in seen[layers[0]]), dtype=np.int32)
+                              for p0, seen in kept])
+        cat = torch.cat
+        math = [routes[i][0].math for i in layers]
+        logits = [cat([r.logits for r in routes[i]]).detach().float() for i in layers]
+        rec = routing_records(cat([r.indices for i in layers for r in routes[i]]).detach(),
+                              cat([r.weights for i in layers for r in routes[i]]).detach(),
+                              cat([m.scores(lg) for m, lg in zip(math, logits)]),
+                              cat([m.basis(lg) for m, lg in zip(math, logits)]))
+        n, k = pos.size, rec["expert"].shape[1]
+        return {"routing": Rows(self.run_id, {
             "pos": np.tile(np.repeat(pos, k), len(layers)),
             "layer": np.repeat(np.array(layers, np.int32), n * k), "slot": rec["slot"].ravel(),
             "expert": rec["expert"].ravel(), "weight": rec["weight"].ravel(), "score": rec["score"].ravel(),
@@ -162,15 +222,16 @@ class RoutingProbe(Probe):
 
 
 class _NormProbe(Probe):
-    """L2 norms over the last dim of what one seam hands over, per layer: decode rows wait for ``collect``
-    (one reduction over all layers is cheaper); a prefill block is reduced at once, so nothing O(T x D) per
-    layer is held at long context."""
+    """L2 norms over the last dim of what one seam hands over, per layer: decode rows are kept for the next
+    flush (one reduction over all layers and steps is cheaper); a prefill block is reduced at once, so nothing
+    O(T x D) per layer is held at long context."""
 
     seam = ""
 
     def __init__(self, adapter: Adapter, run_id: str):
         super().__init__(adapter, run_id)
         self.seen: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self.kept: list[tuple[int, dict[int, list[torch.Tensor]]]] = []  # (start_pos, values by layer) per step
 
     def listeners(self) -> dict:
         return {self.seam: self.on_value}
@@ -178,38 +239,50 @@ class _NormProbe(Probe):
     def on_value(self, layer: int, x: torch.Tensor) -> None:
         self.seen[layer].append(x[0].detach() if x.size(1) == 1 else x[0].detach().float().norm(dim=-1, keepdim=True))
 
-    def norms(self) -> tuple[list[int], torch.Tensor]:
-        """(layers, norms [L, T, ...]) of this step, and the buffer emptied."""
-        layers = sorted(self.seen)
-        norms = torch.stack([torch.cat([x if x.size(-1) == 1 else x.float().norm(dim=-1, keepdim=True)
-                                        for x in self.seen[i]]) for i in layers])[..., 0]
-        self.seen = defaultdict(list)
-        return layers, norms
+    def collect(self, s: StepInfo) -> dict:
+        if self.seen:
+            self.kept.append((s.start_pos, self.seen))
+            self.seen = defaultdict(list)
+        return {}
+
+    def norms(self) -> tuple[list[int], np.ndarray, torch.Tensor]:
+        """(layers, positions [T], norms [L, T, ...]) of the kept steps, and the buffer emptied."""
+        kept, self.kept = self.kept, []
+        layers = sorted(kept[0][1])
+        per_layer = []
+        for i in layers:
+            xs = [x for _, seen in kept for x in seen[i]]
+            if all(x.size(-1) != 1 for x in xs):  # decode rows only: one norm over all of them
+                per_layer.append(torch.cat(xs).float().norm(dim=-1))
+            else:
+                per_layer.append(torch.cat([x if x.size(-1) == 1 else x.float().norm(dim=-1, keepdim=True)
+                                            for x in xs])[..., 0])
+        pos = np.concatenate([np.arange(p0, p0 + sum(x.size(0) for x in seen[layers[0]]), dtype=np.int32)
+                              for p0, seen in kept])
+        return layers, pos, torch.stack(per_layer)
 
 
 class ResidNormProbe(_NormProbe):
     seam = "resid_post"
 
-    def collect(self, s: StepInfo) -> dict:
-        if not self.seen:
+    def flush(self) -> dict:
+        if not self.kept:
             return {}
-        layers, norms = self.norms()  # [L, T]
-        t = norms.size(1)
-        return {"resid_norm": Rows(s.run_id, {
-            "pos": np.tile(np.arange(s.start_pos, s.start_pos + t, dtype=np.int32), len(layers)),
-            "layer": np.repeat(np.array(layers, np.int32), t), "norm": norms.cpu().numpy().ravel().astype(np.float64)})}
+        layers, pos, norms = self.norms()  # [L, T]
+        return {"resid_norm": Rows(self.run_id, {
+            "pos": np.tile(pos, len(layers)), "layer": np.repeat(np.array(layers, np.int32), pos.size),
+            "norm": norms.cpu().numpy().ravel().astype(np.float64)})}
 
 
 class HeadNormProbe(_NormProbe):
     seam = "head_out"
 
-    def collect(self, s: StepInfo) -> dict:
-        if not self.seen:
+    def flush(self) -> dict:
+        if not self.kept:
             return {}
-        layers, norms = self.norms()  # [L, T, H]
+        layers, pos, norms = self.norms()  # [L, T, H]
         _, t, h = norms.shape
-        pos = np.arange(s.start_pos, s.start_pos + t, dtype=np.int32)
-        return {"head_norm": Rows(s.run_id, {
+        return {"head_norm": Rows(self.run_id, {
             "pos": np.tile(np.repeat(pos, h), len(layers)), "layer": np.repeat(np.array(layers, np.int32), t * h),
             "head": np.tile(np.arange(h, dtype=np.int32), len(layers) * t),
             "norm": norms.cpu().numpy().ravel().astype(np.float64)})}
@@ -219,21 +292,55 @@ class KVProbe(Probe):
     def __init__(self, adapter: Adapter, run_id: str):
         super().__init__(adapter, run_id)
         self.received: dict[int, torch.Tensor] = {}  # by absolute position
+        self.single: list[tuple[int, int, torch.Tensor]] = []  # decode rows (layer, key 0's position, [H, S])
+        self.kept_single: list[tuple[int, int, torch.Tensor]] = []
+        self.kept_bytes = 0
+        self.sizes: list[tuple[int, list]] = []  # (step, [(layer, cached tokens, bytes)]) per kept step
 
     def listeners(self) -> dict:
         return {"attn_probs": self.on_probs}
 
     def on_probs(self, layer: int, p: torch.Tensor, q_start: int, window: int | None = None) -> None:
         # key j is position j, or q_end - S + j once a sliding-window cache holds only the newest S
-        add_received(self.received, layer, attention_received(p.detach()), max(0, q_start + p.size(0) - p.size(-1)))
+        offset = max(0, q_start + p.size(0) - p.size(-1))
+        if p.size(0) == 1:
+            self.single.append((layer, offset, p[0].detach()))
+        else:
+            add_received(self.received, layer, attention_received(p.detach()), offset)
+
+    def _add_kept(self) -> None:
+        """Add the kept decode rows to the running totals: one sum per run of same-shaped rows."""
+        rows, self.kept_single, self.kept_bytes = self.kept_single, [], 0
+        start = 0
+        for i in range(1, len(rows) + 1):
+            if i == len(rows) or rows[i][2].shape != rows[start][2].shape or rows[i][1] != rows[start][1]:
+                run = rows[start:i]
+                got = torch.stack([r[2] for r in run]).float().sum(1)  # [n, S] over heads
+                for layer in dict.fromkeys(r[0] for r in run):
+                    add_received(self.received, layer, got[[j for j, r in enumerate(run) if r[0] == layer]].sum(0),
+                                 run[0][1])
+                start = i
 
     def collect(self, s: StepInfo) -> dict:
-        rows, tok = [], []
-        for layer, n, nbytes, first, second, first_pos in self.adapter.kv_state():
-            rows.append((layer, n, nbytes))
-            if s.final or s.index == 0:
-                tok.append(kv_token_cols(layer, n, kv_token_norms(first, second), self.received, first_pos))
-        return kv_rows(s.run_id, s.index, rows, tok)
+        self.kept_single += self.single
+        self.kept_bytes += sum(r[2].numel() * r[2].element_size() for r in self.single)
+        self.single = []
+        self.sizes.append((s.index, self.adapter.kv_sizes()))
+        if not (s.final or s.index == 0):
+            return {}
+        self._add_kept()
+        tok = [kv_token_cols(layer, n, kv_token_norms(first, second), self.received, first_pos)
+               for layer, n, _, first, second, first_pos in self.adapter.kv_state()]
+        return kv_rows(s.run_id, s.index, [], tok)
+
+    def flush(self) -> dict:
+        self._add_kept()
+        sizes, self.sizes = self.sizes, []
+        return kv_rows(self.run_id, [step for step, rows in sizes for _ in rows], [r for _, rows in sizes for r in rows],
+                       [])
+
+    def pending_bytes(self) -> int:
+        return self.kept_bytes
 
 
 class StepsProbe(Probe):

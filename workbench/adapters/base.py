@@ -7,7 +7,7 @@ An adapter wraps one loaded model and offers:
 - ``forward(ids)``: logits [B, T, V] of a full forward without cache (differentiable; root cause);
 - ``embedding()``: the input-embedding module (captum's ``LayerIntegratedGradients`` target);
 - ``seams(listeners)``: a context manager that attaches listeners to the model's seams for the block;
-- ``kv_state()``: the KV cache after a step, per layer;
+- ``kv_state()``: the KV cache after a step, per layer (``kv_sizes()``: only its sizes, cheap);
 - ``router(layer)``: the layer's ``RouterMath`` (checked against the router module when loaded).
 
 Seams and what a listener receives (``layer`` is the 0-based block; a listener may return a
@@ -187,6 +187,10 @@ class Adapter:
         cached token) per cached layer (the position is > 0 once a sliding-window cache drops old tokens)."""
         raise NotImplementedError
 
+    def kv_sizes(self) -> list[tuple[int, int, int]]:
+        """(layer, cached tokens, bytes) per cached layer: ``kv_state`` without the tensors (every step)."""
+        return [(layer, n, nbytes) for layer, n, nbytes, *_ in self.kv_state()]
+
     def router(self, layer: int) -> RouterMath:
         raise NotImplementedError
 
@@ -200,6 +204,24 @@ class Adapter:
     def _without_cache(self) -> contextlib.AbstractContextManager:
         """Detach the generation cache while full forwards run (a model that keeps one overrides this)."""
         return contextlib.nullcontext()
+
+    # -- the KV what-if (workbench.kvwhatif): a cache the caller edits between decode steps ----------
+    def kv_session(self, max_len: int) -> contextlib.AbstractContextManager:
+        """A fresh KV cache for the block, under ``torch.inference_mode``; yields ``forward(ids, start_pos)
+        -> logits [len(ids), V]`` (fp32) that feeds tokens through it. Inside: ``kv_entries()`` and
+        ``kv_keep(masks)``; the ``attn_probs`` seam sees the evicted keys with probability 0."""
+        raise NotImplementedError
+
+    def kv_entries(self) -> list[tuple[int, list[torch.Tensor]]]:
+        """Per layer: (position of the first cached token, the cached tensors as views [S, ...], position
+        first, that may be edited in place: the latent and rope key for MLA, keys and values otherwise)."""
+        raise NotImplementedError
+
+    def kv_keep(self, masks: list[torch.Tensor | None]) -> None:
+        """Evict cached tokens from the next forwards of the session: per layer a bool mask over the cached
+        positions (False: masked out of attention, as a -inf score; positions past the mask are kept), or
+        None to keep every token."""
+        raise NotImplementedError
 
     # -- shared -----------------------------------------------------------------------------------
     @property

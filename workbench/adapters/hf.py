@@ -23,6 +23,7 @@ A layer that holds experts but no such router (an older or custom MoE) is record
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import warnings
@@ -214,6 +215,77 @@ class HFAdapter(Adapter):
             out.append((i, n, nbytes, values[0].transpose(0, 1).flatten(1), keys[0].transpose(0, 1).flatten(1),
                         seen - n))
         return out
+
+    # -- the KV what-if seam: eviction adds -inf to each layer's 4D attention mask (eager attention) --------
+    @contextlib.contextmanager
+    def kv_session(self, max_len: int) -> Iterator:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.module.config)
+        self._kv_keep: list[torch.Tensor | None] = [None] * len(self.layers)
+        device = self.device
+
+        def evict(_m, args, kwargs, i):
+            keep = self._kv_keep[i]
+            if keep is None:
+                return None
+            h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            t = h.size(1)
+            mask = kwargs.get("attention_mask")
+            if mask is None:  # built here: causal over the cached keys and the t new ones
+                s = cache.get_seq_length(i) + t
+                q = torch.arange(s - t, s, device=h.device)[:, None]
+                mask = torch.zeros(t, s, dtype=h.dtype, device=h.device).masked_fill(
+                    torch.arange(s, device=h.device)[None] > q, float("-inf"))[None, None]
+            s = mask.size(-1)
+            if keep.numel() > s:
+                raise ValueError(f"layer {i}'s attention sees {s} keys but {keep.numel()} are cached: the KV "
+                                 "what-if does not support sliding-window caches")
+            add = torch.zeros(s, dtype=mask.dtype, device=mask.device)
+            add[: keep.numel()].masked_fill_(~keep, float("-inf"))
+            kwargs["attention_mask"] = mask + add
+            return args, kwargs
+
+        handles = [l.self_attn.register_forward_pre_hook(lambda m, a, kw, i=i: evict(m, a, kw, i), with_kwargs=True)
+                   for i, l in enumerate(self.layers)]
+
+        def forward(ids, pos: int) -> torch.Tensor:
+            nonlocal cache
+            ids = list(ids)
+            parts = []
+            for c0 in range(0, len(ids), self.attn_chunk):  # always in blocks: the same arithmetic, observed or not
+                self._pos = pos + c0
+                out = self.module(torch.tensor([ids[c0:c0 + self.attn_chunk]], device=device), cache=cache,
+                                  use_cache=True)
+                cache = out.cache
+                parts.append(out.logits[0].float())
+            self._cache = cache
+            return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+        try:
+            with torch.inference_mode():
+                yield forward
+        finally:
+            for hd in handles:
+                hd.remove()
+            self._cache = None
+            self._kv_keep = [None] * len(self.layers)
+
+    def kv_entries(self) -> list[tuple[int, list[torch.Tensor]]]:
+        out = []
+        for layer in getattr(self._cache, "layers", None) or []:
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if keys is None or values is None or keys.numel() == 0:
+                out.append((0, []))
+                continue
+            n = keys.size(-2)
+            seen = int(getattr(layer, "cumulative_length", n))
+            # [B, Hkv, S, d] -> [S, Hkv, d] views of batch row 0 (edits write through); values first, as kv_state
+            out.append((seen - n, [values[0].transpose(0, 1), keys[0].transpose(0, 1)]))
+        return out
+
+    def kv_keep(self, masks: list[torch.Tensor | None]) -> None:
+        self._kv_keep = [None if k is None or bool(k.all()) else k.to(self.device, torch.bool) for k in masks]
 
     def state_sha256(self) -> str:
         return state_sha256(self.module)

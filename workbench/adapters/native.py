@@ -39,7 +39,18 @@ class NativeAdapter(Adapter):
             top_k=a.n_activated_experts if moe else 0, selection_bias=bool(moe))
 
     def router(self, layer: int) -> RouterMath:
+        """The layer's ``RouterMath``, remembered while the gate's settings and bias tensor stay the same
+        (routing hooks ask for it at every step; a fault changes the bias in place, which it sees)."""
         g = self.module.layers[layer].ffn.gate
+        key = (id(g), id(g.bias), g.bias.device if g.bias is not None else None, g.topk, g.score_func,
+               g.n_groups, g.topk_groups, g.norm_topk_prob, g.route_scale)
+        cache = self.__dict__.setdefault("_routers", {})
+        if layer not in cache or cache[layer][0] != key:
+            cache[layer] = (key, self._router_math(g))
+        return cache[layer][1]
+
+    @staticmethod
+    def _router_math(g) -> RouterMath:
         return RouterMath(n_experts=g.weight.size(0), top_k=g.topk, score=g.score_func, bias=g.bias,
                           n_group=g.n_groups, topk_group=g.topk_groups,
                           group_score="top2" if g.score_func == "sigmoid" else "max",
@@ -75,6 +86,51 @@ class NativeAdapter(Adapter):
                 n = c.length
                 out.append((i, n, n * c.bytes_per_token(), c.kv[0, :n], c.pe[0, :n], 0))
         return out
+
+    def kv_sizes(self) -> list[tuple[int, int, int]]:
+        return [(i, layer.attn.cache.length, layer.attn.cache.length * layer.attn.cache.bytes_per_token())
+                for i, layer in enumerate(self.module.layers) if layer.attn.cache is not None]
+
+    # -- the KV what-if seam: eviction renormalises attention over the kept keys (hook_attn_probs) --------
+    @contextlib.contextmanager
+    def kv_session(self, max_len: int) -> Iterator:
+        m = self.module
+        self._kv_keep: list[torch.Tensor | None] = [None] * len(m.layers)
+
+        def evict(i: int, probs: torch.Tensor) -> torch.Tensor | None:
+            # probs [B, Tc, H, S]; zeroing evicted keys and renormalising is a softmax with their scores at -inf
+            keep = self._kv_keep[i]
+            if keep is None:
+                return None
+            full = torch.ones(probs.size(-1), dtype=probs.dtype, device=probs.device)
+            full[: keep.numel()] = keep.to(probs.dtype)
+            p = probs * full
+            return p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
+
+        # prepended, so listeners of the attn_probs seam see the probabilities actually used
+        handles = [l.attn.hook_attn_probs.register_forward_hook(lambda _m, _a, out, i=i: evict(i, out), prepend=True)
+                   for i, l in enumerate(m.layers)]
+        device = self.device
+        m.setup_cache(1, max_len)
+        try:
+            with torch.inference_mode():
+                yield lambda ids, pos: m(torch.tensor([list(ids)], device=device), start_pos=pos)[0]
+        finally:
+            for h in handles:
+                h.remove()
+            m.clear_cache()
+            self._kv_keep = [None] * len(m.layers)
+
+    def kv_entries(self) -> list[tuple[int, list[torch.Tensor]]]:
+        out = []
+        for layer in self.module.layers:
+            c = layer.attn.cache
+            n = c.length if c is not None else 0
+            out.append((0, [c.kv[0, :n], c.pe[0, :n]] if c is not None else []))
+        return out
+
+    def kv_keep(self, masks: list[torch.Tensor | None]) -> None:
+        self._kv_keep = [None if k is None or bool(k.all()) else k.to(self.device, torch.bool) for k in masks]
 
     def state_sha256(self) -> str:
         return state_sha256(self.module)
