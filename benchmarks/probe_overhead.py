@@ -8,7 +8,8 @@ ratio is the median over repetitions of (its time / the same repetition's plain 
 process CPU time (all threads, the writer thread included; robust on a machine shared with other
 jobs, the headline) and wall time (what a user waits; noisy when the machine is busy). A recorded run
 is the whole ``workbench.record`` call: model hashing, the runs row, every step's reductions, and
-waiting for the writer thread to commit the last step. With ``--write`` the table goes into
+waiting for the writer thread to commit the last step, then the anomaly detectors over the finished run
+(``detect=True``, the default; "detectors off" is the same recording with ``detect=False``). With ``--write`` the table goes into
 benchmarks/RESULTS.md under "## Probe overhead".
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ PROMPT = '''def fibonacci(n):
     if n < 2:
         return n
 '''
-CONFIGS = {"all probes": PROBES, **{f"{p} only": (p,) for p in PROBES}}
+CONFIGS = {"all probes": PROBES, "all probes, detectors off": PROBES, **{f"{p} only": (p,) for p in PROBES}}
 
 
 def load_demo() -> tuple[Transformer, str]:
@@ -71,12 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     def plain() -> tuple[float, float]:
         return timed(lambda: generate(model, ids, args.new_tokens, eos_id=eos))
 
-    def recorded(probes) -> tuple[float, float]:
+    def recorded(name) -> tuple[float, float]:
         return timed(lambda: record(ids, model=model, tokenizer=tok, max_new_tokens=args.new_tokens, db=store,
-                                    probes=probes))
+                                    probes=CONFIGS[name], detect="detectors off" not in name))
 
     n_new = len(generate(model, ids, args.new_tokens, eos_id=eos))
-    plain(), recorded(PROBES)  # warm-up: allocator, polars/duckdb first-call costs
+    plain(), recorded("all probes")  # warm-up: allocator, polars/duckdb/scipy first-call costs
     cpu: dict[str, list[float]] = {"plain": [], **{k: [] for k in configs}}
     wall: dict[str, list[float]] = {"plain": [], **{k: [] for k in configs}}
     r_cpu: dict[str, list[float]] = {k: [] for k in configs}
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.reps):
         b1 = plain()
         order = list(configs)[rep % len(configs):] + list(configs)[: rep % len(configs)]  # rotate: no order bias
-        got = {name: recorded(configs[name]) for name in order}
+        got = {name: recorded(name) for name in order}
         b2 = plain()  # plain before and after, averaged, to cancel drift within a repetition
         for i, clock in enumerate((cpu, wall)):
             clock["plain"] += [b1[i], b2[i]]

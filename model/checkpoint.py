@@ -166,14 +166,26 @@ def _param_names(args: ModelArgs) -> list[str]:
     return list(m.state_dict().keys())
 
 
+_FILE_SHA: dict[tuple, str] = {}  # (path, device, inode, size, mtime_ns) of every file -> hash
+
+
 def file_sha256(folder: str | Path) -> str:
-    """SHA-256 over the checkpoint's safetensors files (sorted by name): a run's model identity."""
+    """SHA-256 over the checkpoint's safetensors files (sorted by name): a run's model identity.
+
+    Remembered per process while every file keeps its inode, size and modification time, so recording
+    from the same folder again does not re-read gigabytes; a file replaced or rewritten is hashed anew."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    key = tuple((str(f.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) for f in files
+                for st in [f.stat()])
+    if key in _FILE_SHA:
+        return _FILE_SHA[key]
     h = hashlib.sha256()
-    for f in sorted(Path(folder).glob("*.safetensors")):
+    for f in files:
         with open(f, "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
-    return h.hexdigest()
+    _FILE_SHA[key] = h.hexdigest()
+    return _FILE_SHA[key]
 
 
 def state_sha256(model: Transformer) -> str:

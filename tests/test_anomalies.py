@@ -62,6 +62,23 @@ def test_tail_p_is_uniform_under_the_null_and_small_far_out():
     assert pr.tail_p(np.array([0.5 + 1e-12]), flat)[0] > 5e-4
 
 
+def test_tail_p_per_row_cells_equal_one_call_per_cell():
+    """Each value against its own cell's quantiles in one call equals one call per cell (np.interp), ties,
+    constant cells, values on a quantile and beyond both ends included."""
+    rng = np.random.default_rng(1)
+    for trial in range(60):
+        q = np.sort(rng.standard_normal((40, len(pr.PROBS))) * rng.uniform(0.01, 3), axis=1)
+        if trial % 3 == 0:
+            q[:, 10:30] = q[:, 10:11]
+        if trial % 7 == 0:
+            q[:] = 0.5
+        x = rng.standard_normal(40) * 3
+        x[:4], x[4:6], x[6:8] = q[:4, 10], q[4:6, -1], q[6:8, 0]
+        for upper in (True, False):
+            one = np.array([pr.tail_p(x[i:i + 1], q[i], upper=upper)[0] for i in range(40)])
+            np.testing.assert_allclose(pr.tail_p(x, q, upper=upper), one, rtol=1e-9, atol=1e-15)
+
+
 def test_benjamini_hochberg_bounds_false_alarms_on_known_nulls():
     """200 synthetic runs of 500 null tests each: the share of runs with any alarm stays within alpha; with
     10 planted signals the planted ones are found and the false discovery share stays within alpha."""

@@ -158,3 +158,21 @@ def test_prompt_errors():
         list(stream(m, [], 4))
     with pytest.raises(ValueError, match="max_seq_len"):
         list(stream(m, [1] * 250, 10))
+
+
+def test_file_sha256_is_remembered_until_a_file_changes(tmp_path):
+    """The checkpoint hash is cached per process, but a rewritten file is hashed anew (its size or
+    modification time moved), and the cached value is the real SHA-256 of the bytes."""
+    import hashlib
+    import os
+
+    from workbench.model import file_sha256
+
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"a" * 1000)
+    first = file_sha256(tmp_path)
+    assert first == hashlib.sha256(b"a" * 1000).hexdigest() == file_sha256(tmp_path)
+    st = f.stat()
+    f.write_bytes(b"b" * 1000)  # same size; the clock may not have ticked: move the mtime explicitly
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert file_sha256(tmp_path) == hashlib.sha256(b"b" * 1000).hexdigest()

@@ -146,9 +146,9 @@ class Baseline:
         covered = pl.DataFrame()
         if cells.height:
             j = df.join(cells.select(*keys, "quantiles"), on=keys, how="inner")
-            for row_q, grp in j.group_by("quantiles", maintain_order=True):  # one vectorised call per cell
-                idx = grp["_i"].to_numpy()
-                p[idx] = tail_p(grp[value].to_numpy(), np.asarray(row_q[0]), upper=upper)
+            if j.height:  # every row against its own cell's quantiles, in one vectorised call
+                q = j["quantiles"].explode().to_numpy().astype(np.float64).reshape(j.height, -1)
+                p[j["_i"].to_numpy()] = tail_p(j[value].to_numpy(), q, upper=upper)
             basis[j["_i"].to_numpy()] = "the baseline profile"
             covered = j.select("_i")
         rest = df if covered.height == 0 else df.join(covered, on="_i", how="anti")
@@ -430,6 +430,11 @@ def detect(store, run_id: str, recompute: bool = False, reference: str | None = 
                        **thresholds)
     df = df.with_columns(pl.lit(run_id).alias("run_id"),
                          pl.arange(0, df.height, dtype=pl.Int32).alias("anomaly_id"))
+    if getattr(store, "read_only", False):  # a folder of Parquet shards (TraceStore): computed, not stored
+        from .schema import columns
+        sev = pl.col("severity").replace_strict({"critical": 0, "warning": 1}, default=2, return_dtype=pl.Int32)
+        return df.select([c for c in columns("anomalies") if c in df.columns and c != "run_id"]).sort(
+            [sev, pl.col("score"), pl.col("anomaly_id")], descending=[False, True, False], nulls_last=True)
     store.replace("anomalies", run_id, df)
     store.update_run(run_id, detection=json.dumps({**DEFAULTS, **thresholds,
                                                    "profile": "profile" if prof is not None else "within-run"}))

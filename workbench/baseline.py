@@ -144,6 +144,9 @@ def load_profile(store: Store, sha: str | None) -> pl.DataFrame | None:
     if got.height == 0 and BUNDLED.exists():
         bundled = pl.read_parquet(BUNDLED)
         if bundled.height and bundled["checkpoint_sha256"][0] == sha:
+            if getattr(store, "read_only", False):  # a folder of Parquet shards: use it without storing it
+                return bundled.drop("checkpoint_sha256").sort(["signal", "layer", "head", "expert", "bucket"],
+                                                              nulls_last=True)
             store.replace_where("profiles", "checkpoint_sha256 = ?", [sha], bundled)
             got = query.profile(store, sha)
     out = got if got.height else None
@@ -172,20 +175,33 @@ def export_profile(store: Store, sha: str, path: str | Path) -> Path:
 def tail_p(x: np.ndarray, quantiles: np.ndarray, upper: bool = True) -> np.ndarray:
     """P(X >= x) (``upper``) or P(X <= x) under the profile's empirical distribution (quantiles at PROBS).
 
-    Between quantiles the CDF is linear; beyond the 0.1% / 99.9% quantiles the tail decays exponentially
-    with the scale the 1%..0.1% stretch shows (floored at 1% of the 1%..99% range, so a near-constant
-    cell does not turn float noise into certainty).
+    ``quantiles`` is one cell's [K] quantiles, or [N, K]: each value against its own cell's (one vectorised
+    pass for a whole run instead of one call per cell). Between quantiles the CDF is linear; beyond the
+    0.1% / 99.9% quantiles the tail decays exponentially with the scale the 1%..0.1% stretch shows (floored at
+    1% of the 1%..99% range, so a near-constant cell does not turn float noise into certainty).
     """
     x = np.asarray(x, dtype=np.float64)
     q = np.asarray(quantiles, dtype=np.float64)
     if not upper:
-        return tail_p(-x, -q[::-1], upper=True)
-    q = np.maximum.accumulate(q)
-    span = max(q[-3] - q[2], 0.0)
-    scale = max((q[-1] - q[-3]) / math.log((1 - PROBS[-3]) / (1 - PROBS[-1])), 0.01 * span, 1e-9)
-    inside = 1.0 - np.interp(x, q, PROBS, left=0.0, right=PROBS[-1])
-    beyond = (1 - PROBS[-1]) * np.exp(-np.clip(x - q[-1], 0, None) / scale)
-    p = np.where(x > q[-1], beyond, np.where(x < q[0], 1.0, inside))
+        return tail_p(-x, -q[..., ::-1], upper=True)
+    q2 = np.maximum.accumulate(np.atleast_2d(q), axis=-1)  # [1 or N, K]
+    span = np.maximum(q2[:, -3] - q2[:, 2], 0.0)
+    scale = np.maximum(np.maximum((q2[:, -1] - q2[:, -3]) / math.log((1 - PROBS[-3]) / (1 - PROBS[-1])), 0.01 * span),
+                       1e-9)
+    if q.ndim == 1:
+        inside = 1.0 - np.interp(x, q2[0], PROBS, left=0.0, right=PROBS[-1])
+        scale, lo, hi = scale[0], q2[0, 0], q2[0, -1]
+    else:  # np.interp per row: j = the last quantile <= x, linear to the next one
+        j = (q2 <= x[:, None]).sum(1) - 1
+        jc = np.clip(j, 0, q2.shape[1] - 2)
+        rows = np.arange(x.size)
+        q0, q1 = q2[rows, jc], q2[rows, jc + 1]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            cdf = (PROBS[jc + 1] - PROBS[jc]) / (q1 - q0) * (x - q0) + PROBS[jc]
+        cdf = np.where(j < 0, 0.0, np.where(j >= q2.shape[1] - 1, PROBS[-1], cdf))
+        inside, lo, hi = 1.0 - cdf, q2[:, 0], q2[:, -1]
+    beyond = (1 - PROBS[-1]) * np.exp(-np.clip(x - hi, 0, None) / scale)
+    p = np.where(x > hi, beyond, np.where(x < lo, 1.0, inside))
     return np.clip(p, 1e-300, 1.0)
 
 
