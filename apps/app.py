@@ -565,6 +565,43 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         yield (strip_value(t), f"Recorded **{md_text(rid)}**: {t.height} tokens "
                f"({md_text(query.run_row(store, rid)['status'])}).", rid)
 
+    def batch_choices(current: str | None):
+        """The Batches tab's picker, read now: (label, batch_id), newest first."""
+        df = query.batches(store)
+        choices = [(f"{r['batch_id']} · {r['complete']}/{r['runs']} complete · {str(r['started'])[:19]}", r["batch_id"])
+                   for r in df.iter_rows(named=True)]
+        ids = [c[1] for c in choices]
+        return gr.Dropdown(choices=choices, value=current if current in ids else (ids[0] if ids else None))
+
+    def batch_views(batch_id: str | None):
+        """A batch's runs, its least confident tokens, expert load and per-head entropy over all its runs."""
+        from workbench.batch import Batch
+        from workbench.figures import batch_confidence_figure, batch_entropy_figure, batch_load_figure
+        if not batch_id:
+            return None, None, None, None, "No batch yet: `workbench record --prompts FILE` records one."
+        b = Batch(store, batch_id)
+        runs = b.runs()
+        low = b.low_confidence(20)
+        st = ", ".join(f"{n} {md_text(k)}" for k, n in b.status().items())
+        return (runs.select("run_id", "batch_item", "status", pl.col("prompt").str.slice(0, 80), "n_tokens", "error"),
+                low.select("run_id", "batch_item", "pos", "text", pl.col("confidence").round(4), "rank"),
+                batch_load_figure(b.expert_load(), batch_id), batch_entropy_figure(b.head_entropy(), batch_id),
+                f"Batch {md_text(batch_id)}: {st}. Views over its complete runs.")
+
+    def search_runs(text: str, ignore_case: bool):
+        """Runs and positions whose decoded text contains ``text``."""
+        if not text:
+            return None, "Type some text to look for."
+        df = query.search(store, text, ignore_case=bool(ignore_case), limit=200)
+        shown = df.select("run_id", "pos", "end_pos", pl.col("context").str.replace_all("\n", " \u21b5 "))
+        return shown, f"{df.height} match{'es' if df.height != 1 else ''} of “{md_text(text)}” (click one to open its run)."
+
+    def pick_run_row(evt: gr.SelectData, df: pl.DataFrame | None):
+        """A row of a table with a run_id column: open that run."""
+        if df is None or evt.index is None or "run_id" not in df.columns:
+            return gr.Dropdown(), gr.Tabs()
+        return gr.Dropdown(value=str(df["run_id"][evt.index[0]])), gr.Tabs(selected="runview")
+
     def _exists(run_id: str) -> bool:
         try:
             query.run_row(store, run_id)
@@ -588,7 +625,8 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
 
     with gr.Blocks(title="MoE workbench", analytics_enabled=False) as app:
         gr.Markdown("## MoE observability workbench\nDeepSeek-V3-style MoE runs recorded into "
-                    f"{md_text(store.path.name)}: confidence, attention entropy, routing, KV cache, root cause.")
+                    f"{md_text(store.path.name)}{' (a read-only folder of Parquet shards)' if store.read_only else ''}: "
+                    "confidence, attention entropy, routing, KV cache, root cause.")
         with gr.Row():
             run_pick = gr.Dropdown(label="Run", choices=[], value=None, scale=4,  # choices: at page load
                                    elem_id="run-picker", allow_custom_value=True)
@@ -745,6 +783,30 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
                 sql_msg = gr.Markdown(elem_classes=["wb-message"], elem_id="sql-msg")
                 sql_out = gr.Dataframe(interactive=False, label="Rows", wrap=True, elem_id="sql-rows", datatype="str")
 
+            with gr.Tab("Batches", id="batches") as batch_tab:
+                with gr.Row():
+                    batch_pick = gr.Dropdown(label="Batch (a prompt set: workbench record --prompts)", choices=[],
+                                             elem_id="batch-picker", scale=4)
+                    batch_btn = gr.Button("↻", scale=0, min_width=60)
+                batch_msg = gr.Markdown(elem_classes=["wb-message"], elem_id="batch-msg")
+                batch_runs = gr.Dataframe(interactive=False, type="polars", label="Runs (click one to open it)",
+                                          wrap=True, elem_id="batch-runs", datatype="str")
+                with gr.Row():
+                    batch_load = gr.Plot(label="Expert load over the batch", elem_id="batch-load")
+                    batch_ent = gr.Plot(label="Per-head entropy across runs", elem_id="batch-entropy")
+                batch_low = gr.Dataframe(interactive=False, type="polars", label="Least confident tokens of the batch "
+                                         "(click one to open its run)", wrap=True, elem_id="batch-low", datatype="str")
+
+            with gr.Tab("Search", id="search"):
+                with gr.Row():
+                    search_text = gr.Textbox(label="Text in the runs' decoded text (may span tokens)", scale=4,
+                                             elem_id="search-text")
+                    search_case = gr.Checkbox(label="ignore case", value=False, scale=0, min_width=120)
+                    search_btn = gr.Button("Search", scale=0, min_width=100, elem_id="search-button")
+                search_msg = gr.Markdown(elem_classes=["wb-message"], elem_id="search-msg")
+                search_df = gr.Dataframe(interactive=False, type="polars", label="Matches", wrap=True,
+                                         elem_id="search-results", datatype="str")
+
         # -- wiring ----------------------------------------------------------------------------------
         run_lists = [runs_df, run_pick, rc_ref, cmp_a, cmp_b]
         list_inputs = [run_pick, rc_ref, cmp_a, cmp_b]
@@ -805,6 +867,16 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         code_tab.select(code_views, [run_pick, code_gen], code_outputs, api_name=False, **READ)
         code_gen.input(code_views, [run_pick, code_gen], code_outputs, api_name=False)
         sql_btn.click(sql, sql_text, [sql_out, sql_msg], api_name="sql", **SQL)
+        batch_out = [batch_runs, batch_low, batch_load, batch_ent, batch_msg]
+        (batch_tab.select(batch_choices, batch_pick, batch_pick, api_name=False, **READ)
+         .then(batch_views, batch_pick, batch_out, api_name=False))
+        batch_btn.click(batch_choices, batch_pick, batch_pick, api_name=False, **READ)
+        batch_pick.input(batch_views, batch_pick, batch_out, api_name=False)
+        for t in (batch_runs, batch_low):
+            t.select(pick_run_row, t, [run_pick, tabs], api_name=False)
+        for f in (search_btn.click, search_text.submit):
+            f(search_runs, [search_text, search_case], [search_df, search_msg], api_name=False, **READ)
+        search_df.select(pick_run_row, search_df, [run_pick, tabs], api_name=False)
         report_btn.click(export_report, run_pick, [report_file, report_msg], api_name=False)
         (rec_btn.click(record_stream, [rec_prompt, rec_max, rec_temp, rec_top_p, rec_seed, rec_ckpt],
                        [rec_strip, rec_status, rec_id], api_name="record")

@@ -49,9 +49,9 @@ def check_prompt(prompt: Sequence[int], max_new_tokens: int, max_seq_len: int) -
     prompt = list(prompt)
     if not prompt:
         raise ValueError("empty prompt: at least one token is needed")
-    if len(prompt) + max_new_tokens > max_seq_len:
+    if len(prompt) + max_new_tokens - 1 > max_seq_len:  # the last new token is never fed: it needs no slot
         raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds "
-                         f"max_seq_len {max_seq_len}")
+                         f"max_seq_len {max_seq_len} (the prompt and every new token but the last are fed)")
     return prompt
 
 
@@ -59,7 +59,7 @@ def stream(model: Transformer, prompt: Sequence[int], max_new_tokens: int = 64, 
            top_p: float = 1.0, seed: int = 0, eos_id: int | None = None) -> Iterator[Step]:
     """Yield the prefill step, then each decode step. The model's cache is set up and cleared here."""
     prompt = check_prompt(prompt, max_new_tokens, model.args.max_seq_len)
-    total = len(prompt) + max_new_tokens
+    total = len(prompt) + max_new_tokens - 1  # positions fed: the last new token is never written to the cache
     device = next(model.parameters()).device
     model.setup_cache(1, total)
     try:

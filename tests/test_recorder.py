@@ -239,3 +239,19 @@ def test_batched_decode_reductions_equal_per_step_reductions(tmp_path, monkeypat
                                            atol=1e-7, equal_nan=True, err_msg=f"{table.name}.{c}")
             else:
                 assert a[c].equals(b[c]), f"{table.name}.{c}"
+
+
+def test_run_fields_are_in_the_first_runs_row(tmp_path):
+    """``run_fields`` (a prompt set's batch_id) are stored with the run row itself: a reader sees them while the
+    run is still recording, so a run killed mid-way keeps them; the recorder's own columns cannot be set."""
+    store = Store(tmp_path / "w.duckdb")
+    seen = []
+
+    def on_token(pos, text):
+        seen.append(store.sql("SELECT status, batch_id FROM runs").row(0))
+
+    workbench.record([1, 2, 3], model=tiny(), max_new_tokens=3, db=store, on_token=on_token,
+                     run_fields={"batch_id": "b1", "batch_item": "p0"})
+    assert seen[0] == ("running", "b1")
+    with pytest.raises(ValueError, match="run_fields"):
+        workbench.record([1, 2, 3], model=tiny(), max_new_tokens=3, db=store, run_fields={"status": "complete"})

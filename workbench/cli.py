@@ -22,6 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt from a file")
+    src.add_argument("--prompts", metavar="FILE.jsonl|FILE.txt|DIR",
+                     help="a prompt set, each prompt its own run of one batch (JSONL: prompt, optional id, "
+                          "max_new_tokens, temperature, seed; .txt: one prompt per line; DIR: its *.jsonl sets and "
+                          "*.txt files, one prompt each); rerunning resumes the batch")
     p.add_argument("--model", default=None, help="checkpoint folder (ours, or any transformers causal LM, MoE or "
                                                   "dense); default: bundled demo")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the model folder's; required when "
@@ -35,6 +39,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="run the model in this dtype")
     p.add_argument("--json", action="store_true", help="print a JSON object (with run_id) as the last line")
+    p.add_argument("--batch-id", default=None, help="--prompts: the batch's id (default: a hash of the set and "
+                                                     "the settings, so the same command resumes it)")
+    p.add_argument("--out", default=None, metavar="DIR", help="--prompts: write each finished run as Parquet "
+                                                              "shards under DIR (export layout) instead of --db")
+    p.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                   help="--prompts: run the set on a Ray Data actor pool (a local cluster, or ADDRESS); needs --out "
+                        "and the ray extra")
+    p.add_argument("--workers", type=int, default=1, help="--ray: actors, one model each (default 1)")
+    p.add_argument("--no-detect", action="store_true", help="skip anomaly detection after each run")
+    _db(p)
+
+    p = sub.add_parser("import", help="merge a folder of Parquet shards (export / record --out) into a database")
+    p.add_argument("traces", metavar="DIR")
+    _db(p)
+
+    p = sub.add_parser("search", help="find runs and positions whose decoded text contains TEXT")
+    p.add_argument("text")
+    p.add_argument("--batch", default=None, metavar="BATCH_ID", help="only this batch's runs")
+    p.add_argument("--ignore-case", "-i", action="store_true")
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--json", action="store_true")
     _db(p)
 
     p = sub.add_parser("runs", help="list recorded runs")
@@ -52,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--auth", default=None, help="USER:PASS")
+    p.add_argument("--traces", default=None, metavar="DIR", help="serve a folder of Parquet shards (export / record "
+                                                                "--out) read-only instead of --db")
     _db(p)
 
     p = sub.add_parser("train", help="train the demo model from scratch (reproduces data/demo in a new folder)")
@@ -156,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     from .query import RunNotFound
     from .store import StoreError
 
-    mod = importlib.import_module(f"workbench.commands.{args.command.replace('-', '_')}")  # kv-whatif: kv_whatif.py
+    name = {"import": "import_traces"}.get(args.command, args.command.replace('-', '_'))  # kv-whatif: kv_whatif.py
+    mod = importlib.import_module(f"workbench.commands.{name}")
     try:
         return int(mod.main(args) or 0)
     except (RunNotFound, StoreError, ValueError, FileNotFoundError) as e:

@@ -114,3 +114,95 @@ def export_parquet(store: Store, out_dir: str | Path, run_id: str | None = None)
     finally:
         tmp.unlink(missing_ok=True)
     return written
+
+
+# -- one run at a time: shards (``workbench record --prompts ... --out DIR``) ----------------------------
+# Several processes (Ray actors) may write runs into one folder at once: each writes only its own runs'
+# partitions, every file under a temporary name moved into place, then the run's own completion marker
+# ``<out>/_runs/<run id>.json`` (written last, atomically). A run without a marker is not a run of the
+# folder (readers skip it), so a worker killed mid-run leaves no half-written run behind.
+RUN_MARKERS = "_runs"
+
+
+def run_marker(out_dir: str | Path, run_id: str) -> Path:
+    return Path(out_dir) / RUN_MARKERS / f"{quote(run_id, safe='')}.json"
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_name(path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_run(store: Store, out_dir: str | Path, run_id: str) -> list[Path]:
+    """Write one run's partitions (every table it has rows in) under ``out_dir``, then its completion marker
+    ``<out>/_runs/<id>.json`` (JSON: run_id, status, batch_id, batch_item, files, schema_version). Other
+    runs' files and markers, and the folder's ``_SUCCESS``, are left alone; returns the files written."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
+    info = query.run_row(store, run_id)
+    marker = run_marker(out, run_id)
+    marker.unlink(missing_ok=True)
+    written: list[Path] = []
+    cur = store.cursor()
+    try:
+        for table in _ORDER:
+            path = out / table / f"run_id={quote(run_id, safe='')}" / "data.parquet"
+            if not cur.execute(f"SELECT count(*) FROM {table} WHERE run_id = ?", [run_id]).fetchone()[0]:
+                path.unlink(missing_ok=True)
+                continue
+            _copy(cur, f"SELECT * EXCLUDE (run_id) FROM {table} WHERE run_id = {_literal(run_id)}", path)
+            written.append(path)
+        meta = out / "meta" / "data.parquet"
+        if not meta.exists():
+            _copy(cur, "SELECT * FROM meta ORDER BY key", meta)
+    finally:
+        cur.close()
+    _write_json(marker, {"run_id": run_id, "status": info["status"], "batch_id": info.get("batch_id"),
+                         "batch_item": info.get("batch_item"), "files": [str(p.relative_to(out)) for p in written],
+                         "schema_version": SCHEMA_VERSION,
+                         "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+    return written
+
+
+def complete_runs(out_dir: str | Path) -> dict[str, dict]:
+    """The runs of a folder that have a completion marker: those listed by its ``_SUCCESS`` (a whole
+    export) and those with a ``_runs/<id>.json`` (shards); run id -> what the marker says of it."""
+    out = Path(out_dir)
+    done: dict[str, dict] = {}
+    try:
+        for rid in json.loads((out / MARKER).read_text()).get("runs", []):
+            done[str(rid)] = {"run_id": str(rid)}
+    except (OSError, ValueError, AttributeError):
+        pass
+    for f in sorted((out / RUN_MARKERS).glob("*.json")):
+        try:
+            m = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(m, dict) and m.get("run_id"):
+            done[str(m["run_id"])] = m
+    return done
+
+
+def import_traces(src: Store, dest: Store) -> tuple[list[str], list[str]]:
+    """Merge the runs of a shard folder (a ``TraceStore``: only runs with a completion marker) into the
+    database ``dest``, one transaction per run (its ``runs`` row and every table's rows together). Runs
+    ``dest`` already has are left as they are. Returns (run ids imported, run ids already there)."""
+    have = set(dest.sql("SELECT run_id FROM runs")["run_id"].to_list())
+    ids = src.sql("SELECT run_id FROM runs ORDER BY created_at, run_id")["run_id"].to_list()
+    added = []
+    for rid in ids:
+        if rid in have:
+            continue
+        rows = {t: src.sql(f"SELECT * FROM {t} WHERE run_id = ?", [rid]) for t in ("runs",) + _ORDER[:-1]}
+        dest.append({t: df for t, df in rows.items() if df.height})
+        added.append(rid)
+    if added:
+        dest.checkpoint()
+    return added, [r for r in ids if r in have]

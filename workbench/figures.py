@@ -635,3 +635,50 @@ def fig_kv_pareto(frame, run_id: str | None = None) -> go.Figure:
 
 
 __all__ = [n for n in dir() if n.startswith("fig_")] + ["token_label", "CONFIDENCE_SCALE"]
+
+
+# -- batches (prompt sets): frames from workbench.query.batch_* ------------------------------------------
+
+def batch_load_figure(load: pl.DataFrame, batch_id: str = "") -> go.Figure:
+    """Share of routed slots per expert per MoE layer over a batch's runs (``query.batch_expert_load``)."""
+    if load.height == 0:
+        return _empty("no routing rows in this batch (dense models, or no complete runs)")
+    n_exp = int(load["expert"].max()) + 1
+    z, layers, experts = _heatmap(load, "layer", "expert", "share", n_cols=n_exp, fill=0.0)
+    fig = go.Figure(go.Heatmap(z=z, x=experts, y=[f"L{l}" for l in layers], colorscale="YlOrRd",
+                               colorbar={"title": "share"}, zmin=0,
+                               hovertemplate="%{y}, expert %{x}<br>share %{z:.3f}<extra></extra>"))
+    _layout(fig, f"Expert load over batch {html.escape(batch_id)} (uniform = {1 / n_exp:.3f})", height=320,
+            xaxis={"title": "expert", "dtick": 1}, yaxis={"title": "MoE layer", "autorange": "reversed"})
+    return fig
+
+
+def batch_entropy_figure(per_run: pl.DataFrame, batch_id: str = "", value: str = "norm_entropy") -> go.Figure:
+    """One box per layer x head: the spread over a batch's runs of each run's mean entropy at that head
+    (``query.batch_head_entropy``)."""
+    if per_run.height == 0:
+        return _empty("no attention rows in this batch")
+    fig = go.Figure()
+    for (layer,), grp in per_run.sort("layer", "head").group_by("layer", maintain_order=True):
+        fig.add_trace(go.Box(x=[f"L{layer}H{h}" for h in grp["head"].to_list()], y=grp[value].to_list(),
+                             name=f"L{layer}", boxpoints="outliers",
+                             text=[html.escape(r) for r in grp["run_id"].to_list()],
+                             hovertemplate="%{x}: %{y:.3f}<br>run %{text}<extra></extra>"))
+    _layout(fig, f"Per-head {'normalised ' if value == 'norm_entropy' else ''}entropy across the runs of batch "
+                 f"{html.escape(batch_id)}", height=380,
+            xaxis={"title": "layer / head"}, yaxis={"title": value})
+    return fig
+
+
+def batch_confidence_figure(low: pl.DataFrame, batch_id: str = "") -> go.Figure:
+    """The batch's least confident generated tokens (``query.batch_low_confidence``), one bar each."""
+    if low.height == 0:
+        return _empty("no generated tokens in this batch")
+    labels = [f"{html.escape(r)}@{p}" for r, p in zip(low["run_id"].to_list(), low["pos"].to_list())]
+    fig = go.Figure(go.Bar(x=labels, y=low["confidence"].to_list(), marker={"color": low["confidence"].to_list(),
+                           "colorscale": CONFIDENCE_SCALE, "cmin": 0, "cmax": 1},
+                           text=[token_label(t) for t in low["text"].to_list()], textposition="outside",
+                           hovertemplate="%{x}<br>token %{text}<br>confidence %{y:.3f}<extra></extra>"))
+    _layout(fig, f"Least confident tokens of batch {html.escape(batch_id)}", height=360,
+            xaxis={"title": "run @ pos", "tickangle": -45}, yaxis={"title": "confidence", "range": [0, 1.05]})
+    return fig

@@ -41,3 +41,65 @@ def load_prompts(path: str | Path) -> list[dict]:
     if not out:
         raise ValueError(f"{path} holds no prompts")
     return out
+
+
+def prompt_key(item: dict, index: int) -> str:
+    """A prompt's key within a batch: its explicit ``id``, else ``<index>:<12 hex of its SHA-256>``."""
+    import hashlib
+
+    if item.get("id") is not None:
+        return str(item["id"])
+    return f"{index}:{hashlib.sha256(item['prompt'].encode('utf-8')).hexdigest()[:12]}"
+
+
+def load_prompt_set(path: str | Path) -> list[dict]:
+    """A prompt set for ``workbench record --prompts`` / ``record_many``: dicts with ``prompt``, ``key`` and the
+    per-prompt settings given (``max_new_tokens``, ``temperature``, ``seed``).
+
+    - ``FILE.jsonl``: one JSON object a line (``prompt``; optional ``id``, ``max_new_tokens``, ``temperature``,
+      ``seed``); blank lines are skipped.
+    - ``FILE.txt``: one prompt per line (blank lines skipped).
+    - ``DIR``: every ``*.jsonl`` (a set, as above) and every ``*.txt`` (ONE prompt: the whole file, as in
+      ``data/prompts``) in it, by file name. Keys get the file's stem as a prefix (``calibration/3``).
+    A prompt's key is its ``id`` when given (a ``.txt`` in a folder: its stem), else ``<index>:<text hash>``.
+    """
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix in (".jsonl", ".txt"))
+        if not files:
+            raise ValueError(f"{path} holds no *.jsonl or *.txt prompt files")
+        out: list[dict] = []
+        for f in files:
+            if f.suffix == ".txt":
+                text = f.read_text(encoding="utf-8")
+                if text.strip():
+                    out.append({"prompt": text, "key": f.stem})
+            else:
+                out += [{**d, "key": f"{f.stem}/{d['key']}"} for d in load_prompt_set(f)]
+        if not out:
+            raise ValueError(f"{path} holds no prompts")
+        return out
+    if not path.is_file():
+        raise FileNotFoundError(f"no prompt file or folder at {path}")
+    items: list[dict] = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                d = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+            if not isinstance(d, dict) or not isinstance(d.get("prompt"), str) or not d["prompt"].strip():
+                raise ValueError(f"{path}:{n}: each line needs a non-empty string \"prompt\"")
+            unknown = set(d) - set(FIELDS)
+            if unknown:
+                raise ValueError(f"{path}:{n}: unknown keys {sorted(unknown)}; known: {FIELDS}")
+            items.append(d)
+        elif path.suffix == ".txt":
+            items.append({"prompt": line})
+        else:
+            raise ValueError(f"{path}: a prompt set is a .jsonl or .txt file, or a folder of them")
+    if not items:
+        raise ValueError(f"{path} holds no prompts")
+    return [{**{k: v for k, v in d.items() if k != "id"}, "key": prompt_key(d, i)} for i, d in enumerate(items)]

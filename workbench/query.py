@@ -248,3 +248,112 @@ def routing_agreement(store: Store, a: str, b: str) -> pl.DataFrame:
         FROM routing x JOIN routing y ON x.pos = y.pos AND x.layer = y.layer AND x.slot = y.slot
         WHERE x.run_id = ? AND y.run_id = ?
         GROUP BY x.layer ORDER BY x.layer""", [a, b])
+
+
+# -- batches (prompt sets: workbench.record_many) -------------------------------------------------------
+# A batch's views read its ``complete`` runs (a failed prompt's partial rows, or a failed try before a
+# successful rerun, would count twice).
+_BATCH_RUNS = "SELECT run_id FROM runs WHERE batch_id = $b AND status = 'complete'"
+
+
+def batches(store: Store) -> pl.DataFrame:
+    """Every batch: batch_id, runs, complete, failed, started, finished (newest first)."""
+    return store.sql("""SELECT batch_id, count(*) AS runs, count(*) FILTER (WHERE status = 'complete') AS complete,
+                               count(*) FILTER (WHERE status = 'failed') AS failed, min(created_at) AS started,
+                               max(finished_at) AS finished
+                        FROM runs WHERE batch_id IS NOT NULL GROUP BY batch_id ORDER BY started DESC, batch_id""")
+
+
+def batch_runs(store: Store, batch_id: str) -> pl.DataFrame:
+    """The runs of a batch, every status, in the order they were recorded."""
+    return store.sql("""SELECT run_id, batch_item, status, prompt, n_prompt_tokens, n_tokens, error, created_at
+                        FROM runs WHERE batch_id = ? ORDER BY created_at, run_id""", [batch_id])
+
+
+def batch_expert_load(store: Store, batch_id: str) -> pl.DataFrame:
+    """Routed slots per layer x expert summed over the batch's complete runs, their share of the layer's
+    slots (sums to 1 per layer) and the runs that used the expert."""
+    return store.sql(f"""SELECT layer, expert, count(*) AS slots,
+                                count(*) / sum(count(*)) OVER (PARTITION BY layer) AS share,
+                                count(DISTINCT run_id) AS runs
+                         FROM routing WHERE run_id IN ({_BATCH_RUNS})
+                         GROUP BY layer, expert ORDER BY layer, expert""", {"b": batch_id})
+
+
+def batch_head_entropy(store: Store, batch_id: str) -> pl.DataFrame:
+    """Each complete run's mean entropy per layer x head (pos 0 excluded): one value per run and head, the
+    distribution of a head's entropy over the batch."""
+    return store.sql(f"""SELECT run_id, layer, head, avg(entropy) AS entropy, avg(norm_entropy) AS norm_entropy
+                         FROM attention WHERE run_id IN ({_BATCH_RUNS}) AND pos > 0
+                         GROUP BY run_id, layer, head ORDER BY layer, head, run_id""", {"b": batch_id})
+
+
+def batch_head_entropy_summary(store: Store, batch_id: str) -> pl.DataFrame:
+    """Per layer x head, the spread of the runs' mean normalised entropy: runs, mean, std, min, p10, median,
+    p90, max."""
+    return store.sql(f"""SELECT layer, head, count(*) AS runs, avg(norm_entropy) AS mean, stddev_samp(norm_entropy) AS std,
+                                min(norm_entropy) AS min, quantile_cont(norm_entropy, 0.1) AS p10,
+                                median(norm_entropy) AS median, quantile_cont(norm_entropy, 0.9) AS p90,
+                                max(norm_entropy) AS max
+                         FROM (SELECT run_id, layer, head, avg(norm_entropy) AS norm_entropy FROM attention
+                               WHERE run_id IN ({_BATCH_RUNS}) AND pos > 0 GROUP BY run_id, layer, head)
+                         GROUP BY layer, head ORDER BY layer, head""", {"b": batch_id})
+
+
+def batch_low_confidence(store: Store, batch_id: str, n: int = 20) -> pl.DataFrame:
+    """The ``n`` least confident generated tokens over the batch's complete runs: run_id, batch_item, pos,
+    text, confidence, prob, rank."""
+    return store.sql(f"""SELECT t.run_id, r.batch_item, t.pos, t.text, t.confidence, t.prob, t.rank
+                         FROM tokens t JOIN runs r USING (run_id)
+                         WHERE t.run_id IN ({_BATCH_RUNS}) AND NOT t.is_prompt AND t.confidence IS NOT NULL
+                         ORDER BY t.confidence, t.run_id, t.pos LIMIT $n""", {"b": batch_id, "n": int(n)})
+
+
+# -- text search across runs ----------------------------------------------------------------------------
+
+SEARCH_SCHEMA = {"run_id": pl.String, "pos": pl.Int64, "end_pos": pl.Int64, "offset": pl.Int64,
+                 "match": pl.String, "context": pl.String}
+
+
+def search(store: Store, text: str, *, batch_id: str | None = None, run_ids: list[str] | None = None,
+           ignore_case: bool = False, context: int = 40, limit: int = 200) -> pl.DataFrame:
+    """Where runs' decoded text contains ``text``: the run's token texts concatenated in position order (as
+    ``Run.text``), so a match may span several BPE pieces. One row per match: run_id, pos (the token the match
+    starts in), end_pos (the token it ends in), offset (its character offset in the run's text), match, and
+    context (up to ``context`` characters either side). Newest runs first, at most ``limit`` rows."""
+    import bisect
+    import re
+
+    if not isinstance(text, str) or not text:
+        raise ValueError("search: give some text to look for")
+    where, params = ["TRUE"], {"q": text}
+    if batch_id is not None:
+        where.append("run_id IN (SELECT run_id FROM runs WHERE batch_id = $b)")
+        params["b"] = batch_id
+    if run_ids is not None:
+        where.append("list_contains($ids, run_id)")
+        params["ids"] = list(run_ids)
+    hay = "string_agg(coalesce(text, ''), '' ORDER BY pos)"
+    cond = f"contains(lower({hay}), lower($q))" if ignore_case else f"contains({hay}, $q)"
+    found = store.sql(f"""SELECT t.run_id, t.texts, t.positions FROM (
+                              SELECT run_id, list(coalesce(text, '') ORDER BY pos) AS texts,
+                                     list(pos ORDER BY pos) AS positions
+                              FROM tokens WHERE {' AND '.join(where)} GROUP BY run_id HAVING {cond}) t
+                          JOIN runs r USING (run_id) ORDER BY r.created_at DESC, t.run_id""", params)
+    pattern = re.compile(re.escape(text), re.IGNORECASE if ignore_case else 0)
+    rows: list[dict] = []
+    for run_id, texts, positions in found.iter_rows():
+        starts, n = [], 0
+        for t in texts:
+            starts.append(n)
+            n += len(t)
+        whole = "".join(texts)
+        for m in pattern.finditer(whole):
+            first = bisect.bisect_right(starts, m.start()) - 1
+            last = bisect.bisect_right(starts, m.end() - 1) - 1
+            rows.append({"run_id": run_id, "pos": positions[first], "end_pos": positions[last], "offset": m.start(),
+                         "match": m.group(0),
+                         "context": whole[max(0, m.start() - context):m.end() + context]})
+            if len(rows) >= limit:
+                return pl.DataFrame(rows, schema=SEARCH_SCHEMA)
+    return pl.DataFrame(rows, schema=SEARCH_SCHEMA)

@@ -25,6 +25,7 @@ import torch
 from workbench.model import file_sha256, load_tokenizer, state_sha256
 
 from .adapters import Adapter, load_adapter
+from .schema import columns
 from .signals import PROBES, SIGNALS, Probe, StepInfo
 from .store import Store, Writer
 
@@ -183,8 +184,12 @@ def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_t
                temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, db=None, dtype: str | None = None,
                probes: Iterable[str] = PROBES, topk: int = 5, progress: bool = False,
                on_token: Callable[[int, str], None] | None = None, parent_run_id: str | None = None,
-               run_id: str | None = None, backend: str = "auto") -> tuple[str, Store, Adapter, object]:
-    """Record one generation; returns (run_id, store, adapter, tokenizer). See ``workbench.record``."""
+               run_id: str | None = None, backend: str = "auto",
+               run_fields: dict | None = None) -> tuple[str, Store, Adapter, object]:
+    """Record one generation; returns (run_id, store, adapter, tokenizer). See ``workbench.record``.
+
+    ``run_fields``: more ``runs`` columns for the run's first row (e.g. a prompt set's ``batch_id``), so they
+    are there from the start, a run killed mid-way included."""
     if isinstance(prompt, str) and not prompt.strip():
         raise ValueError("empty prompt: type some text to record")
     if isinstance(prompt, str) and len(prompt) > MAX_PROMPT_CHARS:
@@ -192,6 +197,9 @@ def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_t
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(k for k in DTYPES if k)}, got {dtype!r}")
     check_generation(max_new_tokens, temperature, top_p, seed, topk)
+    bad = set(run_fields or {}) - (set(columns("runs")) - {"run_id", "status", "model", "config", "params", "prompt"})
+    if bad:
+        raise ValueError(f"run_fields may set only other columns of runs, not {sorted(bad)}")
     probes = list(dict.fromkeys(probes))
     unknown = set(probes) - set(SIGNALS)
     if unknown:
@@ -205,9 +213,9 @@ def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_t
     if not ids:
         raise ValueError("the prompt encodes to no tokens" if isinstance(prompt, str) else "empty prompt: no token ids")
     limit = adapter.summary.max_seq_len
-    if len(ids) + max_new_tokens > limit:
+    if len(ids) + max_new_tokens - 1 > limit:  # the last new token is produced, never fed: it needs no slot
         raise ValueError(f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds the model's "
-                         f"context of {limit} tokens")
+                         f"context of {limit} tokens (the prompt and every new token but the last are fed)")
     summary = adapter.summary
     for note in summary.notes:
         warnings.warn(f"recording {label}: {note}", stacklevel=3)
@@ -222,7 +230,7 @@ def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_t
         "prompt": [prompt if isinstance(prompt, str) else tokenizer.decode(ids)], "params": [json.dumps(params)],
         "seed": [seed], "parent_run_id": [parent_run_id], "n_prompt_tokens": [len(ids)], "n_tokens": [len(ids)],
         "pid": [os.getpid()], "summary": [json.dumps(summary.to_dict())],
-        "notes": ["; ".join(summary.notes) or None],
+        "notes": ["; ".join(summary.notes) or None], **{k: [v] for k, v in (run_fields or {}).items()},
     })})
     writer = Writer(store)
     eos = eos_of(tokenizer, adapter)

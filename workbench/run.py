@@ -258,6 +258,26 @@ class Workbench:
     def record(self, prompt, **kw) -> Run:
         return record(prompt, db=self.store, **kw)
 
+    def record_many(self, prompts, **kw):
+        """Record a prompt set into this database (``workbench.record_many``); returns the ``Batch``."""
+        return record_many(prompts, db=self.store, **kw)
+
+    def batches(self) -> pl.DataFrame:
+        """Every batch (prompt-set recording): batch_id, runs, complete, failed, started, finished."""
+        return query.batches(self.store)
+
+    def batch(self, batch_id: str):
+        """One batch: its runs, and expert load, head entropy and low-confidence tokens over all of them."""
+        from .batch import Batch
+        if not query.batch_runs(self.store, batch_id).height:
+            raise query.RunNotFound(f"no batch {batch_id!r} in {self.store.path}")
+        return Batch(self.store, batch_id)
+
+    def search(self, text: str, **kw) -> pl.DataFrame:
+        """Runs and positions whose decoded text contains ``text`` (run_id, pos, end_pos, offset, match,
+        context; ``workbench.query.search``)."""
+        return query.search(self.store, text, **kw)
+
     def __repr__(self) -> str:
         return f"Workbench({self.store.path}, {self.runs().height} runs)"
 
@@ -265,7 +285,7 @@ class Workbench:
 def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_tokens: int = 64,
            temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, db=None, dtype: str | None = None,
            probes=PROBES, topk: int = 5, progress: bool = False, on_token=None, parent_run_id: str | None = None,
-           run_id: str | None = None, detect: bool = True, backend: str = "auto") -> Run:
+           run_id: str | None = None, detect: bool = True, backend: str = "auto", run_fields: dict | None = None) -> Run:
     """Generate from ``prompt`` with probes attached and store every signal; returns the ``Run``.
 
     Args:
@@ -280,13 +300,14 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
         on_token: called as ``on_token(pos, text)`` for each generated token (live streaming).
         detect: run the anomaly detectors once the run completes (``Run.anomalies()`` recomputes on demand).
         backend: "auto" | "native" | "transformers": how a DeepseekV3 folder is run.
+        run_fields: more ``runs`` columns for the run's first row (``record_many`` sets ``batch_id`` so).
     """
     from .recorder import record_run
 
     rid, store, adapter, tok = record_run(
         prompt, model=model, tokenizer=tokenizer, max_new_tokens=max_new_tokens, temperature=temperature,
         top_p=top_p, seed=seed, db=db, dtype=dtype, probes=probes, topk=topk, progress=progress, on_token=on_token,
-        parent_run_id=parent_run_id, run_id=run_id, backend=backend)
+        parent_run_id=parent_run_id, run_id=run_id, backend=backend, run_fields=run_fields)
     run = Run(store, rid, model=adapter, tokenizer=tok)
     if detect:
         try:  # the runs table shows anomaly counts; a detector bug must not lose the recording
@@ -297,6 +318,14 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
     return run
 
 
+def record_many(prompts, **kw):
+    """Record every prompt of a set as its own run, all sharing one ``batch_id``; returns a ``Batch``
+    (``workbench.batch.record_many``: resumable, a failing prompt becomes a failed run, ``out=`` for shards)."""
+    from .batch import record_many as _record_many
+    return _record_many(prompts, **kw)
+
+
 def open(db: str | Path | None = None) -> Workbench:  # noqa: A001 - the documented name
-    """Open (or create) a workbench database."""
+    """Open (or create) a workbench database; a folder of Parquet shards (``workbench export``, ``workbench
+    record --prompts ... --out DIR``) opens read-only (``workbench.store.TraceStore``)."""
     return Workbench(db)

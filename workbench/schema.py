@@ -35,7 +35,9 @@ TABLES: dict[str, str] = {
         summary VARCHAR,           -- the neutral model summary as JSON (docs/schema.md); every consumer reads it
         notes VARCHAR,             -- what the recorder could not see (e.g. MoE blocks no adapter recognises)
         pid_start VARCHAR,         -- the recording process beyond its pid: <boot id>:<start ticks> (a reused pid differs)
-        detection VARCHAR          -- the detector settings (JSON) of the run's stored anomalies; NULL: never detected""",
+        detection VARCHAR,         -- the detector settings (JSON) of the run's stored anomalies; NULL: never detected
+        batch_id VARCHAR,          -- the prompt set recording (workbench.record_many) the run belongs to; NULL: none
+        batch_item VARCHAR         -- the prompt's key within its batch (its id, else <index>:<text hash>)""",
     "anomalies": """
         run_id VARCHAR,
         anomaly_id INTEGER,
@@ -99,7 +101,9 @@ DERIVED = ("anomalies", "attributions")
 ADDED_COLUMNS = ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS summary VARCHAR",
                  "ALTER TABLE runs ADD COLUMN IF NOT EXISTS notes VARCHAR",
                  "ALTER TABLE runs ADD COLUMN IF NOT EXISTS pid_start VARCHAR",
-                 "ALTER TABLE runs ADD COLUMN IF NOT EXISTS detection VARCHAR"]
+                 "ALTER TABLE runs ADD COLUMN IF NOT EXISTS detection VARCHAR",
+                 "ALTER TABLE runs ADD COLUMN IF NOT EXISTS batch_id VARCHAR",
+                 "ALTER TABLE runs ADD COLUMN IF NOT EXISTS batch_item VARCHAR"]
 
 
 def ddl() -> str:

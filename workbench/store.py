@@ -196,7 +196,17 @@ _LOCK = threading.RLock()
 
 
 class Store:
-    """A workbench database file. ``Store(path).sql(query, params)`` returns a polars frame."""
+    """A workbench database file. ``Store(path).sql(query, params)`` returns a polars frame.
+
+    ``Store(folder)`` of a folder of Parquet shards (``workbench export`` / ``record --out``) gives a read-only
+    ``TraceStore`` over it."""
+
+    read_only = False  # TraceStore: every write raises StoreError
+
+    def __new__(cls, path: str | Path | None = None, *args, **kwargs):
+        if cls is Store and path is not None and Path(path).is_dir():
+            cls = TraceStore
+        return super().__new__(cls)
 
     def __init__(self, path: str | Path | None = None):
         self.path = Path(path) if path else default_db()
@@ -638,3 +648,137 @@ def _recorded_sql() -> str:
 
 
 _RECORDED_SQL = _recorded_sql()
+
+
+class TraceStore(Store):
+    """A read-only store over a folder of Parquet shards in the export's Hive layout
+    (``DIR/<table>/run_id=<id>/*.parquet``, written by ``workbench export`` or ``workbench record --out``).
+
+    An in-memory DuckDB holds one view per workbench table, ``SELECT <the schema's columns> FROM
+    read_parquet('DIR/<table>/*/*.parquet', hive_partitioning = true)`` limited to the runs with a completion
+    marker (the folder's ``_SUCCESS`` or the run's ``_runs/<id>.json``), so every query of the query layer, the
+    app and the report reads it as it reads a database file. Columns a shard lacks (written before they were
+    added) read as NULL; tables without shards are empty. Runs that get their marker later (a batch still
+    writing) appear within ``REFRESH_S`` seconds. Every write raises ``StoreError``.
+    """
+
+    read_only = True
+    REFRESH_S = 2.0
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise StoreError(f"{self.path} is not a folder of Parquet shards")
+        key = "traces:" + str(self.path.resolve())
+        with _LOCK:
+            self._shared = _SHARED.get(key) or _SHARED.setdefault(key, _Shared(self.path.resolve()))
+        self._shared.last_check = 0.0  # a new TraceStore sees the runs finished until now
+        self.cursor().close()
+
+    def _stamp(self) -> tuple:
+        """What changes when runs are added: the markers and the table folders."""
+        from .export import MARKER, RUN_MARKERS
+
+        def mtime(p: Path):
+            try:
+                return p.stat().st_mtime_ns
+            except OSError:
+                return None
+        runs = self.path / RUN_MARKERS
+        return (mtime(self.path / MARKER), mtime(runs), mtime(self.path),
+                tuple(sorted(p.name for p in runs.glob("*.json"))) if runs.is_dir() else ())
+
+    def _connect(self) -> duckdb.DuckDBPyConnection:
+        con = duckdb.connect(":memory:")
+        try:
+            self._views(con)
+        except BaseException:
+            con.close()
+            raise
+        return con
+
+    def _views(self, con) -> None:
+        from .export import complete_runs
+
+        stamp = self._stamp()
+        lit = lambda s: "'" + str(s).replace("'", "''") + "'"  # noqa: E731 - paths in table functions
+        con.execute("CREATE SCHEMA IF NOT EXISTS _wb")
+        con.execute(ddl().replace("CREATE TABLE IF NOT EXISTS ", "CREATE TABLE IF NOT EXISTS _wb."))
+        types: dict[str, list[tuple[str, str]]] = {}
+        for t, c, ty in con.execute("SELECT table_name, column_name, data_type FROM information_schema.columns "
+                                    "WHERE table_schema = '_wb' ORDER BY table_name, ordinal_position").fetchall():
+            types.setdefault(t, []).append((c, ty))
+        con.execute("CREATE OR REPLACE TABLE _wb._complete AS SELECT unnest($ids::VARCHAR[]) AS run_id",
+                    {"ids": sorted(complete_runs(self.path))})
+        meta = self.path / "meta" / "data.parquet"
+        if meta.exists():
+            try:
+                row = con.execute(f"SELECT value FROM read_parquet({lit(meta)}) WHERE key = 'schema_version'").fetchone()
+            except duckdb.Error as e:
+                raise StoreError(f"cannot read {meta}: {str(e).splitlines()[0]}") from None
+            version = int(row[0]) if row else 0
+            if version > SCHEMA_VERSION:
+                raise StoreError(f"{self.path} has schema_version {version}, newer than this workbench understands "
+                                 f"({SCHEMA_VERSION}); upgrade moe-workbench to read it")
+            con.execute(f"CREATE OR REPLACE VIEW main.meta AS SELECT * FROM read_parquet({lit(meta)})")
+        else:
+            con.execute("INSERT INTO _wb.meta VALUES ('schema_version', ?) ON CONFLICT DO NOTHING", [str(SCHEMA_VERSION)])
+            con.execute("CREATE OR REPLACE VIEW main.meta AS SELECT * FROM _wb.meta")
+        for table in TABLES:
+            if table == "meta":
+                continue
+            cols = types[table]
+            files = self.path / table
+            if "run_id" not in dict(cols) or not next(files.glob("*/*.parquet"), None):
+                con.execute(f"CREATE OR REPLACE VIEW main.{table} AS SELECT * FROM _wb.{table}")
+                continue
+            src = (f"read_parquet({lit(str(files) + '/*/*.parquet')}, hive_partitioning = true, union_by_name = true, "
+                   "hive_types = {'run_id': VARCHAR})")
+            try:
+                present = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
+            except duckdb.Error as e:
+                raise StoreError(f"cannot read the {table} shards under {files}: {str(e).splitlines()[0]}") from None
+            sel = ", ".join("run_id" if c == "run_id" else f'CAST("{c}" AS {ty}) AS "{c}"' if c in present
+                            else f'CAST(NULL AS {ty}) AS "{c}"' for c, ty in cols)
+            con.execute(f"CREATE OR REPLACE VIEW main.{table} AS SELECT {sel} FROM {src} "
+                        "WHERE run_id IN (SELECT run_id FROM _wb._complete)")
+        self._shared.stamp = stamp  # type: ignore[attr-defined]
+        self._shared.last_check = time.monotonic()
+
+    def cursor(self, timeout_s: float | None = None) -> _Lease:
+        sh = self._shared
+        lease = _Lease(sh.acquire(self._connect), sh)
+        if time.monotonic() - sh.last_check >= self.REFRESH_S:
+            with sh.check_lock:
+                sh.last_check = time.monotonic()
+                if self._stamp() != getattr(sh, "stamp", None):
+                    try:
+                        self._views(lease._cur)
+                    except BaseException:
+                        lease.close()
+                        raise
+        return lease
+
+    def check_liveness(self, cur=None, force: bool = False) -> None:
+        return None  # every run of a folder is finished: it has a completion marker
+
+    def _refuse(self, what: str):
+        raise StoreError(f"{self.path} is a read-only folder of Parquet shards: cannot {what} "
+                         f"(`workbench import {self.path} --db FILE` makes a database that can be written)")
+
+    def append(self, batches: dict, cur=None) -> None:
+        self._refuse(f"write rows of {', '.join(batches)}")
+
+    def replace_where(self, table: str, where: str, params: list, df: pl.DataFrame) -> None:
+        self._refuse(f"store {table} rows")
+
+    def update_run(self, run_id: str, **fields: Any) -> None:
+        self._refuse(f"update run {run_id}")
+
+    def checkpoint(self) -> None:
+        return None
+
+    def execute(self, query: str, params: list | dict | None = None) -> list[tuple]:
+        if query.lstrip().split(None, 1)[0].upper() not in ("SELECT", "WITH", "DESCRIBE", "SHOW", "FROM"):
+            self._refuse("run " + query.lstrip().split(None, 1)[0].upper())
+        return super().execute(query, params)

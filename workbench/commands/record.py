@@ -6,6 +6,10 @@ from pathlib import Path
 
 
 def main(args) -> int:
+    if getattr(args, "prompts", None) is not None:
+        return record_set(args)
+    if args.out or args.ray or args.batch_id:
+        raise ValueError("--out, --ray and --batch-id go with --prompts")
     from workbench.run import record
 
     prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
@@ -20,4 +24,34 @@ def main(args) -> int:
     else:
         print(run.prompt + run.generated_text)
         print(f"\nrun {run.run_id} ({info['status']}) -> {run.store.path}")
+    return 0
+
+
+def record_set(args) -> int:
+    """``--prompts``: every prompt its own run of one batch (``workbench.record_many``)."""
+    from workbench.batch import record_many
+
+    if args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    if args.ray and not args.out:
+        raise ValueError("--ray writes Parquet shards: give --out DIR")
+    batch = record_many(args.prompts, model=args.model, tokenizer=args.tokenizer, db=args.db, out=args.out,
+                        batch_id=args.batch_id, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                        top_p=args.top_p, seed=args.seed, dtype=args.dtype, backend=args.backend,
+                        detect=not args.no_detect, progress=True, ray=args.ray, workers=args.workers)
+    runs = batch.runs()
+    status = batch.status()
+    out = {"batch_id": batch.batch_id, "where": str(batch.store.path), "status": status,
+           "recorded": len(batch.recorded), "skipped": len(batch.skipped),
+           "runs": [{"run_id": r["run_id"], "key": r["batch_item"], "status": r["status"], "tokens": r["n_tokens"],
+                     "error": r["error"]} for r in runs.iter_rows(named=True)]}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for r in out["runs"]:
+            print(f"{r['run_id']}  {r['status']:<11} {r['tokens'] or 0:>5} tok  {r['key']}"
+                  + (f"  ({r['error']})" if r["error"] else ""))
+        what = ", ".join(f"{n} {s}" for s, n in status.items())
+        print(f"\nbatch {batch.batch_id}: {what} ({len(batch.recorded)} recorded now, {len(batch.skipped)} "
+              f"skipped as complete) -> {batch.store.path}")
     return 0

@@ -11,5 +11,9 @@ def main(args) -> int:
         import sys
         print(f"workbench ui: warning: serving on {args.host} without --auth; anyone who can reach it can "
               "record runs and read the database", file=sys.stderr)
-    launch(args.db, args.host, args.port, args.auth)
+    db = args.db
+    if getattr(args, "traces", None):
+        from workbench.store import TraceStore
+        db = TraceStore(args.traces)
+    launch(db, args.host, args.port, args.auth)
     return 0

@@ -1,0 +1,308 @@
+"""Prompt sets: record many prompts as one batch (``workbench.record_many``, ``workbench record --prompts``).
+
+Each prompt becomes its own run (``workbench.record``), and every run of the set carries the same
+``runs.batch_id`` and its prompt's key (``runs.batch_item``: the prompt's ``id``, else ``<index>:<text hash>``).
+The batch id defaults to a hash of the prompt set and the settings, so running the same command again resumes
+the batch: prompts that already have a ``complete`` run in it are skipped. A prompt that fails becomes a
+``failed`` run (its error in ``runs.error``) and the batch goes on.
+
+With ``out=DIR`` the runs are written as Parquet shards in the export's Hive layout instead of into a database:
+each run is recorded into a temporary DuckDB file and, once finished, written with ``workbench.export.write_run``
+(every file under a temporary name moved into place, then the run's completion marker), so a killed process
+leaves only whole runs; ``workbench.open(DIR)`` reads the folder. ``ray=`` runs the set on a Ray Data actor pool
+(``workbench.raybatch``) that writes the same layout.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import polars as pl
+
+from . import query
+from .signals import PROBES
+from .store import Store
+
+PER_PROMPT = ("max_new_tokens", "temperature", "seed")
+
+
+def prompt_items(prompts) -> list[dict]:
+    """A prompt set as dicts with ``prompt``, ``key`` and per-prompt settings: a path (``.jsonl``, ``.txt`` or a
+    folder: ``workbench.prompts.load_prompt_set``), a list of strings, or a list of dicts (``prompt`` and optional
+    ``id``, ``max_new_tokens``, ``temperature``, ``seed``)."""
+    from .prompts import FIELDS, load_prompt_set, prompt_key
+
+    if isinstance(prompts, (str, Path)):
+        return load_prompt_set(prompts)
+    items = []
+    for i, p in enumerate(prompts):
+        d = {"prompt": p} if isinstance(p, str) else dict(p)
+        if not isinstance(d.get("prompt"), str):
+            raise ValueError(f"prompt {i}: needs a string 'prompt', got {p!r:.80}")
+        unknown = set(d) - set(FIELDS) - {"key"}
+        if unknown:
+            raise ValueError(f"prompt {i}: unknown keys {sorted(unknown)}; known: {FIELDS}")
+        key = str(d.pop("key")) if d.get("key") is not None else prompt_key(d, i)
+        d.pop("id", None)
+        items.append({**d, "key": key})
+    keys = [d["key"] for d in items]
+    if len(set(keys)) != len(keys):
+        dup = sorted({k for k in keys if keys.count(k) > 1})[:3]
+        raise ValueError(f"prompt ids must be unique within a set; repeated: {dup}")
+    return items
+
+
+def batch_id_for(items: list[dict], settings: dict) -> str:
+    """The default batch id: a hash of the prompts (keys and texts) and the settings ("b" + 11 hex)."""
+    h = hashlib.sha256(json.dumps({"items": items, "settings": settings}, sort_keys=True, default=str).encode())
+    return "b" + h.hexdigest()[:11]
+
+
+def completed(store: Store | None, out: str | Path | None, batch_id: str) -> set[str]:
+    """Keys of the batch's prompts that already have a ``complete`` run (in the database, or in ``out``)."""
+    if out is not None:
+        from .export import complete_runs
+        return {m.get("batch_item") for m in complete_runs(out).values()
+                if m.get("batch_id") == batch_id and m.get("status") == "complete"}
+    df = store.sql("SELECT DISTINCT batch_item FROM runs WHERE batch_id = ? AND status = 'complete'", [batch_id])
+    return set(df["batch_item"].to_list())
+
+
+def _failed_row(store: Store, run_id: str, item: dict, label: str, error: str, seed) -> None:
+    """A ``failed`` run row for a prompt that failed before its recording made one (e.g. a bad setting)."""
+    now = datetime.now(timezone.utc).replace(tzinfo=None)
+    store.append({"runs": pl.DataFrame({
+        "run_id": [run_id], "created_at": [now], "status": ["failed"], "model": [label], "prompt": [item["prompt"]],
+        "params": [json.dumps({k: item[k] for k in PER_PROMPT if k in item})],
+        "seed": [seed if isinstance(seed, int) and not isinstance(seed, bool) else None], "finished_at": [now],
+        "error": [error], "n_tokens": [0], "pid": [os.getpid()]}, schema_overrides={"seed": pl.Int64})})
+
+
+def record_one(item: dict, *, store: Store, batch_id: str, adapter, tokenizer, label: str, settings: dict,
+               detect: bool = True) -> dict:
+    """Record one prompt of a batch into ``store`` (never raises for the prompt's own failure); returns
+    ``{run_id, key, status, n_tokens, error}``."""
+    import uuid
+
+    from .run import record
+
+    kw = {**settings, **{k: item[k] for k in PER_PROMPT if k in item}}
+    run_id = "r" + uuid.uuid4().hex[:11]
+    error = None
+    try:
+        record(item["prompt"], model=adapter, tokenizer=tokenizer, db=store, run_id=run_id, detect=detect,
+               run_fields={"batch_id": batch_id, "batch_item": item["key"]}, **kw)
+    except Exception as e:  # noqa: BLE001 - one prompt's failure is that run's, not the batch's
+        error = f"{type(e).__name__}: {e}"
+    try:
+        query.run_row(store, run_id)
+    except query.RunNotFound:  # it failed before the recorder made its row
+        _failed_row(store, run_id, item, label, error or "no run recorded", kw.get("seed"))
+    store.update_run(run_id, batch_id=batch_id, batch_item=item["key"])
+    info = query.run_row(store, run_id)
+    return {"run_id": run_id, "key": item["key"], "status": info["status"], "n_tokens": info["n_tokens"] or 0,
+            "error": info["error"]}
+
+
+def load_model(model=None, tokenizer=None, dtype: str | None = None, backend: str = "auto"):
+    """(adapter, tokenizer, label) for a batch: the model loaded once, its tokenizer resolved once."""
+    from .adapters import load_adapter
+    from .recorder import DTYPES, resolve_tokenizer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(k for k in DTYPES if k)}, got {dtype!r}")
+    adapter = load_adapter(model, DTYPES[dtype], backend=backend)
+    tok = resolve_tokenizer(tokenizer, adapter, bundled=model is None)
+    label = str(adapter.checkpoint_path or type(adapter.module).__name__)
+    return adapter, tok, label
+
+
+class Bars:
+    """Two tqdm bars on stderr: prompts, and tokens generated (updated per finished prompt)."""
+
+    def __init__(self, n_prompts: int, n_tokens: int, desc: str, enabled: bool = True):
+        from tqdm import tqdm
+
+        self.t0 = time.monotonic()
+        self.prompts = tqdm(total=n_prompts, desc=f"{desc} prompts", unit="prompt", file=sys.stderr,
+                            disable=not enabled, position=0)
+        self.tokens = tqdm(total=n_tokens, desc=f"{desc} tokens", unit="tok", file=sys.stderr,
+                           disable=not enabled, position=1)
+        self.failed = 0
+
+    def done(self, row: dict, generated: int) -> None:
+        self.failed += row["status"] != "complete"
+        self.tokens.update(generated)
+        self.prompts.set_postfix(failed=self.failed, refresh=False)
+        self.prompts.update(1)
+
+    def close(self) -> None:
+        self.tokens.close()
+        self.prompts.close()
+
+
+def _generated(row: dict, store: Store) -> int:
+    info = query.run_row(store, row["run_id"])
+    return max(0, int(info["n_tokens"] or 0) - int(info["n_prompt_tokens"] or 0))
+
+
+def record_many(prompts, *, model=None, tokenizer=None, db=None, out: str | Path | None = None,
+                batch_id: str | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
+                top_p: float = 1.0, seed: int = 0, dtype: str | None = None, probes=PROBES, topk: int = 5,
+                backend: str = "auto", detect: bool = True, progress: bool = True, ray: str | bool | None = None,
+                workers: int = 1) -> "Batch":
+    """Record every prompt of a set as its own run, all with one ``batch_id``; returns the ``Batch``.
+
+    Args:
+        prompts: a ``.jsonl`` / ``.txt`` file or a folder of them (``workbench.prompts.load_prompt_set``), a list
+            of strings, or a list of dicts (``prompt``; optional ``id``, ``max_new_tokens``, ``temperature``,
+            ``seed``, which override the arguments of the same name for that prompt).
+        db: database path or ``Store`` (ignored with ``out``).
+        out: write each finished run as Parquet shards under this folder (export layout, atomic per run)
+            instead of into ``db``; ``workbench.open(out)`` reads it.
+        batch_id: default: a hash of the set and the settings, so the same call again resumes the batch
+            (prompts with a ``complete`` run in it are skipped).
+        ray: run the set on a Ray Data actor pool: True / "auto" (a local cluster, or the one
+            ``$RAY_ADDRESS`` names) or a cluster address; needs ``out`` and ``pip install 'moe-workbench[ray]'``.
+        workers: actors of the Ray pool (one model each).
+        The other arguments are ``workbench.record``'s.
+    """
+    items = prompt_items(prompts)
+    settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+                "dtype": dtype, "probes": sorted(probes), "topk": topk, "backend": backend}
+    model_id = str(model) if isinstance(model, (str, Path)) or model is None else type(model).__name__
+    batch_id = batch_id or batch_id_for(items, {**settings, "model": model_id})
+    if ray:
+        if out is None:
+            raise ValueError("--ray writes Parquet shards: give --out DIR")
+        from .raybatch import record_many_ray
+        record_many_ray(items, out=out, batch_id=batch_id, model=model, tokenizer=tokenizer, settings=settings,
+                        detect=detect, progress=progress, address=None if ray in (True, "auto") else str(ray),
+                        workers=workers)
+        return Batch(Store(out), batch_id)
+    skip = completed(Store(db) if out is None and not isinstance(db, Store) else db, out, batch_id)
+    todo = [d for d in items if d["key"] not in skip]
+    batch = Batch(None, batch_id)
+    batch.skipped = [d["key"] for d in items if d["key"] in skip]
+    if not todo:
+        batch.store = Store(out) if out is not None else (db if isinstance(db, Store) else Store(db))
+        return batch
+    adapter, tok, label = load_model(model, tokenizer, dtype, backend)
+    gen = {k: v for k, v in settings.items() if k != "backend"}
+    bars = Bars(len(todo), sum(int(d.get("max_new_tokens", max_new_tokens)) for d in todo), "batch", progress)
+    rows: list[dict] = []
+    tmp = None
+    try:
+        if out is not None:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix="wb-shard-"))
+            store = Store(tmp / "shard.duckdb")
+        else:
+            store = db if isinstance(db, Store) else Store(db)
+        for item in todo:
+            row = record_one(item, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tok, label=label,
+                             settings=gen, detect=detect)
+            n = _generated(row, store)
+            if out is not None:
+                flush_run(store, out, row["run_id"])
+            rows.append(row)
+            bars.done(row, n)
+    finally:
+        bars.close()
+        if tmp is not None:
+            Store(tmp / "shard.duckdb").close()
+            shutil.rmtree(tmp, ignore_errors=True)
+    batch.store = Store(out) if out is not None else store
+    batch.recorded = rows
+    return batch
+
+
+def flush_run(store: Store, out: str | Path, run_id: str) -> None:
+    """Write a finished run from a worker's temporary store into the shard folder, then drop it there."""
+    from .export import RUN_TABLES, write_run
+
+    write_run(store, out, run_id)
+    cur = store.cursor()
+    try:
+        cur.execute("BEGIN")
+        for t in RUN_TABLES:
+            cur.execute(f"DELETE FROM {t} WHERE run_id = ?", [run_id])
+        cur.execute("COMMIT")
+    finally:
+        cur.close()
+
+
+class Batch:
+    """The runs of one prompt-set recording: their list and views over all of them (polars frames, plotly figures).
+
+    ``recorded``: the rows (run_id, key, status, n_tokens, error) of the prompts recorded by the call that
+    returned it; ``skipped``: the keys it skipped as already complete."""
+
+    def __init__(self, store: Store | None, batch_id: str):
+        self.store = store
+        self.batch_id = batch_id
+        self.recorded: list[dict] = []
+        self.skipped: list[str] = []
+
+    def runs(self) -> pl.DataFrame:
+        """run_id, batch_item, status, prompt, n_prompt_tokens, n_tokens, error, created_at (in the set's order
+        of recording)."""
+        return query.batch_runs(self.store, self.batch_id)
+
+    @property
+    def run_ids(self) -> list[str]:
+        return self.runs()["run_id"].to_list()
+
+    def run(self, run_id: str):
+        from .run import Run
+        if run_id not in self.run_ids:
+            raise query.RunNotFound(f"run {run_id!r} is not in batch {self.batch_id}")
+        return Run(self.store, run_id)
+
+    def status(self) -> dict[str, int]:
+        """Runs per status."""
+        return dict(self.runs().group_by("status").len().sort("status").iter_rows())
+
+    def expert_load(self) -> pl.DataFrame:
+        """Routed slots per layer x expert summed over the batch's runs, and the share of the layer's slots."""
+        return query.batch_expert_load(self.store, self.batch_id)
+
+    def head_entropy(self) -> pl.DataFrame:
+        """Each run's mean entropy per layer x head (run_id, layer, head, entropy, norm_entropy): the
+        distribution of a head's entropy across the batch."""
+        return query.batch_head_entropy(self.store, self.batch_id)
+
+    def head_entropy_summary(self) -> pl.DataFrame:
+        """Per layer x head over the batch's runs: runs, mean, std, min, p10, median, p90, max of norm_entropy."""
+        return query.batch_head_entropy_summary(self.store, self.batch_id)
+
+    def low_confidence(self, n: int = 20) -> pl.DataFrame:
+        """The ``n`` least confident generated tokens across the batch: run_id, pos, text, confidence, prob, rank."""
+        return query.batch_low_confidence(self.store, self.batch_id, n)
+
+    def search(self, text: str, **kw) -> pl.DataFrame:
+        """``workbench.query.search`` within this batch's runs."""
+        return query.search(self.store, text, batch_id=self.batch_id, **kw)
+
+    def fig_expert_load(self):
+        from .figures import batch_load_figure
+        return batch_load_figure(self.expert_load(), self.batch_id)
+
+    def fig_head_entropy(self):
+        from .figures import batch_entropy_figure
+        return batch_entropy_figure(self.head_entropy(), self.batch_id)
+
+    def fig_low_confidence(self, n: int = 20):
+        from .figures import batch_confidence_figure
+        return batch_confidence_figure(self.low_confidence(n), self.batch_id)
+
+    def __repr__(self) -> str:
+        st = ", ".join(f"{n} {s}" for s, n in self.status().items()) if self.store is not None else "not opened"
+        return f"Batch({self.batch_id}, {st})"

@@ -1,0 +1,12 @@
+"""workbench import DIR: merge a folder of Parquet shards (export / record --out) into a database."""
+from __future__ import annotations
+
+
+def main(args) -> int:
+    from workbench.store import Store, TraceStore
+    from workbench.export import import_traces
+
+    dest = Store(args.db)
+    added, present = import_traces(TraceStore(args.traces), dest)
+    print(f"{len(added)} runs imported from {args.traces} into {dest.path} ({len(present)} already there)")
+    return 0

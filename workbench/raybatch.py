@@ -1,0 +1,115 @@
+"""A prompt set on Ray: ``workbench record --prompts FILE --ray [ADDRESS] --workers N --out DIR``.
+
+Ray Data runs the set's prompts on an actor pool of ``workers`` actors (``ActorPoolStrategy``). Each actor
+loads the model once, takes one GPU when the cluster has GPUs (else one CPU, with torch on one thread),
+records each prompt into its own temporary DuckDB file (``workbench.batch.record_one``) and writes the
+finished run into ``DIR`` as Parquet shards with ``workbench.export.write_run``: every file under a
+temporary name moved into place, then the run's completion marker. A killed actor leaves no half-written
+run (readers skip runs without a marker) and running the command again records only the prompts without a
+``complete`` run in the batch. Needs ``pip install 'moe-workbench[ray]'`` (``ray[data]``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+class ShardWorker:
+    """One Ray actor: the model loaded once, a temporary store; ``__call__`` records a batch of prompts."""
+
+    def __init__(self, out: str, batch_id: str, model, tokenizer, settings: dict, detect: bool, threads: int):
+        import torch
+
+        from .batch import load_model
+        from .store import Store
+
+        if threads > 0:
+            torch.set_num_threads(threads)
+        self.out, self.batch_id, self.detect = out, batch_id, detect
+        self.settings = {k: v for k, v in settings.items() if k != "backend"}
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.adapter, self.tokenizer, self.label = load_model(model, tokenizer, settings.get("dtype"),
+                                                              settings.get("backend", "auto"))
+        if device == "cuda":
+            self.adapter.module.to(device)
+        self.tmp = Path(tempfile.mkdtemp(prefix="wb-ray-shard-"))
+        self.store = Store(self.tmp / "shard.duckdb")
+
+    def __call__(self, batch: dict) -> dict:
+        from .batch import _generated, flush_run, record_one
+
+        rows: dict[str, list] = {"run_id": [], "key": [], "status": [], "n_tokens": [], "generated": [], "error": []}
+        for text in list(batch["item"]):
+            item = json.loads(str(text))
+            row = record_one(item, store=self.store, batch_id=self.batch_id, adapter=self.adapter,
+                             tokenizer=self.tokenizer, label=self.label, settings=self.settings, detect=self.detect)
+            row["generated"] = _generated(row, self.store)
+            flush_run(self.store, self.out, row["run_id"])
+            for k in rows:
+                rows[k].append(row[k])
+        return rows
+
+    def __del__(self):
+        try:
+            self.store.close()
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def record_many_ray(items: list[dict], *, out, batch_id: str, model=None, tokenizer=None, settings: dict,
+                    detect: bool = True, progress: bool = True, address: str | None = None,
+                    workers: int = 1) -> list[dict]:
+    """Record the prompts of ``items`` not yet complete in ``out`` on a Ray Data actor pool; returns the rows
+    (run_id, key, status, n_tokens, generated, error) of the prompts recorded."""
+    try:
+        import ray
+        import ray.data
+    except ImportError:
+        raise ValueError("--ray needs Ray: pip install 'moe-workbench[ray]' (ray[data])") from None
+    from .batch import Bars, completed
+
+    out = str(Path(out).resolve())
+    Path(out).mkdir(parents=True, exist_ok=True)
+    done = completed(None, out, batch_id)
+    todo = [d for d in items if d["key"] not in done]
+    if not todo:
+        return []
+    if isinstance(model, (str, Path)):
+        model = str(Path(model).resolve())
+    if isinstance(tokenizer, (str, Path)):
+        tokenizer = str(Path(tokenizer).resolve())
+    started = False
+    if not ray.is_initialized():
+        kw = {"address": address} if address else {"num_cpus": max(workers, 1)}
+        ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"GRADIO_ANALYTICS_ENABLED": "False"}}, **kw)
+        started = True
+    try:
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False
+        gpus = float(ray.cluster_resources().get("GPU", 0))
+        per = {"num_gpus": 1} if gpus >= 1 else {"num_cpus": 1}
+        ds = ray.data.from_items([{"item": json.dumps(d)} for d in todo], override_num_blocks=len(todo))
+        res = ds.map_batches(ShardWorker, batch_size=1, compute=ray.data.ActorPoolStrategy(size=workers),
+                             fn_constructor_kwargs={"out": out, "batch_id": batch_id, "model": model,
+                                                    "tokenizer": tokenizer, "settings": settings, "detect": detect,
+                                                    "threads": 1 if not gpus else 0},
+                             batch_format="numpy", **per)
+        bars = Bars(len(todo), sum(int(d.get("max_new_tokens", settings["max_new_tokens"])) for d in todo),
+                    f"ray x{workers}", progress)
+        rows = []
+        try:
+            for r in res.iter_rows():
+                r = {k: (v.item() if hasattr(v, "item") else v) for k, v in r.items()}
+                rows.append(r)
+                bars.done(r, int(r["generated"]))
+        finally:
+            bars.close()
+        return rows
+    finally:
+        if started and not os.environ.get("WORKBENCH_RAY_KEEP"):
+            ray.shutdown()
