@@ -392,3 +392,32 @@ def test_workbench_imports_beside_a_users_own_model_probes_and_apps(tmp_path):
                          env={"GRADIO_ANALYTICS_ENABLED": "False", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["complete", "5"]
+
+
+def test_device_mapped_folder_records_like_a_plain_load(tmp_path):
+    """A transformers folder placed with an accelerate device map records through the same adapter: here the
+    blocks are mapped by name, one of them offloaded to disk (accelerate's dispatch hooks load it for each
+    forward, as they move activations between GPUs), and tokens, routing and attention equal the plain load's;
+    the CLI takes --device-map as JSON."""
+    pytest.importorskip("accelerate")
+    folder = make_folder("mixtral", tmp_path / "mixtral")
+    store = workbench.Store(tmp_path / "w.duckdb")
+    plain = workbench.record([3, 5, 7, 9], model=str(folder), max_new_tokens=6, db=store, detect=False)
+    n_layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    dmap = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu",
+            **{f"model.layers.{i}": "cpu" for i in range(n_layers)}, "model.layers.1": "disk"}
+    mapped = workbench.record([3, 5, 7, 9], model=str(folder), max_new_tokens=6, db=store, detect=False,
+                              device_map=dmap)
+    assert mapped.model().hf_device_map["model.layers.1"] == "disk"
+    assert mapped.tokens()["token_id"].to_list() == plain.tokens()["token_id"].to_list()
+    for table, cols in (("routing", ["expert", "weight"]), ("attention", ["entropy"]), ("tokens", ["logprob"])):
+        a, b = mapped.signal(table), plain.signal(table)
+        assert a.height == b.height > 0
+        for c in cols:
+            np.testing.assert_allclose(a[c].to_numpy().astype(float), b[c].to_numpy().astype(float), rtol=1e-5,
+                                       atol=1e-6, equal_nan=True)
+    from workbench.cli import main
+    assert main(["record", "--model", str(folder), "--prompt", "def f(x):", "--max-new-tokens", "3",
+                 "--device-map", json.dumps(dmap), "--db", str(tmp_path / "cli.duckdb"), "--json"]) == 0
+    with pytest.raises(ValueError, match="device_map"):
+        workbench.record([3, 5], model=str(folder), max_new_tokens=2, db=store, device_map="cpu", backend="native")

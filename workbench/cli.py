@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "the folder has none)")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "transformers"],
                    help="how a DeepseekV3 folder runs: our own Transformer (auto, native) or transformers")
+    p.add_argument("--device-map", default=None, metavar="auto|DEVICE|JSON",
+                   help="place a transformers folder across devices with accelerate (a model larger than one "
+                        "device): auto, balanced, a device, or a JSON {module: device}")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

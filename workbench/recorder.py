@@ -185,7 +185,7 @@ def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_t
                probes: Iterable[str] = PROBES, topk: int = 5, progress: bool = False,
                on_token: Callable[[int, str], None] | None = None, parent_run_id: str | None = None,
                run_id: str | None = None, backend: str = "auto",
-               run_fields: dict | None = None) -> tuple[str, Store, Adapter, object]:
+               run_fields: dict | None = None, device_map=None) -> tuple[str, Store, Adapter, object]:
     """Record one generation; returns (run_id, store, adapter, tokenizer). See ``workbench.record``.
 
     ``run_fields``: more ``runs`` columns for the run's first row (e.g. a prompt set's ``batch_id``), so they
@@ -205,7 +205,7 @@ def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_t
     if unknown:
         raise ValueError(f"unknown probes {sorted(unknown)}; choose from {PROBES}")
     store = db if isinstance(db, Store) else Store(db)
-    adapter = load_adapter(model, DTYPES[dtype], backend=backend)
+    adapter = load_adapter(model, DTYPES[dtype], backend=backend, device_map=device_map)
     tokenizer = resolve_tokenizer(tokenizer, adapter, bundled=model is None)
     label, sha = model_identity(model, adapter, dtype_changed=dtype is not None)
     ids = check_ids(list(prompt), adapter.summary.vocab_size) if not isinstance(prompt, str) else \

@@ -285,7 +285,8 @@ class Workbench:
 def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_tokens: int = 64,
            temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, db=None, dtype: str | None = None,
            probes=PROBES, topk: int = 5, progress: bool = False, on_token=None, parent_run_id: str | None = None,
-           run_id: str | None = None, detect: bool = True, backend: str = "auto", run_fields: dict | None = None) -> Run:
+           run_id: str | None = None, detect: bool = True, backend: str = "auto", run_fields: dict | None = None,
+           device_map=None) -> Run:
     """Generate from ``prompt`` with probes attached and store every signal; returns the ``Run``.
 
     Args:
@@ -301,13 +302,15 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
         detect: run the anomaly detectors once the run completes (``Run.anomalies()`` recomputes on demand).
         backend: "auto" | "native" | "transformers": how a DeepseekV3 folder is run.
         run_fields: more ``runs`` columns for the run's first row (``record_many`` sets ``batch_id`` so).
+        device_map: a transformers folder too large for one device, placed by accelerate ("auto", or
+            {module path: device}); recorded through the same adapter and probes.
     """
     from .recorder import record_run
 
     rid, store, adapter, tok = record_run(
         prompt, model=model, tokenizer=tokenizer, max_new_tokens=max_new_tokens, temperature=temperature,
         top_p=top_p, seed=seed, db=db, dtype=dtype, probes=probes, topk=topk, progress=progress, on_token=on_token,
-        parent_run_id=parent_run_id, run_id=run_id, backend=backend, run_fields=run_fields)
+        parent_run_id=parent_run_id, run_id=run_id, backend=backend, run_fields=run_fields, device_map=device_map)
     run = Run(store, rid, model=adapter, tokenizer=tok)
     if detect:
         try:  # the runs table shows anomaly counts; a detector bug must not lose the recording

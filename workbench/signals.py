@@ -13,7 +13,7 @@ s >= 1 feeds one token. ``StepInfo`` is what the recorder knows of a step when i
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -165,10 +165,11 @@ class AttentionProbe(Probe):
             runs, start = [], 0
             for i in range(1, len(rows) + 1):
                 if i == len(rows) or rows[i][2].shape != rows[start][2].shape:
-                    runs.append(torch.stack([r[2] for r in rows[start:i]]))
+                    dev = rows[start][2].device  # one device: a device-mapped model spreads layers over several
+                    runs.append(torch.stack([r[2].to(dev) for r in rows[start:i]]))
                     start = i
             s_max = max(r.size(-1) for r in runs)
-            probs = torch.cat([torch.nn.functional.pad(r, (0, s_max - r.size(-1))) for r in runs])
+            probs = torch.cat([torch.nn.functional.pad(r, (0, s_max - r.size(-1))).to(runs[0].device) for r in runs])
             pos = np.array([r[1] for r in rows], np.int32)
             key0 = np.maximum(0, pos + 1 - np.array([r[2].size(-1) for r in rows]))
             recs.append({"pos": pos, "layer": np.array([r[0] for r in rows], np.int32),
@@ -208,17 +209,25 @@ class RoutingProbe(Probe):
                               for p0, seen in kept])
         cat = torch.cat
         math = [routes[i][0].math for i in layers]
-        logits = [cat([r.logits for r in routes[i]]).detach().float() for i in layers]
-        rec = routing_records(cat([r.indices for i in layers for r in routes[i]]).detach(),
-                              cat([r.weights for i in layers for r in routes[i]]).detach(),
-                              cat([m.scores(lg) for m, lg in zip(math, logits)]),
-                              cat([m.basis(lg) for m, lg in zip(math, logits)]))
+        # on the CPU: routing rows are small, and a device-mapped model's layers live on several devices
+        logits = [cat([r.logits.cpu() for r in routes[i]]).detach().float() for i in layers]
+        rec = routing_records(cat([r.indices.cpu() for i in layers for r in routes[i]]).detach(),
+                              cat([r.weights.cpu() for i in layers for r in routes[i]]).detach(),
+                              cat([m.scores(lg) for m, lg in zip([_on_cpu(m) for m in math], logits)]),
+                              cat([m.basis(lg) for m, lg in zip([_on_cpu(m) for m in math], logits)]))
         n, k = pos.size, rec["expert"].shape[1]
         return {"routing": Rows(self.run_id, {
             "pos": np.tile(np.repeat(pos, k), len(layers)),
             "layer": np.repeat(np.array(layers, np.int32), n * k), "slot": rec["slot"].ravel(),
             "expert": rec["expert"].ravel(), "weight": rec["weight"].ravel(), "score": rec["score"].ravel(),
             "margin": np.repeat(rec["margin"], k)})}
+
+
+def _on_cpu(math):
+    """A ``RouterMath`` whose selection bias is on the CPU (where routing rows are reduced)."""
+    if math.bias is None or math.bias.device.type == "cpu":
+        return math
+    return replace(math, bias=math.bias.cpu())
 
 
 class _NormProbe(Probe):
@@ -259,7 +268,7 @@ class _NormProbe(Probe):
                                             for x in xs])[..., 0])
         pos = np.concatenate([np.arange(p0, p0 + sum(x.size(0) for x in seen[layers[0]]), dtype=np.int32)
                               for p0, seen in kept])
-        return layers, pos, torch.stack(per_layer)
+        return layers, pos, torch.stack([x.cpu() for x in per_layer])
 
 
 class ResidNormProbe(_NormProbe):
@@ -315,7 +324,7 @@ class KVProbe(Probe):
         for i in range(1, len(rows) + 1):
             if i == len(rows) or rows[i][2].shape != rows[start][2].shape or rows[i][1] != rows[start][1]:
                 run = rows[start:i]
-                got = torch.stack([r[2] for r in run]).float().sum(1)  # [n, S] over heads
+                got = torch.stack([r[2].to(run[0][2].device) for r in run]).float().sum(1)  # [n, S] over heads
                 for layer in dict.fromkeys(r[0] for r in run):
                     add_received(self.received, layer, got[[j for j, r in enumerate(run) if r[0] == layer]].sum(0),
                                  run[0][1])

@@ -59,21 +59,27 @@ def adapter_for(module) -> Adapter:
                     "causal LM, or a checkpoint folder")
 
 
-def load_adapter(model=None, dtype: torch.dtype | None = None, device: str = "cpu", backend: str = "auto") -> Adapter:
+def load_adapter(model=None, dtype: torch.dtype | None = None, device: str = "cpu", backend: str = "auto",
+                 device_map=None) -> Adapter:
     """An adapter for None (bundled demo), a checkpoint folder (ours or Hugging Face), a module or an adapter.
 
     Args:
         dtype: load (or cast an in-memory module) to this dtype.
         backend: "auto" (DeepseekV3 folders natively, other model types through transformers),
             "native" or "transformers".
+        device_map: a transformers folder placed across devices by accelerate ("auto", or {module: device});
+            such a folder always runs through transformers.
     """
     from workbench.model import load_checkpoint
 
+    if device_map is not None and (model is None or not isinstance(model, (str, Path)) or backend == "native"):
+        raise ValueError("device_map applies to a transformers checkpoint folder (backend auto or transformers); "
+                         "place an in-memory module yourself")
     if model is None or isinstance(model, (str, Path)):
         if model is not None and not Path(model).exists():
             raise FileNotFoundError(f"no model at {model}: pass a checkpoint folder (config.json + *.safetensors)")
-        if model is not None and uses_transformers(model, backend):
-            return load_hf(model, dtype=dtype, device=device)
+        if model is not None and (device_map is not None or uses_transformers(model, backend)):
+            return load_hf(model, dtype=dtype, device=device, device_map=device_map)
         return NativeAdapter(load_checkpoint(Path(model) if model else None, dtype=dtype or torch.float32,
                                              device=device))
     adapter = adapter_for(model)

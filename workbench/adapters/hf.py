@@ -94,8 +94,11 @@ def infer_router_math(router: nn.Module, hidden_size: int, seed: int = 0) -> Rou
     scale = float(getattr(router, "routed_scaling_factor", None) or 1.0)
     norm_attr = getattr(router, "norm_topk_prob", None)
     p = next(router.parameters())
+    # an offloaded layer (accelerate device map) keeps meta weights and runs where its hook says
+    hook = getattr(router, "_hf_hook", None)
+    device = p.device if p.device.type != "meta" else getattr(hook, "execution_device", None) or "cpu"
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(64, hidden_size, generator=g).to(p.device, p.dtype)
+    hidden = torch.randn(64, hidden_size, generator=g).to(device, p.dtype)
     with torch.no_grad():
         out = _router_output(router, hidden)
         if out is None:
@@ -354,9 +357,24 @@ class _Undo:
         self.fn()
 
 
+def _placement(device_map) -> dict:
+    """from_pretrained's keyword arguments for a device map (a map that offloads to "disk" gets a folder)."""
+    if device_map is None:
+        return {}
+    out = {"device_map": device_map}
+    if isinstance(device_map, dict) and "disk" in device_map.values():
+        import tempfile
+        out["offload_folder"] = tempfile.mkdtemp(prefix="workbench-offload-")
+    return out
+
+
 def load_hf(folder: str | Path, dtype: torch.dtype | None = None, device: str = "cpu",
-            attn_chunk: int = 512) -> HFAdapter:
-    """Load a local Hugging Face causal-LM folder (never downloads; safetensors only) with eager attention."""
+            attn_chunk: int = 512, device_map=None) -> HFAdapter:
+    """Load a local Hugging Face causal-LM folder (never downloads; safetensors only) with eager attention.
+
+    ``device_map`` ("auto", "balanced", a device, or {module path: device}) places the model across devices with
+    accelerate, for a model larger than one device; inputs then go to the embedding's device and transformers'
+    dispatch hooks move activations between devices."""
     from transformers import AutoModelForCausalLM
 
     folder = Path(folder)
@@ -367,8 +385,11 @@ def load_hf(folder: str | Path, dtype: torch.dtype | None = None, device: str = 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             hf = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, attn_implementation="eager",
-                                                      dtype=dtype or torch.float32, use_safetensors=True)
+                                                      dtype=dtype or torch.float32, use_safetensors=True,
+                                                      **_placement(device_map))
+    except ImportError as e:
+        raise ValueError(f"device_map needs accelerate (pip install 'moe-workbench[devicemap]'): {e}") from None
     except Exception as e:  # noqa: BLE001 - transformers and safetensors raise many types; one line for all
         raise ValueError(f"cannot load {folder} with transformers: {type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0]}") from None
-    return HFAdapter(hf.to(device), folder, attn_chunk)
+    return HFAdapter(hf if device_map is not None else hf.to(device), folder, attn_chunk)

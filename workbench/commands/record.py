@@ -15,7 +15,7 @@ def main(args) -> int:
     prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
     run = record(prompt, model=args.model, tokenizer=args.tokenizer, max_new_tokens=args.max_new_tokens,
                  temperature=args.temperature, top_p=args.top_p, seed=args.seed, db=args.db, dtype=args.dtype,
-                 backend=args.backend, progress=True)
+                 backend=args.backend, progress=True, device_map=device_map(args.device_map))
     info = run.refresh().info
     out = {"run_id": run.run_id, "status": info["status"], "db": str(run.store.path),
            "prompt_tokens": info["n_prompt_tokens"], "tokens": info["n_tokens"], "text": run.generated_text}
@@ -25,6 +25,16 @@ def main(args) -> int:
         print(run.prompt + run.generated_text)
         print(f"\nrun {run.run_id} ({info['status']}) -> {run.store.path}")
     return 0
+
+
+def device_map(text: str | None):
+    """--device-map: None, a JSON object {module path: device}, or a name (auto, balanced, cpu, cuda:0, ...)."""
+    if text is None or not text.lstrip().startswith("{"):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--device-map is not valid JSON: {e}") from None
 
 
 def record_set(args) -> int:
