@@ -575,7 +575,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
 
     def batch_views(batch_id: str | None):
         """A batch's runs, its least confident tokens, expert load and per-head entropy over all its runs."""
-        from workbench.batch import Batch
+        from workbench.run import Batch
         from workbench.figures import batch_confidence_figure, batch_entropy_figure, batch_load_figure
         if not batch_id:
             return None, None, None, None, "No batch yet: `workbench record --prompts FILE` records one."

@@ -14,11 +14,10 @@ from workbench.probes import attach, hook_points  # noqa: F401
 from .adapters import Adapter, ModelSummary, load_adapter
 from .baseline import profile
 from .query import RunNotFound
-from .batch import Batch
-from .run import Run, Workbench, open, record, record_many
+from .run import Batch, Run, Workbench, open, record, record_many
 from .signals import PROBES, REGISTRY
 from .store import Store, StoreError, TraceStore, default_db
 
-__all__ = ["Adapter", "Batch", "ModelArgs", "ModelSummary", "PROBES", "REGISTRY", "Run", "RunNotFound", "Store", "StoreError",
-           "Transformer", "Workbench", "attach", "default_db", "generate", "hook_points", "load_adapter",
+__all__ = ["Adapter", "Batch", "ModelArgs", "ModelSummary", "PROBES", "REGISTRY", "Run", "RunNotFound", "Store",
+           "StoreError", "Transformer", "Workbench", "attach", "default_db", "generate", "hook_points", "load_adapter",
            "load_checkpoint", "load_tokenizer", "open", "profile", "record", "record_many", "TraceStore"]

@@ -68,7 +68,7 @@ def batch_id_for(items: list[dict], settings: dict) -> str:
 def completed(store: Store | None, out: str | Path | None, batch_id: str) -> set[str]:
     """Keys of the batch's prompts that already have a ``complete`` run (in the database, or in ``out``)."""
     if out is not None:
-        from .export import complete_runs
+        from .store import complete_runs
         return {m.get("batch_item") for m in complete_runs(out).values()
                 if m.get("batch_id") == batch_id and m.get("status") == "complete"}
     df = store.sql("SELECT DISTINCT batch_item FROM runs WHERE batch_id = ? AND status = 'complete'", [batch_id])
@@ -91,16 +91,24 @@ def record_one(item: dict, *, store: Store, batch_id: str, adapter, tokenizer, l
     ``{run_id, key, status, n_tokens, error}``."""
     import uuid
 
-    from .run import record
+    from .anomalies import detect as detect_anomalies
+    from .recorder import record_run
 
     kw = {**settings, **{k: item[k] for k in PER_PROMPT if k in item}}
     run_id = "r" + uuid.uuid4().hex[:11]
     error = None
     try:
-        record(item["prompt"], model=adapter, tokenizer=tokenizer, db=store, run_id=run_id, detect=detect,
-               run_fields={"batch_id": batch_id, "batch_item": item["key"]}, **kw)
+        record_run(item["prompt"], model=adapter, tokenizer=tokenizer, db=store, run_id=run_id,
+                   run_fields={"batch_id": batch_id, "batch_item": item["key"]}, **kw)
     except Exception as e:  # noqa: BLE001 - one prompt's failure is that run's, not the batch's
         error = f"{type(e).__name__}: {e}"
+    else:
+        if detect:
+            try:  # as workbench.record: a detector bug must not lose the recording
+                detect_anomalies(store, run_id)
+            except Exception as e:  # noqa: BLE001
+                import warnings
+                warnings.warn(f"anomaly detection failed for run {run_id}: {e}")
     try:
         query.run_row(store, run_id)
     except query.RunNotFound:  # it failed before the recorder made its row
@@ -153,11 +161,21 @@ def _generated(row: dict, store: Store) -> int:
     return max(0, int(info["n_tokens"] or 0) - int(info["n_prompt_tokens"] or 0))
 
 
+def prepare(prompts, *, model=None, batch_id: str | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
+            top_p: float = 1.0, seed: int = 0, dtype: str | None = None, probes=PROBES, topk: int = 5,
+            backend: str = "auto") -> tuple[list[dict], dict, str]:
+    """(items, settings, batch_id) of a prompt set: what ``record_many`` and the Ray pool both record."""
+    items = prompt_items(prompts)
+    settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+                "dtype": dtype, "probes": sorted(probes), "topk": topk, "backend": backend}
+    model_id = str(model) if isinstance(model, (str, Path)) or model is None else type(model).__name__
+    return items, settings, batch_id or batch_id_for(items, {**settings, "model": model_id})
+
+
 def record_many(prompts, *, model=None, tokenizer=None, db=None, out: str | Path | None = None,
                 batch_id: str | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
                 top_p: float = 1.0, seed: int = 0, dtype: str | None = None, probes=PROBES, topk: int = 5,
-                backend: str = "auto", detect: bool = True, progress: bool = True, ray: str | bool | None = None,
-                workers: int = 1) -> "Batch":
+                backend: str = "auto", detect: bool = True, progress: bool = True) -> "BatchRuns":
     """Record every prompt of a set as its own run, all with one ``batch_id``; returns the ``Batch``.
 
     Args:
@@ -169,27 +187,14 @@ def record_many(prompts, *, model=None, tokenizer=None, db=None, out: str | Path
             instead of into ``db``; ``workbench.open(out)`` reads it.
         batch_id: default: a hash of the set and the settings, so the same call again resumes the batch
             (prompts with a ``complete`` run in it are skipped).
-        ray: run the set on a Ray Data actor pool: True / "auto" (a local cluster, or the one
-            ``$RAY_ADDRESS`` names) or a cluster address; needs ``out`` and ``pip install 'moe-workbench[ray]'``.
-        workers: actors of the Ray pool (one model each).
         The other arguments are ``workbench.record``'s.
     """
-    items = prompt_items(prompts)
-    settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
-                "dtype": dtype, "probes": sorted(probes), "topk": topk, "backend": backend}
-    model_id = str(model) if isinstance(model, (str, Path)) or model is None else type(model).__name__
-    batch_id = batch_id or batch_id_for(items, {**settings, "model": model_id})
-    if ray:
-        if out is None:
-            raise ValueError("--ray writes Parquet shards: give --out DIR")
-        from .raybatch import record_many_ray
-        record_many_ray(items, out=out, batch_id=batch_id, model=model, tokenizer=tokenizer, settings=settings,
-                        detect=detect, progress=progress, address=None if ray in (True, "auto") else str(ray),
-                        workers=workers)
-        return Batch(Store(out), batch_id)
+    items, settings, batch_id = prepare(prompts, model=model, batch_id=batch_id, max_new_tokens=max_new_tokens,
+                                        temperature=temperature, top_p=top_p, seed=seed, dtype=dtype, probes=probes,
+                                        topk=topk, backend=backend)
     skip = completed(Store(db) if out is None and not isinstance(db, Store) else db, out, batch_id)
     todo = [d for d in items if d["key"] not in skip]
-    batch = Batch(None, batch_id)
+    batch = BatchRuns(None, batch_id)
     batch.skipped = [d["key"] for d in items if d["key"] in skip]
     if not todo:
         batch.store = Store(out) if out is not None else (db if isinstance(db, Store) else Store(db))
@@ -239,8 +244,9 @@ def flush_run(store: Store, out: str | Path, run_id: str) -> None:
         cur.close()
 
 
-class Batch:
-    """The runs of one prompt-set recording: their list and views over all of them (polars frames, plotly figures).
+class BatchRuns:
+    """The runs of one prompt-set recording: their list and views over all of them (polars frames, plotly figures);
+    ``workbench.Batch`` (workbench/run.py) adds ``run(run_id)``.
 
     ``recorded``: the rows (run_id, key, status, n_tokens, error) of the prompts recorded by the call that
     returned it; ``skipped``: the keys it skipped as already complete."""
@@ -259,12 +265,6 @@ class Batch:
     @property
     def run_ids(self) -> list[str]:
         return self.runs()["run_id"].to_list()
-
-    def run(self, run_id: str):
-        from .run import Run
-        if run_id not in self.run_ids:
-            raise query.RunNotFound(f"run {run_id!r} is not in batch {self.batch_id}")
-        return Run(self.store, run_id)
 
     def status(self) -> dict[str, int]:
         """Runs per status."""

@@ -26,10 +26,9 @@ from urllib.parse import quote
 
 from . import query
 from .schema import SCHEMA_VERSION, TABLES, columns
-from .store import Store
+from .store import MARKER, RUN_MARKERS, Store, complete_runs  # noqa: F401 - the markers' home is the store
 
 RUN_TABLES = tuple(t for t in TABLES if "run_id" in columns(t))
-MARKER = "_SUCCESS"
 # runs last: a run's row appears (or is refreshed) only once its signal tables are written
 _ORDER = tuple(t for t in RUN_TABLES if t != "runs") + ("runs",)
 
@@ -121,9 +120,6 @@ def export_parquet(store: Store, out_dir: str | Path, run_id: str | None = None)
 # partitions, every file under a temporary name moved into place, then the run's own completion marker
 # ``<out>/_runs/<run id>.json`` (written last, atomically). A run without a marker is not a run of the
 # folder (readers skip it), so a worker killed mid-run leaves no half-written run behind.
-RUN_MARKERS = "_runs"
-
-
 def run_marker(out_dir: str | Path, run_id: str) -> Path:
     return Path(out_dir) / RUN_MARKERS / f"{quote(run_id, safe='')}.json"
 
@@ -168,26 +164,6 @@ def write_run(store: Store, out_dir: str | Path, run_id: str) -> list[Path]:
                          "schema_version": SCHEMA_VERSION,
                          "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds")})
     return written
-
-
-def complete_runs(out_dir: str | Path) -> dict[str, dict]:
-    """The runs of a folder that have a completion marker: those listed by its ``_SUCCESS`` (a whole
-    export) and those with a ``_runs/<id>.json`` (shards); run id -> what the marker says of it."""
-    out = Path(out_dir)
-    done: dict[str, dict] = {}
-    try:
-        for rid in json.loads((out / MARKER).read_text()).get("runs", []):
-            done[str(rid)] = {"run_id": str(rid)}
-    except (OSError, ValueError, AttributeError):
-        pass
-    for f in sorted((out / RUN_MARKERS).glob("*.json")):
-        try:
-            m = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(m, dict) and m.get("run_id"):
-            done[str(m["run_id"])] = m
-    return done
 
 
 def import_traces(src: Store, dest: Store) -> tuple[list[str], list[str]]:

@@ -15,6 +15,7 @@ import polars as pl
 
 from . import query
 from .adapters import Adapter, ModelSummary
+from .batch import BatchRuns
 from .signals import PROBES, TABLES
 from .store import Store
 
@@ -268,7 +269,6 @@ class Workbench:
 
     def batch(self, batch_id: str):
         """One batch: its runs, and expert load, head entropy and low-confidence tokens over all of them."""
-        from .batch import Batch
         if not query.batch_runs(self.store, batch_id).height:
             raise query.RunNotFound(f"no batch {batch_id!r} in {self.store.path}")
         return Batch(self.store, batch_id)
@@ -321,11 +321,43 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
     return run
 
 
-def record_many(prompts, **kw):
+class Batch(BatchRuns):
+    """The runs of one prompt-set recording (``workbench.batch.BatchRuns``: frames and figures over all of
+    them), and each of them as a ``Run``."""
+
+    def run(self, run_id: str) -> Run:
+        if run_id not in self.run_ids:
+            raise query.RunNotFound(f"run {run_id!r} is not in batch {self.batch_id}")
+        return Run(self.store, run_id)
+
+
+def record_many(prompts, *, ray: str | bool | None = None, workers: int = 1, **kw) -> Batch:
     """Record every prompt of a set as its own run, all sharing one ``batch_id``; returns a ``Batch``
-    (``workbench.batch.record_many``: resumable, a failing prompt becomes a failed run, ``out=`` for shards)."""
-    from .batch import record_many as _record_many
-    return _record_many(prompts, **kw)
+    (``workbench.batch.record_many``: resumable, a failing prompt becomes a failed run, ``out=`` for shards).
+
+    ``ray``: run the set on a Ray Data actor pool instead: True / "auto" (a local cluster, or the one
+    ``$RAY_ADDRESS`` names) or a cluster address; needs ``out`` and ``pip install 'moe-workbench[ray]'``;
+    ``workers``: actors of the pool (one model each)."""
+    from . import batch as _batch
+
+    if ray:
+        from .raybatch import record_many_ray
+        if kw.get("out") is None:
+            raise ValueError("--ray writes Parquet shards: give --out DIR")
+        prep = {k: kw[k] for k in ("model", "batch_id", "max_new_tokens", "temperature", "top_p", "seed", "dtype",
+                                    "probes", "topk", "backend") if k in kw}
+        items, settings, batch_id = _batch.prepare(prompts, **prep)
+        rows = record_many_ray(items, out=kw["out"], batch_id=batch_id, model=kw.get("model"),
+                               tokenizer=kw.get("tokenizer"), settings=settings, detect=kw.get("detect", True),
+                               progress=kw.get("progress", True), address=None if ray in (True, "auto") else str(ray),
+                               workers=workers)
+        res = _batch.BatchRuns(Store(kw["out"]), batch_id)
+        res.recorded = rows
+    else:
+        res = _batch.record_many(prompts, **kw)
+    out = Batch(res.store, res.batch_id)
+    out.recorded, out.skipped = res.recorded, res.skipped
+    return out
 
 
 def open(db: str | Path | None = None) -> Workbench:  # noqa: A001 - the documented name

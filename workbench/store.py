@@ -529,6 +529,32 @@ class Store:
         self._shared.close()
 
 
+# Completion markers of a Parquet folder (``workbench export``, shards): written by workbench/export.py,
+# read here by ``TraceStore``: a whole export lists its runs in ``_SUCCESS``, a shard run has ``_runs/<id>.json``.
+MARKER = "_SUCCESS"
+RUN_MARKERS = "_runs"
+
+
+def complete_runs(out_dir: str | Path) -> dict[str, dict]:
+    """The runs of a folder that have a completion marker: those listed by its ``_SUCCESS`` (a whole
+    export) and those with a ``_runs/<id>.json`` (shards); run id -> what the marker says of it."""
+    out = Path(out_dir)
+    done: dict[str, dict] = {}
+    try:
+        for rid in json.loads((out / MARKER).read_text()).get("runs", []):
+            done[str(rid)] = {"run_id": str(rid)}
+    except (OSError, ValueError, AttributeError):
+        pass
+    for f in sorted((out / RUN_MARKERS).glob("*.json")):
+        try:
+            m = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(m, dict) and m.get("run_id"):
+            done[str(m["run_id"])] = m
+    return done
+
+
 class Writer:
     """Background thread that commits queued per-step batches, so decoding never waits on the disk.
 
@@ -677,7 +703,6 @@ class TraceStore(Store):
 
     def _stamp(self) -> tuple:
         """What changes when runs are added: the markers and the table folders."""
-        from .export import MARKER, RUN_MARKERS
 
         def mtime(p: Path):
             try:
@@ -698,7 +723,6 @@ class TraceStore(Store):
         return con
 
     def _views(self, con) -> None:
-        from .export import complete_runs
 
         stamp = self._stamp()
         lit = lambda s: "'" + str(s).replace("'", "''") + "'"  # noqa: E731 - paths in table functions

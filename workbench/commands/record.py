@@ -39,7 +39,7 @@ def device_map(text: str | None):
 
 def record_set(args) -> int:
     """``--prompts``: every prompt its own run of one batch (``workbench.record_many``)."""
-    from workbench.batch import record_many
+    from workbench.run import record_many
 
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
