@@ -1,6 +1,7 @@
 """The UI under load: does a recording slow down while 8 clients read, and how fast do they get answers?
 
     python benchmarks/ui_load.py [--new-tokens 64] [--clients 8] [--model demo|tiny] [--write]
+        [--app FILE] [--sqlsafe FILE] [--no-sessions] [--direct-threads N] [--switch-interval S]
 
 The app is started in this process (``build_app(store, model)`` + ``app.queue()``, as the tests do) on
 a free port of 127.0.0.1. One recording of ``--new-tokens`` tokens with the bundled demo model (loaded
@@ -8,9 +9,14 @@ once and given to both the app and ``workbench.record``; ``--model tiny``: a tin
 alone, then again while ``--clients`` clients hammer read endpoints: each client, in a closed loop (no
 pause between requests), calls ``/tokens`` (a recorded run's tokens) and ``/sql`` (``SELECT count(*)
 ...``) in turns (``--endpoints``) over Gradio's plain HTTP API (POST ``/gradio_api/call/<name>``, then
-read its event stream). The clients live in another process, as browsers would, so their own Python
-work does not take this process's GIL. ``--reps`` pairs of alone / under load alternate, so that a
-shared machine's drifts hit both alike; medians are reported, and the slowdown of each pair.
+read its event stream), each with a session hash of its own as a browser tab has (``--no-sessions``:
+none, so Gradio makes a new session for every request). The clients live in another process, as
+browsers would, so their own Python work does not take this process's GIL. ``--app`` / ``--sqlsafe``
+take apps/app.py / workbench/sqlsafe.py from another file (an older version, for before / after);
+``--direct-threads`` and ``--switch-interval`` try what the recorder or the app could set (torch's
+intra-op threads while the "direct" recording runs; ``sys.setswitchinterval`` of this process).
+``--reps`` pairs of alone / under load alternate, so that a shared machine's drifts hit both alike;
+medians are reported, and the slowdown of each pair.
 
 The recording is timed two ways, alone and under load:
 
@@ -52,9 +58,13 @@ SECTION = "## UI under load"
 
 # -- HTTP client (also used by the client process) ------------------------------------------------
 
-def call(client, base: str, name: str, data: list, timeout: float = 300.0) -> list:
-    """One call of a named Gradio endpoint over plain HTTP; the last data it sent (raises on error)."""
-    r = client.post(f"{base}gradio_api/call/{name}", json={"data": data}, timeout=timeout)
+def call(client, base: str, name: str, data: list, timeout: float = 300.0, session: str | None = None) -> list:
+    """One call of a named Gradio endpoint over plain HTTP; the last data it sent (raises on error).
+
+    ``session``: the session hash to send, as a browser tab sends its own with every request (without
+    one, Gradio makes a new session, configuration of every block included, for each request)."""
+    body = {"data": data} if session is None else {"data": data, "session_hash": session}
+    r = client.post(f"{base}gradio_api/call/{name}", json=body, timeout=timeout)
     r.raise_for_status()
     event_id = r.json()["event_id"]
     last, event = None, None
@@ -79,10 +89,12 @@ def _calls(run_id: str, endpoints: list[str]) -> list[tuple[str, list]]:
 
 
 def _client_loop(base: str, run_id: str, endpoints: list[str], go, stop, out: list, lock: threading.Lock,
-                 k: int) -> None:
+                 k: int, sessions: bool = True) -> None:
     import httpx
+    import uuid
 
     calls = _calls(run_id, endpoints)
+    session = f"ui-load-{k}-{uuid.uuid4().hex[:8]}" if sessions else None
     with httpx.Client() as c:
         i = k
         while not stop.is_set():
@@ -93,22 +105,24 @@ def _client_loop(base: str, run_id: str, endpoints: list[str], go, stop, out: li
             t0 = time.time()
             ok = True
             try:
-                call(c, base, name, data, timeout=60)
+                call(c, base, name, data, timeout=60, session=session)
             except Exception:  # noqa: BLE001 - counted, not fatal
                 ok = False
             with lock:
                 out.append((name, t0, time.time() - t0, ok))
 
 
-def client_process(base: str, run_id: str, endpoints: list[str], n: int, go, stop, ready, results) -> None:
-    """``n`` closed-loop clients in threads of this (separate) process, calling while ``go`` is set;
+def client_process(base: str, run_id: str, endpoints: list[str], n: int, go, stop, ready, results,
+                   sessions: bool = True) -> None:
+    """``n`` closed-loop clients in threads of this (separate) process, calling while ``go`` is set, each
+    with a session of its own (as a browser tab has; ``sessions=False``: none, a new one per request);
     results: (endpoint, start, seconds, ok) per request."""
     import httpx  # noqa: F401 - imported before saying ready
 
     out: list = []
     lock = threading.Lock()
-    threads = [threading.Thread(target=_client_loop, args=(base, run_id, endpoints, go, stop, out, lock, k),
-                                daemon=True)
+    threads = [threading.Thread(target=_client_loop,
+                                args=(base, run_id, endpoints, go, stop, out, lock, k, sessions), daemon=True)
                for k in range(n)]
     for t in threads:
         t.start()
@@ -157,6 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write", action="store_true", help="append the result to RESULTS.md's '## UI under load'")
     ap.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     ap.add_argument("--app", default=None, help="take build_app from this file (e.g. an older apps/app.py)")
+    ap.add_argument("--sqlsafe", default=None,
+                    help="take workbench.sqlsafe (the SQL console's sandbox) from this file (e.g. an older one)")
+    ap.add_argument("--no-sessions", action="store_true",
+                    help="clients send no session hash (a new Gradio session per request, as before 2026-12-01)")
+    ap.add_argument("--switch-interval", type=float, default=0.0,
+                    help="sys.setswitchinterval for this (the app's) process, seconds (0: Python's 0.005)")
+    ap.add_argument("--direct-threads", type=int, default=0,
+                    help="torch intra-op threads while the 'direct' recording runs (0: torch's default)")
     args = ap.parse_args(argv)
 
     import httpx
@@ -164,6 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     from workbench import query
     from helpers import free_port
 
+    if args.sqlsafe:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("workbench.sqlsafe", args.sqlsafe)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["workbench.sqlsafe"] = mod
+        spec.loader.exec_module(mod)
+        workbench.sqlsafe = mod
     if args.app:
         import importlib.util
         spec = importlib.util.spec_from_file_location("workbench.apps.app", args.app)
@@ -172,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         spec.loader.exec_module(mod)
     from workbench.apps.app import build_app
 
+    if args.switch_interval > 0:  # how long a thread that wants the GIL (the recording, after a torch op) waits
+        sys.setswitchinterval(args.switch_interval)
     endpoints = [e.strip() for e in args.endpoints.split(",") if e.strip()]
     if not endpoints or set(endpoints) - {"tokens", "sql"}:
         ap.error("--endpoints: a comma-separated list of tokens, sql")
@@ -192,16 +223,24 @@ def main(argv: list[str] | None = None) -> int:
     app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     base = f"http://127.0.0.1:{port}/"
     http = httpx.Client()
+    session = None if args.no_sessions else f"ui-load-main-{os.getpid()}"
 
     def record_ui() -> tuple[float, str]:
         t0 = time.perf_counter()
-        out = call(http, base, "record", [PROMPT, args.new_tokens, 0.0, 1.0, 0, ""])
+        out = call(http, base, "record", [PROMPT, args.new_tokens, 0.0, 1.0, 0, ""], session=session)
         return time.perf_counter() - t0, out[2]
 
     def record_direct() -> tuple[float, str]:
-        t0 = time.perf_counter()
-        r = workbench.record(PROMPT, model=model, tokenizer=tok, max_new_tokens=args.new_tokens, db=store)
-        return time.perf_counter() - t0, r.run_id
+        import torch
+        before = torch.get_num_threads()
+        if args.direct_threads > 0:  # what recorder.py could do while recording (as the Record tab does)
+            torch.set_num_threads(args.direct_threads)
+        try:
+            t0 = time.perf_counter()
+            r = workbench.record(PROMPT, model=model, tokenizer=tok, max_new_tokens=args.new_tokens, db=store)
+            return time.perf_counter() - t0, r.run_id
+        finally:
+            torch.set_num_threads(before)
 
     def step_ms(rid: str) -> float:
         s = query.steps(store, rid)
@@ -215,13 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(20):
         name, data = _calls(seed.run_id, ["tokens", "sql"])[i % 2]
         t0 = time.perf_counter()
-        call(http, base, name, data)
+        call(http, base, name, data, session=session)
         lat1[name].append(time.perf_counter() - t0)
 
     ctx = mp.get_context("spawn")
     go, stop, ready, results = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
     proc = ctx.Process(target=client_process, args=(base, seed.run_id, endpoints, args.clients, go, stop, ready,
-                                                    results), daemon=True)
+                                                    results, not args.no_sessions), daemon=True)
     proc.start()
     if not ready.wait(120):
         raise RuntimeError("the client process did not start")
@@ -263,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     res = {
         "date": date.today().isoformat(), "machine": env, "model": what, "new_tokens": args.new_tokens,
         "clients": args.clients, "endpoints": endpoints, "label": args.label, "reps": args.reps, "paths": paths,
+        "sqlsafe": args.sqlsafe or "workbench/sqlsafe.py", "sessions": not args.no_sessions,
+        "direct_threads": args.direct_threads or None, "switch_interval": sys.getswitchinterval(),
         "runs": runs,
         "latency_one_client": {n: (pct(v, 0.5), pct(v, 0.95)) for n, v in lat1.items()},
         "latency": {n: (pct(v, 0.5), pct(v, 0.95), len(v)) for n, v in lat.items()},

@@ -385,3 +385,129 @@ def test_query_while_recording_in_this_process(tmp_path):
     t.join()
     assert seen == sorted(seen) and seen[-1] == n_steps
     assert readonly_sql(s, "SELECT count(*) FROM steps").row(0)[0] == n_steps
+
+
+# -- a worker serves query after query: nothing of one is left for the next ------------------------
+
+def _worker_pids() -> set[int]:
+    return {w.proc.pid for w in sqlsafe._POOL.idle if w.alive()}
+
+
+def test_a_query_sees_nothing_fed_to_an_earlier_one(store, monkeypatch):
+    """The sandbox is kept between queries; the data fed for one query is gone before the next runs."""
+    n = store.sql("SELECT count(*) AS n FROM tokens")["n"][0]
+    assert n > 0
+    sqlsafe.shutdown()
+    assert readonly_sql(store, "SELECT count(*) AS n, max(text) AS t FROM tokens")["n"][0] == n
+    with pytest.raises(SqlError):  # fed, then failing while it runs
+        readonly_sql(store, "SELECT CAST(text || 'x' AS INTEGER) FROM tokens")
+    pids = _worker_pids()
+    assert len(pids) == 1
+    shown = store.sql("SHOW TABLES")
+    described = store.sql("DESCRIBE tokens")
+    # what the worker has when this process feeds it nothing: the empty tables it started with
+    monkeypatch.setattr(sqlsafe, "_fetch", lambda *a, **k: {})
+    assert readonly_sql(store, "SELECT count(*) AS n FROM tokens")["n"][0] == 0
+    assert readonly_sql(store, "SELECT * FROM tokens").columns == columns("tokens")
+    assert readonly_sql(store, "SELECT count(*) AS n FROM routing JOIN tokens USING (run_id, pos)")["n"][0] == 0
+    assert readonly_sql(store, "SHOW TABLES").equals(shown)
+    got = readonly_sql(store, "DESCRIBE tokens")
+    assert got.select("column_name", "column_type").equals(described.select("column_name", "column_type"))
+    assert _worker_pids() == pids  # one worker served them all
+    monkeypatch.undo()
+    assert readonly_sql(store, "SELECT count(*) AS n FROM tokens")["n"][0] == n  # and fed again
+    assert _worker_pids() == pids
+
+
+def test_concurrent_queries_reuse_workers(store):
+    """Callers in several threads get right answers, each its own; idle workers are kept for the next ones."""
+    n = store.sql("SELECT count(*) AS n FROM tokens")["n"][0]
+    sqlsafe.shutdown()
+    errors: list = []
+
+    def loop(k: int) -> None:
+        try:
+            for i in range(4):
+                got = readonly_sql(store, f"SELECT count(*) + {k * 10 + i} AS n FROM tokens", timeout_s=30)
+                assert got["n"][0] == n + k * 10 + i
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=loop, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    kept = _worker_pids()
+    assert 1 <= len(kept) <= sqlsafe.MAX_WORKERS
+    readonly_sql(store, "SELECT 1")
+    assert _worker_pids() == kept
+
+
+# -- another process holding the file: the wait counts in the deadline ------------------------------
+
+@pytest.fixture
+def held(tmp_path, monkeypatch):
+    """A store whose file a plain DuckDB client in another process holds (it ignores ``.want``)."""
+    import subprocess
+    import sys
+    from workbench import store as store_mod
+    monkeypatch.setattr(store_mod, "LOCK_TIMEOUT_S", 2.0)  # the background wait gives up soon after the test
+    s = Store(tmp_path / "held.duckdb")
+    s.append({"runs": pl.DataFrame({"run_id": ["r"], "status": ["complete"]})})
+    s.close()
+    holder = subprocess.Popen([sys.executable, "-c", "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); "
+                               "print('held', flush=True); time.sleep(120)", str(s.path)],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    yield s, holder
+    holder.kill()
+    holder.wait()
+
+
+def test_cursor_timeout(held):
+    from workbench.store import StoreError
+    s, holder = held
+    t0 = time.monotonic()
+    with pytest.raises(StoreError, match="within 0.3 s"):
+        s.cursor(timeout_s=0.3)
+    assert time.monotonic() - t0 < 0.3 + SLACK_S
+    holder.kill()
+    holder.wait()
+    cur = s.cursor(timeout_s=10)  # the file is free again
+    try:
+        assert cur.execute("SELECT count(*) FROM runs").fetchone()[0] == 1
+    finally:
+        cur.close()
+
+
+def test_console_waits_for_the_file_within_its_deadline(held):
+    s, holder = held
+    t0 = time.monotonic()
+    with pytest.raises(SqlError, match="time limit") as e:
+        readonly_sql(s, "SELECT count(*) AS n FROM runs", timeout_s=0.5)
+    assert "\n" not in str(e.value)
+    assert time.monotonic() - t0 < 0.5 + SLACK_S
+    assert readonly_sql(s, "SELECT 42 AS x", timeout_s=5)["x"][0] == 42  # needs no table data: no wait
+    holder.kill()
+    holder.wait()
+    assert readonly_sql(s, "SELECT count(*) AS n FROM runs", timeout_s=10)["n"][0] == 1
+
+
+def test_the_watchdog_interrupts_store_reads_on_time():
+    """One thread of this process interrupts each store read at its deadline: a later deadline does not
+    hold up an earlier one, a cancelled one never fires."""
+    wd = sqlsafe._WATCHDOG
+    fired: dict[str, float] = {}
+    t0 = time.monotonic()
+    late = wd.add(t0 + 0.6, lambda: fired.setdefault("late", time.monotonic()))
+    early = wd.add(t0 + 0.2, lambda: fired.setdefault("early", time.monotonic()))  # earlier than it sleeps for
+    gone = wd.add(t0 + 0.3, lambda: fired.setdefault("gone", time.monotonic()))
+    wd.cancel(gone)
+    while len(fired) < 2 and time.monotonic() - t0 < 5:
+        time.sleep(0.02)
+    time.sleep(0.2)
+    assert set(fired) == {"early", "late"}
+    assert 0.2 <= fired["early"] - t0 < 0.2 + SLACK_S / 3
+    assert 0.6 <= fired["late"] - t0 < 0.6 + SLACK_S / 3

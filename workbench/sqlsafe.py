@@ -8,7 +8,7 @@ process (this file run as a script, ``python -I sqlsafe.py --worker``), and ``ru
 all of it under ONE wall-clock deadline of ``timeout_s`` that starts when the call does:
 
 1. The worker checks the query with DuckDB's own parser, not with regular expressions:
-   ``duckdb.extract_statements`` (exactly one statement, of type SELECT: no INSERT/UPDATE/DELETE/CREATE/
+   ``extract_statements`` (exactly one statement, of type SELECT: no INSERT/UPDATE/DELETE/CREATE/
    DROP, ATTACH, COPY, PRAGMA, SET, INSTALL/LOAD, CALL, EXPORT, ...), then ``json_serialize_sql``, whose
    syntax tree is walked (iteratively): every table it reads is a workbench table of the main schema or
    a CTE *in scope* where it is read (a CTE is visible in its own WITH's query and in the CTEs defined
@@ -18,22 +18,27 @@ all of it under ONE wall-clock deadline of ``timeout_s`` that starts when the ca
    also tells which columns of which tables the query can read (all of them once it has a ``*``,
    ``COLUMNS(...)``, ``#n``, NATURAL join, PIVOT, column aliases on a table, or a row reference).
 2. This process copies just those columns of just those tables from the store (one read transaction,
-   so tables read together are consistent while a recording writes) into Arrow IPC files, at most
-   ``DATA_LIMIT_MB``; a table the query only DESCRIBEs, and every other workbench table, is created empty
-   from the schema, so ``SHOW TABLES``/``DESCRIBE`` look like the store.
-3. The worker memory-maps those files into its sandbox and runs the query there, with at most
-   ``max_rows + 1`` rows kept (``relation.limit``; nothing is pasted around the user's text). The
-   sandbox is opened with ``enable_external_access=false`` (no files, no network, no extension
-   loading), extension autoinstall/autoload off, ``memory_limit`` ``DUCKDB_MEMORY_MB`` (spilling at
-   most ``SPILL_LIMIT_MB`` to a private temp folder), ``threads`` ``THREADS`` and
-   ``lock_configuration=true``; the worker process cannot allocate more than ``WORKER_MEMORY_MB`` beyond
-   its size once started (``RLIMIT_DATA``), which also bounds what DuckDB's memory_limit does not count
-   (huge lists and strings). A worker that ran out of memory is replaced.
+   so tables read together are consistent while a recording writes; waiting for a file another process
+   holds counts in the deadline) into Arrow IPC files, at most ``DATA_LIMIT_MB``.
+3. The worker memory-maps those files and runs the query in its sandbox, with at most ``max_rows + 1``
+   rows kept (``relation.limit``; nothing is pasted around the user's text). A worker serves query after
+   query with ONE sandbox, made when it starts: ``enable_external_access=false`` (no files, no network,
+   no extension loading), extension autoinstall/autoload off, ``memory_limit`` ``DUCKDB_MEMORY_MB``
+   (spilling at most ``SPILL_LIMIT_MB`` to a private temp folder), ``threads`` ``THREADS`` (1 on a
+   machine of 2 CPUs or fewer) and ``lock_configuration=true``; the parser of step 1 is another
+   connection to it. Every workbench table is created in it, empty, once, so ``SHOW TABLES``/``DESCRIBE``
+   look like the store; for one query, each table it reads is dropped and its Arrow data registered
+   under the name, and afterwards unregistered and the empty table created again: a query never sees
+   data fed to an earlier one (a worker that could not put its tables back stops). The worker process
+   cannot allocate more than ``WORKER_MEMORY_MB`` beyond its size once started (``RLIMIT_DATA``), which
+   also bounds what DuckDB's memory_limit does not count (huge lists and strings). A worker that ran out
+   of memory, or kept much of it, is replaced.
 
 When the deadline passes the worker is killed (a replacement starts in the background), so even work
 DuckDB cannot interrupt stops on time. Every failure is a one-line ``SqlError``. POSIX only (pipes and
 ``select``); the worker's memory limit needs Linux (``/proc/self/statm``; elsewhere only DuckDB's
-memory_limit applies). ``shutdown()`` stops the idle workers (also done at exit).
+memory_limit applies). Idle workers are kept for the next queries (one beyond the first is stopped after
+``IDLE_S`` seconds unused); ``shutdown()`` stops them (also done at exit).
 """
 from __future__ import annotations
 
@@ -63,6 +68,7 @@ if __package__:  # imported as workbench.sqlsafe; run as a script (the worker) i
     import pyarrow.ipc
 
     from .schema import TABLES, columns
+    from .store import StoreError
 if TYPE_CHECKING:
     from .store import Store
 
@@ -72,12 +78,23 @@ DUCKDB_MEMORY_MB = 384      # the sandbox's memory_limit (sorts, hash tables, ag
 SPILL_LIMIT_MB = 1024       # what the sandbox may spill to its private temp folder
 DATA_LIMIT_MB = 512         # table data copied into the sandbox for one query
 RESULT_LIMIT_MB = 64        # the result frame sent back
-THREADS = 2
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+THREADS = 1 if _cpus() <= 2 else 2  # the sandbox's DuckDB threads (on 2 CPUs a second one only competes)
 MAX_WORKERS = 4             # queries running at once in this process (more wait, within their deadline)
+IDLE_S = 60.0               # an idle worker beyond the first is stopped after this long unused
 
 ALLOWED_TABLE_FUNCTIONS = {"range", "generate_series", "unnest"}
-DENIED_FUNCTIONS = {"nextval", "currval", "setseed", "current_setting", "getenv", "getvariable",
-                    "json_execute_serialized_sql", "query", "query_table", "sql_auto_complete", "which_secret"}
+DENIED_FUNCTIONS = {"nextval", "currval", "setval", "setseed", "current_setting", "getenv", "getvariable",
+                    "json_execute_serialized_sql", "query", "query_table", "sql_auto_complete", "which_secret",
+                    "write_log"}
 TABLE_REFS = {"BASE_TABLE", "JOIN", "SUBQUERY", "TABLE_FUNCTION", "EXPRESSION_LIST", "EMPTY", "PIVOT", "SHOW_REF"}
 SHOW_SPECIAL = {'"tables"', "__show_tables_expanded"}  # SHOW TABLES, SHOW ALL TABLES
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -104,35 +121,41 @@ def _line(e: BaseException | str, limit: int = 400) -> str:
 
 # -- the checks (run in the worker by run_readonly; check_query runs them here) ------------------------
 
-def _analyse(query: str, tables: dict[str, list[str]], max_chars: int | None = None
-             ) -> tuple[str, dict[str, list[str]]]:
+def _analyse(query: str, tables: dict[str, list[str]], max_chars: int | None = None,
+             parser: duckdb.DuckDBPyConnection | None = None) -> tuple[str, dict[str, list[str]]]:
     """Check ``query``; return its text and the columns it can read, per table whose rows it reads.
 
-    A table the query only DESCRIBEs (or SHOWs) is not in the answer: its schema is enough.
+    A table the query only DESCRIBEs (or SHOWs) is not in the answer: its schema is enough. ``parser``:
+    a connection that only parses (the worker's, kept for all its queries); else an empty in-memory
+    instance is made for this call.
     """
     max_chars = MAX_QUERY_CHARS if max_chars is None else max_chars
     if not isinstance(query, str) or not query.strip():
         raise SqlError("empty query: write a SELECT, e.g. SELECT * FROM runs")
     if len(query) > max_chars:
         raise SqlError(f"query too long: {len(query)} characters, at most {max_chars}")
-    try:
-        stmts = duckdb.extract_statements(query)
-    except duckdb.Error as e:
-        raise SqlError(f"cannot parse the query: {_line(e)}") from None
-    if len(stmts) != 1:
-        raise SqlError(f"one statement at a time, got {len(stmts)}")
-    st = stmts[0]
-    if st.type != duckdb.StatementType.SELECT:
-        raise SqlError(f"read-only: only SELECT queries are allowed, not {st.type.name}")
-    text = st.query.strip().rstrip(";").strip()
-    con = duckdb.connect(config={"enable_external_access": False, "autoload_known_extensions": False,
-                                 "autoinstall_known_extensions": False})
-    try:  # an empty in-memory instance, only to run the serializer
-        raw = con.execute("SELECT json_serialize_sql(?::VARCHAR)", [text]).fetchone()[0]
-    except duckdb.Error as e:
-        raise SqlError(f"cannot parse the query: {_line(e)}") from None
+    con = parser if parser is not None else duckdb.connect(config={
+        "enable_external_access": False, "autoload_known_extensions": False,
+        "autoinstall_known_extensions": False})
+    try:  # the parser and the serializer only: nothing is bound or run
+        try:
+            stmts = con.extract_statements(query)
+        except duckdb.Error as e:
+            raise SqlError(f"cannot parse the query: {_line(e)}") from None
+        if len(stmts) != 1:
+            raise SqlError(f"one statement at a time, got {len(stmts)}")
+        st = stmts[0]
+        if st.type != duckdb.StatementType.SELECT:
+            raise SqlError(f"read-only: only SELECT queries are allowed, not {st.type.name}")
+        text = st.query.strip().rstrip(";").strip()
+        del stmts, st
+        try:
+            raw = con.execute("SELECT json_serialize_sql(?::VARCHAR)", [text]).fetchone()[0]
+        except duckdb.Error as e:
+            raise SqlError(f"cannot parse the query: {_line(e)}") from None
     finally:
-        con.close()
+        if parser is None:
+            con.close()
     try:
         tree = json.loads(raw)
     except RecursionError:
@@ -335,18 +358,43 @@ def _worker_main(limits: dict) -> None:  # pragma: no cover - runs in the worker
             return msg
         return f"{type(e).__name__}: {_line(e)}"
 
+    # ONE sandbox for the worker's life, its settings locked; the parser is another connection to it that
+    # only parses (extract_statements, json_serialize_sql: nothing is bound or run there). Every workbench
+    # table exists in it, empty, from the start; a query's data replaces its tables only while it runs.
+    hlen, _ = _HEAD.unpack(read_exact(_HEAD.size))  # the first message: the tables (DDL and columns)
+    init = json.loads(read_exact(hlen))
+    ddl: dict[str, str] = init["ddl"]
+    cols: dict[str, list[str]] = init["columns"]
+    con = sandbox()
+    parser = con.cursor()
+    for stmt in ddl.values():
+        con.execute(stmt)
+    state = {"broken": False}  # the sandbox could not be put back as it was: this worker must not go on
+
     def run(text: str, req: dict) -> tuple[dict, bytes]:
-        con = sandbox()
+        dropped: list[str] = []
+        fed: list[str] = []
         try:
             for name, path in req["files"].items():
-                con.register(name, pyarrow.ipc.open_file(pyarrow.memory_map(path)).read_all())
-            for name, stmt in req["ddl"].items():
-                if name not in req["files"]:
-                    con.execute(stmt)
+                if name not in ddl:
+                    raise SqlError(f"internal: {name!r} is not a workbench table")
+                table = pyarrow.ipc.open_file(pyarrow.memory_map(path)).read_all()  # zero-copy
+                con.execute(f"DROP TABLE main.{_quote(name)}")  # the empty one: SHOW TABLES lists the name once
+                dropped.append(name)
+                con.register(name, table)
+                fed.append(name)
+                del table
             n = int(req["max_rows"])
             df = con.sql(text).limit(n + 1).pl()
-        finally:
-            con.close()
+        finally:  # the next query sees the empty tables again, never this one's data
+            try:
+                for name in fed:
+                    con.unregister(name)
+                for name in dropped:
+                    con.execute(ddl[name])
+            except BaseException:
+                state["broken"] = True
+                raise
         truncated = df.height > n
         df = df.head(n)
         size, limit = df.estimated_size(), int(req["result_limit"])
@@ -357,11 +405,17 @@ def _worker_main(limits: dict) -> None:  # pragma: no cover - runs in the worker
         df.write_ipc(buf)
         return {"ok": True, "truncated": truncated}, buf.getvalue()
 
-    # warm up (thread pools, allocator arenas), then allow each query WORKER_MEMORY_MB on top of that
-    con = sandbox()
-    con.register("warm", pyarrow.table({"x": [1, 2, 3]}))
-    con.sql("SELECT sum(x) FROM warm").limit(2).pl().write_ipc(io.BytesIO())
-    con.close()
+    # warm up (thread pools, allocator arenas, the parser, a fed table), then allow each query
+    # WORKER_MEMORY_MB on top of that
+    warm = next(iter(ddl))
+    path = os.path.join(limits["dir"], "warm.arrow")
+    with pyarrow.OSFile(path, "wb") as f, pyarrow.ipc.new_file(f, pyarrow.schema([("x", pyarrow.int64())])) as w:
+        w.write_table(pyarrow.table({"x": [1, 2, 3]}))
+    try:
+        _analyse(f"SELECT sum(x) AS x FROM {warm}", {warm: ["x"]}, MAX_QUERY_CHARS, parser)
+        run(f"SELECT sum(x) AS x FROM {warm}", {"files": {warm: path}, "max_rows": 1, "result_limit": 1 << 20})
+    finally:
+        os.unlink(path)
     budget = int(limits["memory_mb"]) << 20
     base = data_bytes()
     if base:
@@ -386,7 +440,7 @@ def _worker_main(limits: dict) -> None:  # pragma: no cover - runs in the worker
         try:
             if req["op"] == "check":
                 pending = None
-                text, need = _analyse(req["query"], req["tables"], int(req["max_chars"]))
+                text, need = _analyse(req["query"], cols, int(req["max_chars"]), parser)
                 pending = text
                 send({"need": need})
             elif req["op"] == "run":
@@ -408,7 +462,9 @@ def _worker_main(limits: dict) -> None:  # pragma: no cover - runs in the worker
         if error is not None:  # outside the except block: the failed query's memory is released by now
             # after running out of memory, or near the limit, the parent replaces this worker (freed memory
             # may stay with the process)
-            send({"error": error, "retire": retire or bloated()})
+            send({"error": error, "retire": retire or state["broken"] or bloated()})
+        if state["broken"]:
+            sys.exit(3)  # the answer is sent; the parent replaces this worker
 
 
 # -- this process's side: a small pool of workers ---------------------------------------------------
@@ -424,6 +480,7 @@ class _Worker:
         self.ready = False
         self.pending = False  # a request was sent and its answer not fully read
         self.retired = False  # the worker asked to be replaced (it ran out of memory, or is near the limit)
+        self.used = time.monotonic()  # when it last finished a query
         # Arrow's default allocator (mimalloc) reserves 1 GiB of writable address space up front, which the
         # worker's memory limit could not see into; the system allocator reserves nothing
         env = dict(os.environ, ARROW_DEFAULT_MEMORY_POOL="system", POLARS_MAX_THREADS=str(THREADS))
@@ -436,6 +493,10 @@ class _Worker:
         except BaseException:
             shutil.rmtree(self.dir, ignore_errors=True)
             raise
+        try:  # the tables, before anything else (a few KB: the empty pipe takes them at once)
+            self.proc.stdin.write(_frame({"ddl": _DDL, "columns": _COLUMNS}))
+        except OSError:
+            pass  # it died already: the first call says why
         os.set_blocking(self.proc.stdin.fileno(), False)
 
     def alive(self) -> bool:
@@ -462,17 +523,17 @@ class _Worker:
         fd = self.proc.stdin.fileno()
         self.pending = True
         while data:
+            try:  # a request fits in the pipe: written at once, no select first
+                data = data[os.write(fd, data):]
+                continue
+            except BlockingIOError:
+                pass
+            except (BrokenPipeError, OSError):
+                raise self._died() from None
             left = deadline - time.monotonic()
             if left <= 0:
                 raise _Timeout
-            _, w, _ = select.select([], [fd], [], left)
-            if w:
-                try:
-                    data = data[os.write(fd, data):]
-                except BlockingIOError:
-                    continue
-                except (BrokenPipeError, OSError):
-                    raise self._died() from None
+            select.select([], [fd], [], left)
 
     def recv(self, deadline: float) -> tuple[dict, bytes]:
         fd = self.proc.stdout.fileno()
@@ -525,7 +586,12 @@ class _Worker:
 
 
 class _Pool:
-    """Idle workers of this process (one kept warm), and a cap on workers busy at once."""
+    """Idle workers of this process, and a cap on workers busy at once.
+
+    A worker serves query after query. Idle ones are kept (the most recently used is taken first), so
+    that concurrent callers do not each start a process; one beyond the first that stayed unused for
+    ``IDLE_S`` seconds is stopped.
+    """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -547,15 +613,23 @@ class _Pool:
             self.slots.release()
             raise
 
+    def _trim(self) -> list[_Worker]:
+        """(With the lock held) take out the idle workers to stop: unused for IDLE_S, beyond the newest."""
+        now = time.monotonic()
+        old = [w for w in self.idle[:-1] if now - w.used > IDLE_S]
+        self.idle = [w for w in self.idle if w not in old]
+        return old
+
     def put(self, w: _Worker) -> None:
         """Keep a worker that is idle and in step; kill one that is busy, dead or behind (and start a spare)."""
         try:
             if w.alive() and not w.pending and not w.buf and not w.retired:
+                w.used = time.monotonic()
                 with self.lock:
-                    if not self.idle:
-                        self.idle.append(w)
-                        return
-                w.close()  # one warm worker is enough
+                    self.idle.append(w)
+                    stale = self._trim()
+                for old in stale:
+                    old.close()
                 return
             w.close()
             with self.lock:
@@ -566,7 +640,7 @@ class _Pool:
             except OSError:
                 return
             with self.lock:
-                self.idle.append(spare)
+                self.idle.insert(0, spare)
         finally:
             self.slots.release()
 
@@ -597,6 +671,65 @@ def _quote(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+if __package__:  # what every worker is started with: each table's DDL and columns
+    _DDL = {t: f"CREATE TABLE main.{_quote(t)} ({TABLES[t]}\n)" for t in TABLES}
+    _COLUMNS = {t: columns(t) for t in TABLES}
+
+
+class _Watchdog:
+    """One thread of this process that interrupts a store read at its deadline (a thread per query would
+    cost a start, and a hand-over of the GIL, every time). It sleeps until the earliest deadline it knows
+    of and is woken only for an earlier one: queries one after the other do not wake it."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition(threading.Lock())
+        self.due: dict[int, tuple[float, Any]] = {}
+        self.next = 0
+        self.wake = math.inf  # when the thread wakes up next (inf: when notified)
+        self.thread: threading.Thread | None = None
+
+    def add(self, deadline: float, fn) -> int:
+        with self.cond:
+            self.next += 1
+            self.due[self.next] = (deadline, fn)
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._run, name="workbench-sql-watchdog", daemon=True)
+                self.thread.start()
+            elif deadline < self.wake:
+                self.cond.notify()
+            return self.next
+
+    def cancel(self, key: int) -> None:
+        with self.cond:
+            self.due.pop(key, None)
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                now = time.monotonic()
+                late = [k for k, (d, _) in self.due.items() if d <= now]
+                fns = [self.due.pop(k)[1] for k in late]
+                if not fns:
+                    self.wake = min((d for d, _ in self.due.values()), default=math.inf)
+                    self.cond.wait(None if self.wake == math.inf else self.wake - now)
+                    self.wake = 0.0  # awake: an add need not notify until it sleeps again
+                    continue
+            for fn in fns:
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 - a cursor closed meanwhile
+                    pass
+
+    def forget(self) -> None:  # in a forked child: the thread is not there
+        self.cond = threading.Condition(threading.Lock())
+        self.due, self.wake, self.thread = {}, math.inf, None
+
+
+_WATCHDOG = _Watchdog()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_WATCHDOG.forget)
+
+
 def _fetch(store: Store, need: dict[str, list[str]], folder: str, deadline: float) -> dict[str, str]:
     """Copy the columns ``need`` names from the store into Arrow IPC files, in one read transaction."""
     if not need:
@@ -604,13 +737,17 @@ def _fetch(store: Store, need: dict[str, list[str]], folder: str, deadline: floa
     limit = DATA_LIMIT_MB << 20
     files: dict[str, str] = {}
     total = 0
-    cur = store.cursor()
-    timer = threading.Timer(max(0.0, deadline - time.monotonic()), cur.interrupt)
-    timer.daemon = True
-    timer.start()
+    try:  # waiting for the file (another process holding it) counts in the deadline too
+        cur = store.cursor(timeout_s=max(0.0, deadline - time.monotonic()))
+    except StoreError as e:
+        if time.monotonic() >= deadline:
+            raise _Timeout from None
+        raise SqlError(f"cannot read the store: {_line(e)}") from None
+    alarm = _WATCHDOG.add(deadline, cur.interrupt)
     name, ok = "", False
     try:
-        cur.execute("BEGIN TRANSACTION")
+        if len(need) > 1:  # one statement reads one snapshot anyway
+            cur.execute("BEGIN TRANSACTION")
         for name, cols in need.items():
             sel = ", ".join(_quote(c) for c in cols) if cols else "NULL AS _rows"  # count(*) needs rows only
             rel = cur.sql(f"SELECT {sel} FROM main.{_quote(name)}")
@@ -626,7 +763,8 @@ def _fetch(store: Store, need: dict[str, list[str]], folder: str, deadline: floa
                     if time.monotonic() > deadline:
                         raise _Timeout
                     w.write_batch(batch)
-        cur.execute("COMMIT")
+        if len(need) > 1:
+            cur.execute("COMMIT")
         ok = True
     except duckdb.InterruptException:
         raise _Timeout from None
@@ -635,7 +773,7 @@ def _fetch(store: Store, need: dict[str, list[str]], folder: str, deadline: floa
             raise _Timeout from None
         raise SqlError(f"cannot read {name} from the store: {_line(e)}") from None
     finally:
-        timer.cancel()
+        _WATCHDOG.cancel(alarm)
         cur.close()  # an unfinished transaction rolls back with the cursor
         for path in ([] if ok else files.values()):
             try:
@@ -659,17 +797,15 @@ def run_readonly(store: Store, query: str, max_rows: int = 1000, timeout_s: floa
         raise SqlError(f"query too long: {len(query)} characters, at most {MAX_QUERY_CHARS}")
     if os.name != "posix":
         raise SqlError("the SQL console needs a POSIX system (worker processes with resource limits)")
-    tables = {t: columns(t) for t in TABLES}
     files: dict[str, str] = {}
     worker = None
     try:
         worker = _POOL.get(deadline)
         worker.wait_ready(deadline)
-        head, _ = worker.call({"op": "check", "query": query, "tables": tables, "max_chars": MAX_QUERY_CHARS,
+        head, _ = worker.call({"op": "check", "query": query, "max_chars": MAX_QUERY_CHARS,
                                "timeout": deadline - time.monotonic()}, deadline)
         files = _fetch(store, head["need"], worker.dir, deadline)
-        ddl = {t: f"CREATE TABLE {t} ({TABLES[t]}\n)" for t in TABLES}
-        head, blob = worker.call({"op": "run", "files": files, "ddl": ddl, "max_rows": max_rows,
+        head, blob = worker.call({"op": "run", "files": files, "max_rows": max_rows,
                                   "result_limit": RESULT_LIMIT_MB << 20,
                                   "timeout": deadline - time.monotonic()}, deadline)
         try:
