@@ -421,3 +421,17 @@ def test_device_mapped_folder_records_like_a_plain_load(tmp_path):
                  "--device-map", json.dumps(dmap), "--db", str(tmp_path / "cli.duckdb"), "--json"]) == 0
     with pytest.raises(ValueError, match="device_map"):
         workbench.record([3, 5], model=str(folder), max_new_tokens=2, db=store, device_map="cpu", backend="native")
+
+
+def test_an_in_memory_module_with_fused_attention_is_switched_to_eager(tmp_path):
+    """A transformers module loaded with the default SDPA attention hands out no probabilities: the adapter
+    says so and switches it to eager, so its attention rows are recorded (not silently none)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = make_folder("mixtral", tmp_path / "mixtral")
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa", dtype=torch.float32)
+    with pytest.warns(UserWarning, match="eager"):
+        run = workbench.record([3, 5, 7], model=hf, tokenizer=str(folder / "tokenizer.json"), max_new_tokens=3,
+                               db=workbench.Store(tmp_path / "w.duckdb"), detect=False)
+    n_layers, n_heads = run.model_summary.n_layers, run.model_summary.n_heads
+    assert run.attention().height == 5 * n_layers * n_heads  # positions 0..4 fed x layers x heads

@@ -6,12 +6,13 @@ numbers. No front end writes SQL of its own.
 from __future__ import annotations
 
 import json
+import threading
 
 import polars as pl
 
 from .adapters.base import ModelSummary
 from .signals import TABLES as SIGNAL_TABLES
-from .store import Store
+from .store import FINAL_STATUSES, Store
 
 
 class RunNotFound(KeyError):
@@ -19,6 +20,83 @@ class RunNotFound(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+# -- a finished run's rowid range per signal table ------------------------------------------------
+# Rows are appended run by run, so a run's rows of a signal table sit in one narrow range of DuckDB rowids.
+# Run ids are random, so the row groups' min/max of run_id prune nothing and ``WHERE run_id = ?`` reads every
+# row group (24M attention rows for 1M tokens: ~100-300 ms a query); ``rowid BETWEEN lo AND hi`` prunes to the
+# run's few row groups. The ranges come from one scan per table per process (later only the rows appended
+# since), are kept for runs that had finished before that scan (their rows no longer change), and are checked
+# on every use: the range must hold the run's row count and the rows just outside it must be another run's,
+# else (rows deleted, rowids moved by a vacuum, the file made anew) the plain filter is used and the table
+# rescanned. Running runs always use the plain filter.
+
+class _Ranges:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        self.ranges: dict[str, tuple[int, int, int]] = {}  # run_id -> (first rowid, last rowid, rows)
+        self.seen: set[str] = set()  # runs with rows in the scanned part (ranged or not)
+        self.seen_max, self.rows_seen = -1, 0  # rowids 0..seen_max scanned: rows_seen rows
+
+
+_RANGES: dict[tuple[str, str], _Ranges] = {}
+_RANGES_LOCK = threading.Lock()
+_FINAL_SQL = "(" + ", ".join(f"'{s}'" for s in FINAL_STATUSES) + ")"
+
+
+def _scan_ranges(store: Store, table: str, st: _Ranges) -> None:
+    """Add the ranges of the rows appended since the last scan (all rows if the scanned part changed)."""
+    final = {r[0] for r in store.execute(f"SELECT run_id FROM runs WHERE status IN {_FINAL_SQL}")}
+    if st.seen_max >= 0 and store.execute(f"SELECT count(*) FROM {table} WHERE rowid <= {st.seen_max}")[0][0] \
+            != st.rows_seen:
+        st.reset()  # rows deleted (or moved) in the scanned part
+    for rid, lo, hi, n in store.execute(f"SELECT run_id, min(rowid), max(rowid), count(*) FROM {table} "
+                                        f"WHERE rowid > {st.seen_max} GROUP BY run_id"):
+        st.rows_seen += n
+        st.seen_max = max(st.seen_max, hi)
+        if rid in st.seen:  # rows on both sides of an earlier scan: it was being written then
+            st.ranges.pop(rid, None)
+        elif rid in final:
+            st.ranges[rid] = (lo, hi, n)
+        st.seen.add(rid)
+    for rid in final - st.seen:
+        st.ranges.setdefault(rid, (0, -1, 0))  # finished with no rows in this table
+
+
+def _rows(store: Store, table: str, run_id: str, alias: str = "") -> str:
+    """SQL to put before ``run_id = ?``: ``rowid BETWEEN lo AND hi AND `` for a finished run's rows of a
+    signal table (``alias``: the table's alias in the query), else nothing."""
+    if table not in SIGNAL_TABLES or getattr(store, "read_only", False):  # read-only shard stores: views, no rowid
+        return ""
+    with _RANGES_LOCK:
+        st = _RANGES.setdefault((str(store.path), table), _Ranges())
+    with st.lock:
+        r = st.ranges.get(run_id)
+        if r is None:
+            status = store.execute("SELECT status FROM runs WHERE run_id = ?", [run_id])
+            if not status or status[0][0] not in FINAL_STATUSES:
+                return ""
+            if run_id in st.seen:  # seen while it was still running: rescan everything
+                st.reset()
+            _scan_ranges(store, table, st)
+            r = st.ranges.get(run_id)
+            if r is None:
+                return ""
+        lo, hi, n = r
+        if n:  # the range must hold the run's rows and its neighbours none (a file made anew at the same path)
+            inside, beside = store.execute(
+                f"SELECT count(*) FILTER (WHERE rowid BETWEEN {lo} AND {hi}), count(*) FILTER (WHERE rowid IN "
+                f"({lo - 1}, {hi + 1})) FROM {table} WHERE rowid BETWEEN {lo - 1} AND {hi + 1} AND run_id = ?",
+                [run_id])[0]
+            if inside != n or beside:
+                st.reset()  # stale: the next use rescans
+                return ""
+    col = f"{alias}.rowid" if alias else "rowid"
+    return f"{col} BETWEEN {int(lo)} AND {int(hi)} AND "
 
 
 def runs(store: Store) -> pl.DataFrame:
@@ -53,7 +131,8 @@ def table(store: Store, name: str, run_id: str, order: str, cols: list[str] | No
         if bad:
             raise ValueError(f"{name} has no column(s) {bad}")
         what = ", ".join(dict.fromkeys(cols))
-    return store.sql(f"SELECT {what} FROM {name} WHERE run_id = ? ORDER BY {order}", [run_id])
+    return store.sql(f"SELECT {what} FROM {name} WHERE {_rows(store, name, run_id)}run_id = ? ORDER BY {order}",
+                     [run_id])
 
 
 def signal(store: Store, name: str, run_id: str) -> pl.DataFrame:
@@ -150,44 +229,49 @@ def attributions(store: Store, run_id: str, target_pos: int | None = None) -> pl
 def token_heads(store: Store, run_id: str, pos: int) -> pl.DataFrame:
     """Entropy per layer x head at one query position."""
     return store.sql("SELECT layer, head, entropy, norm_entropy, max_weight, sink_weight FROM attention "
-                     "WHERE run_id = ? AND pos = ? ORDER BY layer, head", [run_id, pos])
+                     f"WHERE {_rows(store, 'attention', run_id)}run_id = ? AND pos = ? ORDER BY layer, head",
+                     [run_id, pos])
 
 
 def token_routing(store: Store, run_id: str, pos: int) -> pl.DataFrame:
     return store.sql("SELECT layer, slot, expert, weight, score, margin FROM routing "
-                     "WHERE run_id = ? AND pos = ? ORDER BY layer, slot", [run_id, pos])
+                     f"WHERE {_rows(store, 'routing', run_id)}run_id = ? AND pos = ? ORDER BY layer, slot",
+                     [run_id, pos])
 
 
 def head_entropy(store: Store, run_id: str) -> pl.DataFrame:
     """Mean entropy per layer x head over the run's query positions (pos 0 excluded)."""
     return store.sql("SELECT layer, head, avg(entropy) AS entropy, avg(norm_entropy) AS norm_entropy, "
-                     "avg(sink_weight) AS sink_weight FROM attention WHERE run_id = ? AND pos > 0 "
+                     f"avg(sink_weight) AS sink_weight FROM attention WHERE {_rows(store, 'attention', run_id)}"
+                     "run_id = ? AND pos > 0 "
                      "GROUP BY layer, head ORDER BY layer, head", [run_id])
 
 
 def expert_load(store: Store, run_id: str) -> pl.DataFrame:
     """Share of routed slots per expert per MoE layer (sums to 1 per layer)."""
-    return store.sql("""SELECT layer, expert, count(*) AS slots,
+    return store.sql(f"""SELECT layer, expert, count(*) AS slots,
                                count(*) / sum(count(*)) OVER (PARTITION BY layer) AS share
-                        FROM routing WHERE run_id = ? GROUP BY layer, expert ORDER BY layer, expert""", [run_id])
+                        FROM routing WHERE {_rows(store, 'routing', run_id)}run_id = ?
+                        GROUP BY layer, expert ORDER BY layer, expert""", [run_id])
 
 
 def coactivation(store: Store, run_id: str, layer: int) -> pl.DataFrame:
     """How often each pair of experts is chosen for the same token in a layer (a, b, count)."""
-    return store.sql("""SELECT a.expert AS a, b.expert AS b, count(*) AS count
+    return store.sql(f"""SELECT a.expert AS a, b.expert AS b, count(*) AS count
                         FROM routing a JOIN routing b
                           ON a.run_id = b.run_id AND a.pos = b.pos AND a.layer = b.layer AND a.slot <> b.slot
-                        WHERE a.run_id = ? AND a.layer = ? GROUP BY a.expert, b.expert ORDER BY a, b""",
+                        WHERE {_rows(store, 'routing', run_id, 'a')}{_rows(store, 'routing', run_id, 'b')}
+                              a.run_id = ? AND a.layer = ? GROUP BY a.expert, b.expert ORDER BY a, b""",
                      [run_id, layer])
 
 
 def load_along_run(store: Store, run_id: str, layer: int, window: int = 16) -> pl.DataFrame:
     """Per expert, its share of slots in consecutive windows of positions."""
     # the window is computed once in a subquery: a parameter repeated in GROUP BY would not match the SELECT
-    return store.sql("""SELECT window_start, expert, count(*) AS slots,
+    return store.sql(f"""SELECT window_start, expert, count(*) AS slots,
                                count(*) / sum(count(*)) OVER (PARTITION BY window_start) AS share
                         FROM (SELECT pos // $w * $w AS window_start, expert FROM routing
-                              WHERE run_id = $run AND layer = $layer)
+                              WHERE {_rows(store, 'routing', run_id)}run_id = $run AND layer = $layer)
                         GROUP BY window_start, expert ORDER BY window_start, expert""",
                      {"w": window, "run": run_id, "layer": layer})
 
@@ -196,28 +280,33 @@ def load_along_run(store: Store, run_id: str, layer: int, window: int = 16) -> p
 
 def last_step(store: Store, run_id: str) -> int | None:
     """The last step any signal table recorded for a run (None: no step)."""
-    return store.sql("""SELECT max(s) AS s FROM (
-                          SELECT max(step) AS s FROM tokens WHERE run_id = $r
-                          UNION ALL SELECT max(step) FROM steps WHERE run_id = $r
-                          UNION ALL SELECT max(step) FROM kv WHERE run_id = $r)""", {"r": run_id})["s"][0]
+    w = {t: _rows(store, t, run_id) for t in ("tokens", "steps", "kv")}
+    return store.sql(f"""SELECT max(s) AS s FROM (
+                          SELECT max(step) AS s FROM tokens WHERE {w['tokens']}run_id = $r
+                          UNION ALL SELECT max(step) FROM steps WHERE {w['steps']}run_id = $r
+                          UNION ALL SELECT max(step) FROM kv WHERE {w['kv']}run_id = $r)""", {"r": run_id})["s"][0]
 
 
 def step_signals(store: Store, run_id: str, step: int, produced: int, newest: int) -> dict[str, pl.DataFrame]:
     """What a run's store holds for one step: tokens up to ``produced``, the heads and routing of the
     ``newest`` fed position, the KV state and timing of ``step``."""
     r = {"r": run_id}
+    w = {t: _rows(store, t, run_id) for t in ("tokens", "attention", "routing", "kv", "kv_tokens", "steps")}
     return {
-        "tokens": store.sql("SELECT * EXCLUDE (run_id) FROM tokens WHERE run_id = $r AND pos <= $produced "
-                            "ORDER BY pos", r | {"produced": produced}),
+        "tokens": store.sql(f"SELECT * EXCLUDE (run_id) FROM tokens WHERE {w['tokens']}run_id = $r "
+                            "AND pos <= $produced ORDER BY pos", r | {"produced": produced}),
         "heads": store.sql("SELECT layer, head, entropy, norm_entropy, max_weight, sink_weight FROM attention "
-                           "WHERE run_id = $r AND pos = $pos ORDER BY layer, head", r | {"pos": newest}),
+                           f"WHERE {w['attention']}run_id = $r AND pos = $pos ORDER BY layer, head",
+                           r | {"pos": newest}),
         "routing": store.sql("SELECT layer, slot, expert, weight, score, margin FROM routing "
-                             "WHERE run_id = $r AND pos = $pos ORDER BY layer, slot", r | {"pos": newest}),
-        "kv": store.sql("SELECT layer, cached_tokens, bytes FROM kv WHERE run_id = $r AND step = $t ORDER BY layer",
-                        r | {"t": step}),
+                             f"WHERE {w['routing']}run_id = $r AND pos = $pos ORDER BY layer, slot",
+                             r | {"pos": newest}),
+        "kv": store.sql(f"SELECT layer, cached_tokens, bytes FROM kv WHERE {w['kv']}run_id = $r AND step = $t "
+                        "ORDER BY layer", r | {"t": step}),
         "kv_tokens": store.sql("SELECT layer, pos, latent_norm, rope_norm, attn_received FROM kv_tokens "
-                               "WHERE run_id = $r AND step = $t ORDER BY layer, pos", r | {"t": step}),
-        "timing": store.sql("SELECT kind, wall_ms FROM steps WHERE run_id = $r AND step = $t", r | {"t": step}),
+                               f"WHERE {w['kv_tokens']}run_id = $r AND step = $t ORDER BY layer, pos", r | {"t": step}),
+        "timing": store.sql(f"SELECT kind, wall_ms FROM steps WHERE {w['steps']}run_id = $r AND step = $t",
+                            r | {"t": step}),
     }
 
 
@@ -226,27 +315,29 @@ def step_signals(store: Store, run_id: str, step: int, produced: int, newest: in
 def head_shift(store: Store, a: str, b: str) -> pl.DataFrame:
     """Per layer x head: mean entropy in run a and b over the positions both have (pos 0 excluded: it
     attends to itself only)."""
-    return store.sql("""
+    return store.sql(f"""
         SELECT x.layer, x.head, avg(x.entropy) AS entropy_a, avg(y.entropy) AS entropy_b,
                avg(y.entropy - x.entropy) AS d_entropy, max(abs(y.entropy - x.entropy)) AS max_abs_d_entropy,
                count(*) AS positions
         FROM attention x JOIN attention y ON x.pos = y.pos AND x.layer = y.layer AND x.head = y.head
-        WHERE x.run_id = ? AND y.run_id = ? AND x.pos > 0
+        WHERE {_rows(store, 'attention', a, 'x')}{_rows(store, 'attention', b, 'y')}x.run_id = ? AND y.run_id = ?
+              AND x.pos > 0
         GROUP BY x.layer, x.head ORDER BY x.layer, x.head""", [a, b])
 
 
 def routing_agreement(store: Store, a: str, b: str) -> pl.DataFrame:
     """Per MoE layer: how many routed slots changed expert between run a and b, and how many chose an
     expert outside b's set for that token."""
-    return store.sql("""
+    return store.sql(f"""
         SELECT x.layer, count(DISTINCT x.pos) AS positions, count(*) AS slots,
                count(*) FILTER (WHERE x.expert <> y.expert) AS changed_slots,
                count(*) FILTER (WHERE x.expert <> y.expert) / count(*) AS changed_share,
                count(*) FILTER (WHERE NOT EXISTS (
-                   SELECT 1 FROM routing z WHERE z.run_id = y.run_id AND z.pos = x.pos AND z.layer = x.layer
+                   SELECT 1 FROM routing z WHERE {_rows(store, 'routing', b, 'z')}z.run_id = y.run_id
+                                             AND z.pos = x.pos AND z.layer = x.layer
                                              AND z.expert = x.expert)) / count(*) AS set_changed_share
         FROM routing x JOIN routing y ON x.pos = y.pos AND x.layer = y.layer AND x.slot = y.slot
-        WHERE x.run_id = ? AND y.run_id = ?
+        WHERE {_rows(store, 'routing', a, 'x')}{_rows(store, 'routing', b, 'y')}x.run_id = ? AND y.run_id = ?
         GROUP BY x.layer ORDER BY x.layer""", [a, b])
 
 

@@ -121,6 +121,13 @@ class HFAdapter(Adapter):
     """Adapter over a ``transformers`` causal LM (eager attention)."""
 
     def __init__(self, hf: nn.Module, folder: str | Path | None = None, attn_chunk: int = 512):
+        impl = getattr(hf.config, "_attn_implementation", None)
+        if impl not in (None, "eager") and hasattr(hf, "set_attn_implementation"):
+            # fused kernels (sdpa, flash) never hand out the probabilities: the attention signals need eager
+            warnings.warn(f"{type(hf).__name__} was loaded with attn_implementation={impl!r}, which exposes no "
+                          "attention probabilities: switched to 'eager' so attention and KV signals are recorded",
+                          stacklevel=3)
+            hf.set_attn_implementation("eager")
         self.module = hf.eval()
         self.module._workbench_adapter = self  # adapter_for(module) finds it again
         self.checkpoint_path = str(folder) if folder is not None else None
