@@ -2,7 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 from workbench.model import ModelArgs, Transformer
 
@@ -18,3 +23,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def kill_when_ready(args: list[str], cwd: Path, pythonpath: list[Path]) -> None:
+    """Run ``python ARGS`` until it prints ``ready`` on stdout, then SIGKILL it: a crash at exactly that point.
+    Fails (with the child's stderr) if the child ends or prints anything else first."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in pythonpath)}
+    proc = subprocess.Popen([sys.executable, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        line = proc.stdout.readline().strip()
+        assert line == "ready", (line, proc.stderr.read() if proc.poll() is not None else "")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)

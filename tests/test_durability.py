@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -19,7 +18,7 @@ import workbench
 import workbench.store as store_mod
 from workbench import query
 from workbench.store import Store, process_identity
-from helpers import tiny_model
+from helpers import kill_when_ready, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_PROC = Path("/proc/self/stat").exists()
@@ -168,15 +167,7 @@ def kill_at(tmp_path: Path, where: str) -> Path:
     db = tmp_path / "w.duckdb"
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    proc = subprocess.Popen([sys.executable, str(script), str(db), where], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        line = proc.stdout.readline().strip()
-        assert line == "ready", (line, proc.stderr.read() if proc.poll() is not None else "")
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+    kill_when_ready([str(script), str(db), where], ROOT, [ROOT, ROOT / "tests"])
     return db
 
 

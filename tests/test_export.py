@@ -10,6 +10,7 @@ from workbench.model import save_checkpoint
 from workbench import cli
 from workbench.export import RUN_TABLES, export_parquet
 from workbench import record
+from helpers import kill_when_ready
 from workbench.schema import SCHEMA_VERSION
 from workbench.schema import columns
 from workbench.store import Store
@@ -143,24 +144,12 @@ export.export_parquet(Store(sys.argv[1]), sys.argv[2])
 def test_sigkill_mid_export_leaves_no_partial_file(env, tmp_path):
     """An export SIGKILLed mid-way leaves no marker, nothing partial under a final name (its temporary
     file matches no *.parquet glob), and hive readers read the whole files; a rerun finishes it."""
-    import os
-    import signal
-    import subprocess
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     store = env["store"]
     out = tmp_path / "pq"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_EXPORT, str(store.path), str(out)], cwd=root,
-                            env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline().strip()
-        assert line == "ready", (line, proc.stderr.read() if proc.poll() is not None else "")
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+    kill_when_ready(["-c", KILLED_EXPORT, str(store.path), str(out)], root, [root])
     assert not (out / "_SUCCESS").exists()
     strays = [f for f in out.rglob("*") if f.is_file() and not f.name.endswith(".parquet")]
     assert len(strays) == 1 and strays[0].name.startswith(".data.parquet.")  # the file it was writing
