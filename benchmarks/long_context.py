@@ -40,21 +40,26 @@ def maxrss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def demo_model():
+    """(model, what) with a MAX_LEN context: the trained demo checkpoint, else the demo preset's random weights."""
+    from workbench.model import DEFAULT_CHECKPOINT, ModelArgs, Transformer, load_checkpoint
+
+    if (DEFAULT_CHECKPOINT / "model.safetensors").exists():
+        return load_checkpoint(max_seq_len=MAX_LEN), "trained demo checkpoint"
+    args = ModelArgs.preset("demo")
+    args.max_seq_len = MAX_LEN
+    return Transformer(args).init_weights(seed=0).eval(), "demo preset, random weights"
+
+
 def one(length: int, probes: bool, threads: int) -> dict:
     """Run in the child: load, prefill once, report seconds and peak RSS."""
     import torch
 
-    from workbench.model import DEFAULT_CHECKPOINT, ModelArgs, Transformer, load_checkpoint
     from workbench.probes import attach
     from workbench.probes.signals import attention_stats
 
     torch.set_num_threads(threads)
-    if (DEFAULT_CHECKPOINT / "model.safetensors").exists():
-        model, what = load_checkpoint(max_seq_len=MAX_LEN), "trained demo checkpoint"
-    else:
-        args = ModelArgs.preset("demo")
-        args.max_seq_len = MAX_LEN
-        model, what = Transformer(args).init_weights(seed=0).eval(), "demo preset, random weights"
+    model, what = demo_model()
     tokens = torch.randint(0, model.args.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
     rows = [0]
 
@@ -77,15 +82,8 @@ def decode_latency(contexts: list[int], steps: int, threads: int) -> tuple[list[
     """Wall ms of one-token decode forwards with ``L`` tokens already cached, for each L in ``contexts``."""
     import torch
 
-    from workbench.model import DEFAULT_CHECKPOINT, ModelArgs, Transformer, load_checkpoint
-
     torch.set_num_threads(threads)
-    if (DEFAULT_CHECKPOINT / "model.safetensors").exists():
-        model, what = load_checkpoint(max_seq_len=MAX_LEN), "trained demo checkpoint"
-    else:
-        args = ModelArgs.preset("demo")
-        args.max_seq_len = MAX_LEN
-        model, what = Transformer(args).init_weights(seed=0).eval(), "demo preset, random weights"
+    model, what = demo_model()
     g = torch.Generator().manual_seed(0)
     token = torch.tensor([[1]])
     points = []

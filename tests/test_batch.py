@@ -12,7 +12,6 @@ from pathlib import Path
 import duckdb
 import polars as pl
 import pytest
-import torch
 
 import workbench
 from workbench import cli, query
@@ -30,12 +29,7 @@ PROMPTS = ["def add(a, b):", "for i in range(10):\n", "class Point:", "import os
 N = 6  # new tokens per prompt
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,7 @@ KEEP_ALL = ["window:sink=4,recent=100", "window:sink=100,recent=0", "heavy_hitte
             "confidence:threshold=0", "topk_int8:k=100", "entropy:ratio=0", "recompute"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Many short single-token forwards: one torch thread (two on a shared 2-CPU machine stall each other)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

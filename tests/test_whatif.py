@@ -206,13 +206,7 @@ def test_compile_check_finds_the_first_error():
 
 # -- on a recorded run -------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny forwards: torch's threads only contend on a busy 2-CPU machine (15x slower with 2 there)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -75,14 +75,16 @@ def completed(store: Store | None, out: str | Path | None, batch_id: str) -> set
     return set(df["batch_item"].to_list())
 
 
-def _failed_row(store: Store, run_id: str, item: dict, label: str, error: str, seed) -> None:
-    """A ``failed`` run row for a prompt that failed before its recording made one (e.g. a bad setting)."""
+def _failed_row(store: Store, run_id: str, item: dict, label: str, error: str, seed, batch_id: str) -> None:
+    """A ``failed`` run row of the batch for a prompt that failed before its recording made one (e.g. a bad
+    setting)."""
     now = datetime.now(timezone.utc).replace(tzinfo=None)
     store.append({"runs": pl.DataFrame({
         "run_id": [run_id], "created_at": [now], "status": ["failed"], "model": [label], "prompt": [item["prompt"]],
         "params": [json.dumps({k: item[k] for k in PER_PROMPT if k in item})],
         "seed": [seed if isinstance(seed, int) and not isinstance(seed, bool) else None], "finished_at": [now],
-        "error": [error], "n_tokens": [0], "pid": [os.getpid()]}, schema_overrides={"seed": pl.Int64})})
+        "error": [error], "n_tokens": [0], "pid": [os.getpid()], "batch_id": [batch_id], "batch_item": [item["key"]]},
+        schema_overrides={"seed": pl.Int64})})
 
 
 def record_one(item: dict, *, store: Store, batch_id: str, adapter, tokenizer, label: str, settings: dict,
@@ -112,8 +114,7 @@ def record_one(item: dict, *, store: Store, batch_id: str, adapter, tokenizer, l
     try:
         query.run_row(store, run_id)
     except query.RunNotFound:  # it failed before the recorder made its row
-        _failed_row(store, run_id, item, label, error or "no run recorded", kw.get("seed"))
-    store.update_run(run_id, batch_id=batch_id, batch_item=item["key"])
+        _failed_row(store, run_id, item, label, error or "no run recorded", kw.get("seed"), batch_id)
     info = query.run_row(store, run_id)
     return {"run_id": run_id, "key": item["key"], "status": info["status"], "n_tokens": info["n_tokens"] or 0,
             "error": info["error"]}

@@ -18,28 +18,34 @@ def load_prompts(path: str | Path) -> list[dict]:
         if not files:
             raise ValueError(f"{path} holds no *.txt prompt files")
         return [{"prompt": f.read_text(encoding="utf-8"), "id": f.stem} for f in files]
-    if not path.is_file():
-        raise FileNotFoundError(f"no prompt file or folder at {path}")
-    out: list[dict] = []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if path.suffix == ".jsonl":
-            try:
-                d = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-            if not isinstance(d, dict) or not isinstance(d.get("prompt"), str) or not d["prompt"].strip():
-                raise ValueError(f"{path}:{n}: each line needs a non-empty string \"prompt\"")
-            unknown = set(d) - set(FIELDS)
-            if unknown:
-                raise ValueError(f"{path}:{n}: unknown keys {sorted(unknown)}; known: {FIELDS}")
-            out.append({**d, "id": str(d.get("id", n))})
-        else:
-            out.append({"prompt": line, "id": str(n)})
+    out = [{**d, "id": str(d.get("id", n))} for n, d in _file_lines(path)]
     if not out:
         raise ValueError(f"{path} holds no prompts")
+    return out
+
+
+def _file_lines(path: Path) -> list[tuple[int, dict]]:
+    """(line number, prompt dict) of a prompt file's non-blank lines: a ``.jsonl`` line's object, checked
+    (ValueError naming the line), any other file's line as ``{"prompt": line}``."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no prompt file or folder at {path}")
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            out.append((n, {"prompt": line}))
+            continue
+        try:
+            d = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+        if not isinstance(d, dict) or not isinstance(d.get("prompt"), str) or not d["prompt"].strip():
+            raise ValueError(f"{path}:{n}: each line needs a non-empty string \"prompt\"")
+        unknown = set(d) - set(FIELDS)
+        if unknown:
+            raise ValueError(f"{path}:{n}: unknown keys {sorted(unknown)}; known: {FIELDS}")
+        out.append((n, d))
     return out
 
 
@@ -79,27 +85,9 @@ def load_prompt_set(path: str | Path) -> list[dict]:
         if not out:
             raise ValueError(f"{path} holds no prompts")
         return out
-    if not path.is_file():
-        raise FileNotFoundError(f"no prompt file or folder at {path}")
-    items: list[dict] = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        if path.suffix == ".jsonl":
-            try:
-                d = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-            if not isinstance(d, dict) or not isinstance(d.get("prompt"), str) or not d["prompt"].strip():
-                raise ValueError(f"{path}:{n}: each line needs a non-empty string \"prompt\"")
-            unknown = set(d) - set(FIELDS)
-            if unknown:
-                raise ValueError(f"{path}:{n}: unknown keys {sorted(unknown)}; known: {FIELDS}")
-            items.append(d)
-        elif path.suffix == ".txt":
-            items.append({"prompt": line})
-        else:
-            raise ValueError(f"{path}: a prompt set is a .jsonl or .txt file, or a folder of them")
+    if path.is_file() and path.suffix not in (".jsonl", ".txt"):
+        raise ValueError(f"{path}: a prompt set is a .jsonl or .txt file, or a folder of them")
+    items = [d for _, d in _file_lines(path)]
     if not items:
         raise ValueError(f"{path} holds no prompts")
     return [{**{k: v for k, v in d.items() if k != "id"}, "key": prompt_key(d, i)} for i, d in enumerate(items)]
