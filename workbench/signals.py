@@ -13,6 +13,7 @@ s >= 1 feeds one token. ``StepInfo`` is what the recorder knows of a step when i
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import groupby
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -162,12 +163,7 @@ class AttentionProbe(Probe):
         for window, rows in by_window.items():
             # rows of consecutive (layer) calls share a key count: stack those, pad every run of them to the
             # longest, one reduction for all
-            runs, start = [], 0
-            for i in range(1, len(rows) + 1):
-                if i == len(rows) or rows[i][2].shape != rows[start][2].shape:
-                    dev = rows[start][2].device  # one device: a device-mapped model spreads layers over several
-                    runs.append(torch.stack([r[2].to(dev) for r in rows[start:i]]))
-                    start = i
+            runs = [_stack([r[2] for r in run]) for _, run in groupby(rows, key=lambda r: r[2].shape)]
             s_max = max(r.size(-1) for r in runs)
             probs = torch.cat([torch.nn.functional.pad(r, (0, s_max - r.size(-1))).to(runs[0].device) for r in runs])
             pos = np.array([r[1] for r in rows], np.int32)
@@ -221,6 +217,11 @@ class RoutingProbe(Probe):
             "layer": np.repeat(np.array(layers, np.int32), n * k), "slot": rec["slot"].ravel(),
             "expert": rec["expert"].ravel(), "weight": rec["weight"].ravel(), "score": rec["score"].ravel(),
             "margin": np.repeat(rec["margin"], k)})}
+
+
+def _stack(xs: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack`` on the first tensor's device (a device-mapped model spreads layers over several)."""
+    return torch.stack([x.to(xs[0].device) for x in xs])
 
 
 def _on_cpu(math):
@@ -320,15 +321,11 @@ class KVProbe(Probe):
     def _add_kept(self) -> None:
         """Add the kept decode rows to the running totals: one sum per run of same-shaped rows."""
         rows, self.kept_single, self.kept_bytes = self.kept_single, [], 0
-        start = 0
-        for i in range(1, len(rows) + 1):
-            if i == len(rows) or rows[i][2].shape != rows[start][2].shape or rows[i][1] != rows[start][1]:
-                run = rows[start:i]
-                got = torch.stack([r[2].to(run[0][2].device) for r in run]).float().sum(1)  # [n, S] over heads
-                for layer in dict.fromkeys(r[0] for r in run):
-                    add_received(self.received, layer, got[[j for j, r in enumerate(run) if r[0] == layer]].sum(0),
-                                 run[0][1])
-                start = i
+        for (_, offset), group in groupby(rows, key=lambda r: (r[2].shape, r[1])):
+            run = list(group)
+            got = _stack([r[2] for r in run]).float().sum(1)  # [n, S] over heads
+            for layer in dict.fromkeys(r[0] for r in run):
+                add_received(self.received, layer, got[[j for j, r in enumerate(run) if r[0] == layer]].sum(0), offset)
 
     def collect(self, s: StepInfo) -> dict:
         self.kept_single += self.single
