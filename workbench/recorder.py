@@ -27,7 +27,7 @@ from workbench.model import file_sha256, load_tokenizer, state_sha256
 from .adapters import Adapter, load_adapter
 from .schema import columns
 from .signals import PROBES, SIGNALS, Probe, StepInfo
-from .store import Store, Writer
+from .store import Store, Writer, merge_batches
 
 MAX_PROMPT_CHARS = 200_000
 DTYPES = {None: None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -76,15 +76,6 @@ class Recorder:
 # (the prefill, the last step, and every step of a recording with an ``on_token`` consumer are flushed at
 # once). The writer commits every 0.5 s anyway, so this holds back little the store would already have had.
 FLUSH_STEPS, FLUSH_SECONDS, FLUSH_BYTES = 32, 0.2, 32 << 20
-
-
-def merge_batches(items: list[dict]) -> dict[str, list]:
-    """Several ``{table: rows | [rows]}`` batches as one (lists of rows per table; frames built later)."""
-    out: dict[str, list] = {}
-    for item in items:
-        for table, rows in item.items():
-            out.setdefault(table, []).extend(rows if isinstance(rows, list) else [rows])
-    return out
 
 
 def resolve_tokenizer(tokenizer, adapter: Adapter, bundled: bool):

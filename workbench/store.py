@@ -634,14 +634,20 @@ def to_frame(batch) -> pl.DataFrame | None:
     return frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
 
 
-def _merge(items: list[dict]) -> dict[str, pl.DataFrame | None]:
-    """Several steps' batches as one batch: one frame per table."""
+def merge_batches(items: list[dict]) -> dict[str, list]:
+    """Several ``{table: rows | [rows] | None}`` batches as one: the parts of each table in one list (frames are
+    built later, by ``to_frame``)."""
     tables: dict[str, list] = {}
     for batch in items:
         for table, part in batch.items():
             if part is not None:
                 tables.setdefault(table, []).extend(part if isinstance(part, list) else [part])
-    return {t: to_frame(parts) for t, parts in tables.items()}
+    return tables
+
+
+def _merge(items: list[dict]) -> dict[str, pl.DataFrame | None]:
+    """Several steps' batches as one batch: one frame per table."""
+    return {t: to_frame(parts) for t, parts in merge_batches(items).items()}
 
 
 def _reach(table: str, df: pl.DataFrame) -> tuple[dict[str, int], dict[str, int]]:
