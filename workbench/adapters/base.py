@@ -220,8 +220,8 @@ class Adapter:
     def kv_keep(self, masks: list[torch.Tensor | None]) -> None:
         """Evict cached tokens from the next forwards of the session: per layer a bool mask over the cached
         positions (False: masked out of attention, as a -inf score; positions past the mask are kept), or
-        None to keep every token."""
-        raise NotImplementedError
+        None to keep every token. The session's attention hook reads ``_kv_keep``."""
+        self._kv_keep = [None if k is None or bool(k.all()) else k.to(self.device, torch.bool) for k in masks]
 
     # -- shared -----------------------------------------------------------------------------------
     @property

@@ -294,8 +294,6 @@ class HFAdapter(Adapter):
             out.append((seen - n, [values[0].transpose(0, 1), keys[0].transpose(0, 1)]))
         return out
 
-    def kv_keep(self, masks: list[torch.Tensor | None]) -> None:
-        self._kv_keep = [None if k is None or bool(k.all()) else k.to(self.device, torch.bool) for k in masks]
 
     def state_sha256(self) -> str:
         return state_sha256(self.module)

@@ -129,8 +129,6 @@ class NativeAdapter(Adapter):
             out.append((0, [c.kv[0, :n], c.pe[0, :n]] if c is not None else []))
         return out
 
-    def kv_keep(self, masks: list[torch.Tensor | None]) -> None:
-        self._kv_keep = [None if k is None or bool(k.all()) else k.to(self.device, torch.bool) for k in masks]
 
     def state_sha256(self) -> str:
         return state_sha256(self.module)
