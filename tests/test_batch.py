@@ -61,10 +61,57 @@ def test_record_many_equals_single_records(env, tmp_path):
         ids, lps = ids_and_logprobs(single, one.run_id)
         got_ids, got_lps = ids_and_logprobs(store, by_prompt[p])
         assert got_ids == ids
-        assert got_lps[1:] == pytest.approx(lps[1:], abs=1e-6)
+        assert got_lps[1:] == pytest.approx(lps[1:], rel=1e-5, abs=1e-5)  # batched matmuls sum in another order
         assert query.run_row(single, one.run_id)["checkpoint_sha256"] == \
             query.run_row(store, by_prompt[p])["checkpoint_sha256"]
+        assert_same_signals(single, one.run_id, store, by_prompt[p])
     assert query.run_row(single, one.run_id)["batch_id"] is None
+
+
+def assert_same_signals(a: Store, run_a: str, b: Store, run_b: str, tol: float = 1e-4) -> None:
+    """Every signal table of two runs: the same rows (keys), equal exact columns, tolerance columns within ``tol``
+    (the tables' own replay classification, workbench.signals)."""
+    from workbench.signals import TABLES
+
+    for name, table in TABLES.items():
+        q = f"SELECT * EXCLUDE (run_id) FROM {name} WHERE run_id = ? ORDER BY {table.order}"
+        x, y = a.sql(q, [run_a]), b.sql(q, [run_b])
+        assert x.height == y.height > 0, name
+        for c in table.names("key") + table.names("exact"):
+            assert x[c].to_list() == y[c].to_list(), (name, c)
+        for c in table.names("tol"):
+            d = (x[c] - y[c]).abs().max()
+            assert d is None or d <= tol, (name, c, d)
+
+
+def test_batched_generation_equals_single_records_row_by_row(env, tmp_path):
+    """record_batch directly: prompts of 1 to 30 tokens (the longer ones fed teacher-forced while the shorter
+    decode), per-row settings (new tokens, sampling temperature and seed), a row stopped early; every signal
+    table equals the row's own single recording."""
+    from workbench.recorder import new_run_id, record_batch
+
+    prompts = ["x", "def add(a, b):", "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n",
+               "for i in range(10):\n    print(i)"]
+    settings = {"max_new_tokens": [5, 3, 8, 6], "temperature": [0.0, 1.0, 0.0, 0.7], "top_p": [1.0, 0.9, 1.0, 1.0],
+                "seed": [0, 3, 0, 11]}
+    db = Store(tmp_path / "b.duckdb")
+    run_ids = [new_run_id() for _ in prompts]
+    errors = record_batch(prompts, model=env["ckpt"], db=db, run_ids=run_ids, run_fields=[None] * 4, **settings)
+    assert errors == [None] * 4
+    single = Store(tmp_path / "s.duckdb")
+    for i, p in enumerate(prompts):
+        one = workbench.record(p, model=env["ckpt"], db=single, detect=False, **{k: v[i] for k, v in settings.items()})
+        assert query.run_row(db, run_ids[i])["status"] == "complete"
+        assert query.run_row(db, run_ids[i])["n_tokens"] == one.info["n_tokens"]
+        assert_same_signals(single, one.run_id, db, run_ids[i])
+    # a prompt refused before its run existed is that prompt's error only
+    errors = record_batch(["def f():", "y" * 300_000], model=env["ckpt"], db=db, run_ids=["rok", "rbad"],
+                          run_fields=[None] * 2, max_new_tokens=[2, 2], temperature=[0.0] * 2, top_p=[1.0] * 2,
+                          seed=[0] * 2)
+    assert errors[0] is None and "limit" in errors[1]
+    assert query.run_row(db, "rok")["status"] == "complete"
+    with pytest.raises(query.RunNotFound):
+        query.run_row(db, "rbad")
 
 
 def test_prompt_files(tmp_path):
@@ -109,7 +156,7 @@ def test_cli_prompts_jsonl(env, tmp_path, capsys):
     assert cli.main(["record", "--prompts", str(env["jsonl"]), "--model", env["ckpt"], "--max-new-tokens", "4",
                      "--db", str(db), "--json", "--no-detect"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["status"] == {"complete": 6} and [r["key"] for r in out["runs"]] == [f"p{i}" for i in range(6)]
+    assert out["status"] == {"complete": 6} and sorted(r["key"] for r in out["runs"]) == [f"p{i}" for i in range(6)]
     assert cli.main(["record", "--prompts", str(env["jsonl"]), "--model", env["ckpt"], "--max-new-tokens", "4",
                      "--db", str(db), "--json", "--no-detect"]) == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

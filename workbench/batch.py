@@ -31,6 +31,8 @@ from .signals import PROBES
 from .store import Store
 
 PER_PROMPT = ("max_new_tokens", "temperature", "seed")
+BATCH_SIZE = 8  # prompts per batched generation (record_many's default)
+MAX_BATCH_TOKENS = 8192  # rows x longest prompt of one batched generation
 
 
 def prompt_items(prompts) -> list[dict]:
@@ -91,33 +93,76 @@ def record_one(item: dict, *, store: Store, batch_id: str, adapter, tokenizer, l
                detect: bool = True) -> dict:
     """Record one prompt of a batch into ``store`` (never raises for the prompt's own failure); returns
     ``{run_id, key, status, n_tokens, error}``."""
-    import uuid
-
-    from .anomalies import detect as detect_anomalies
-    from .recorder import record_run
+    from .recorder import new_run_id, record_run
 
     kw = {**settings, **{k: item[k] for k in PER_PROMPT if k in item}}
-    run_id = "r" + uuid.uuid4().hex[:11]
+    run_id = new_run_id()
     error = None
     try:
         record_run(item["prompt"], model=adapter, tokenizer=tokenizer, db=store, run_id=run_id,
                    run_fields={"batch_id": batch_id, "batch_item": item["key"]}, **kw)
     except Exception as e:  # noqa: BLE001 - one prompt's failure is that run's, not the batch's
         error = f"{type(e).__name__}: {e}"
-    else:
-        if detect:
-            try:  # as workbench.record: a detector bug must not lose the recording
-                detect_anomalies(store, run_id)
-            except Exception as e:  # noqa: BLE001
-                import warnings
-                warnings.warn(f"anomaly detection failed for run {run_id}: {e}")
+    return _finished(store, run_id, item, error, label, kw.get("seed"), batch_id, detect)
+
+
+def record_group(items: list[dict], *, store: Store, batch_id: str, adapter, tokenizer, label: str, settings: dict,
+                 detect: bool = True) -> list[dict]:
+    """Record prompts of a batch together, in one batched generation (``workbench.recorder.record_batch``) when
+    the model's adapter has one, else one by one (``record_one``); one row per prompt, as ``record_one``'s."""
+    from .recorder import new_run_id, record_batch
+
+    if len(items) == 1 or not adapter.supports_batch:
+        return [record_one(item, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tokenizer, label=label,
+                           settings=settings, detect=detect) for item in items]
+    kws = [{**settings, **{k: item[k] for k in PER_PROMPT if k in item}} for item in items]
+    run_ids = [new_run_id() for _ in items]
+    try:
+        errors = record_batch([item["prompt"] for item in items], model=adapter, tokenizer=tokenizer, db=store,
+                              dtype=settings.get("dtype"), probes=settings.get("probes", PROBES),
+                              topk=settings.get("topk", 5), run_ids=run_ids,
+                              run_fields=[{"batch_id": batch_id, "batch_item": item["key"]} for item in items],
+                              **{k: [kw[k] for kw in kws] for k in ("max_new_tokens", "temperature", "top_p", "seed")})
+    except Exception as e:  # noqa: BLE001 - the group's failure is its runs', not the batch's
+        errors = [f"{type(e).__name__}: {e}"] * len(items)
+    return [_finished(store, run_id, item, err, label, kw.get("seed"), batch_id, detect)
+            for run_id, item, err, kw in zip(run_ids, items, errors, kws)]
+
+
+def _finished(store: Store, run_id: str, item: dict, error: str | None, label: str, seed, batch_id: str,
+              detect: bool) -> dict:
+    """A recorded prompt's row: its anomalies detected (if it completed), a ``failed`` run made for a prompt
+    refused before it had one."""
+    from .anomalies import detect as detect_anomalies
+
+    if error is None and detect:
+        try:  # as workbench.record: a detector bug must not lose the recording
+            detect_anomalies(store, run_id)
+        except Exception as e:  # noqa: BLE001
+            import warnings
+            warnings.warn(f"anomaly detection failed for run {run_id}: {e}")
     try:
         query.run_row(store, run_id)
     except query.RunNotFound:  # it failed before the recorder made its row
-        _failed_row(store, run_id, item, label, error or "no run recorded", kw.get("seed"), batch_id)
+        _failed_row(store, run_id, item, label, error or "no run recorded", seed, batch_id)
     info = query.run_row(store, run_id)
     return {"run_id": run_id, "key": item["key"], "status": info["status"], "n_tokens": info["n_tokens"] or 0,
             "error": info["error"]}
+
+
+def groups(items: list[dict], tokenizer, batch_size: int, max_batch_tokens: int = MAX_BATCH_TOKENS) -> list[list[dict]]:
+    """The prompts in groups of at most ``batch_size`` recorded together, by prompt length (a batch feeds every
+    row the longest prompt's positions, so similar lengths waste the least), each group's rows x longest prompt
+    at most ``max_batch_tokens`` (what one batched prefill holds)."""
+    n_tok = {id(d): len(tokenizer.encode(d["prompt"]).ids) for d in items}
+    out: list[list[dict]] = []
+    for d in sorted(items, key=lambda d: n_tok[id(d)]):
+        g = out[-1] if out else None
+        if g is None or len(g) >= batch_size or (len(g) + 1) * n_tok[id(d)] > max_batch_tokens:
+            out.append([d])
+        else:
+            g.append(d)
+    return out
 
 
 def load_model(model=None, tokenizer=None, dtype: str | None = None, backend: str = "auto"):
@@ -176,7 +221,8 @@ def prepare(prompts, *, model=None, batch_id: str | None = None, max_new_tokens:
 def record_many(prompts, *, model=None, tokenizer=None, db=None, out: str | Path | None = None,
                 batch_id: str | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
                 top_p: float = 1.0, seed: int = 0, dtype: str | None = None, probes=PROBES, topk: int = 5,
-                backend: str = "auto", detect: bool = True, progress: bool = True) -> "BatchRuns":
+                backend: str = "auto", detect: bool = True, progress: bool = True,
+                batch_size: int = BATCH_SIZE) -> "BatchRuns":
     """Record every prompt of a set as its own run, all with one ``batch_id``; returns the ``Batch``.
 
     Args:
@@ -188,8 +234,13 @@ def record_many(prompts, *, model=None, tokenizer=None, db=None, out: str | Path
             instead of into ``db``; ``workbench.open(out)`` reads it.
         batch_id: default: a hash of the set and the settings, so the same call again resumes the batch
             (prompts with a ``complete`` run in it are skipped).
+        batch_size: prompts recorded together in one batched generation (similar lengths together; 1: one at
+            a time). Each run equals its single recording up to floating-point summation order. Models whose
+            adapter has no batched generation record one at a time.
         The other arguments are ``workbench.record``'s.
     """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     items, settings, batch_id = prepare(prompts, model=model, batch_id=batch_id, max_new_tokens=max_new_tokens,
                                         temperature=temperature, top_p=top_p, seed=seed, dtype=dtype, probes=probes,
                                         topk=topk, backend=backend)
@@ -212,14 +263,14 @@ def record_many(prompts, *, model=None, tokenizer=None, db=None, out: str | Path
             store = Store(tmp / "shard.duckdb")
         else:
             store = db if isinstance(db, Store) else Store(db)
-        for item in todo:
-            row = record_one(item, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tok, label=label,
-                             settings=gen, detect=detect)
-            n = _generated(row, store)
-            if out is not None:
-                flush_run(store, out, row["run_id"])
-            rows.append(row)
-            bars.done(row, n)
+        for group in groups(todo, tok, batch_size):
+            for row in record_group(group, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tok,
+                                    label=label, settings=gen, detect=detect):
+                n = _generated(row, store)
+                if out is not None:
+                    flush_run(store, out, row["run_id"])
+                rows.append(row)
+                bars.done(row, n)
     finally:
         bars.close()
         if tmp is not None:

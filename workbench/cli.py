@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--prompts: run the set on a Ray Data actor pool (a local cluster, or ADDRESS); needs --out "
                         "and the ray extra")
     p.add_argument("--workers", type=int, default=1, help="--ray: actors, one model each (default 1)")
+    p.add_argument("--batch-size", type=int, default=8, help="--prompts: prompts recorded together in one batched "
+                   "generation, similar lengths together (default 8; 1: one at a time)")
     p.add_argument("--no-detect", action="store_true", help="skip anomaly detection after each run")
     _db(p)
 

@@ -2,7 +2,8 @@
 
 Ray Data runs the set's prompts on an actor pool of ``workers`` actors (``ActorPoolStrategy``). Each actor
 loads the model once, takes one GPU when the cluster has GPUs (else one CPU, with torch on one thread),
-records each prompt into its own temporary DuckDB file (``workbench.batch.record_one``) and writes the
+records each block of prompts (``batch_size``, similar lengths) as one batched generation into its own
+temporary DuckDB file (``workbench.batch.record_group``) and writes the
 finished run into ``DIR`` as Parquet shards with ``workbench.export.write_run``: every file under a
 temporary name moved into place, then the run's completion marker. A killed actor leaves no half-written
 run (readers skip runs without a marker) and running the command again records only the prompts without a
@@ -39,17 +40,18 @@ class ShardWorker:
         self.store = Store(self.tmp / "shard.duckdb")
 
     def __call__(self, batch: dict) -> dict:
-        from .batch import _generated, flush_run, record_one
+        from .batch import _generated, flush_run, groups, record_group
 
         rows: dict[str, list] = {"run_id": [], "key": [], "status": [], "n_tokens": [], "generated": [], "error": []}
-        for text in list(batch["item"]):
-            item = json.loads(str(text))
-            row = record_one(item, store=self.store, batch_id=self.batch_id, adapter=self.adapter,
-                             tokenizer=self.tokenizer, label=self.label, settings=self.settings, detect=self.detect)
-            row["generated"] = _generated(row, self.store)
-            flush_run(self.store, self.out, row["run_id"])
-            for k in rows:
-                rows[k].append(row[k])
+        items = [json.loads(str(text)) for text in list(batch["item"])]
+        for group in groups(items, self.tokenizer, len(items)):
+            for row in record_group(group, store=self.store, batch_id=self.batch_id, adapter=self.adapter,
+                                    tokenizer=self.tokenizer, label=self.label, settings=self.settings,
+                                    detect=self.detect):
+                row["generated"] = _generated(row, self.store)
+                flush_run(self.store, self.out, row["run_id"])
+                for k in rows:
+                    rows[k].append(row[k])
         return rows
 
     def __del__(self):
@@ -62,7 +64,7 @@ class ShardWorker:
 
 def record_many_ray(items: list[dict], *, out, batch_id: str, model=None, tokenizer=None, settings: dict,
                     detect: bool = True, progress: bool = True, address: str | None = None,
-                    workers: int = 1) -> list[dict]:
+                    workers: int = 1, batch_size: int = 8) -> list[dict]:
     """Record the prompts of ``items`` not yet complete in ``out`` on a Ray Data actor pool; returns the rows
     (run_id, key, status, n_tokens, generated, error) of the prompts recorded."""
     try:
@@ -93,8 +95,12 @@ def record_many_ray(items: list[dict], *, out, batch_id: str, model=None, tokeni
         ctx.enable_progress_bars = False
         gpus = float(ray.cluster_resources().get("GPU", 0))
         per = {"num_gpus": 1} if gpus >= 1 else {"num_cpus": 1}
-        ds = ray.data.from_items([{"item": json.dumps(d)} for d in todo], override_num_blocks=len(todo))
-        res = ds.map_batches(ShardWorker, batch_size=1, compute=ray.data.ActorPoolStrategy(size=workers),
+        # prompts of similar length in one block (by characters: the driver loads no model or tokenizer); an
+        # actor records a block in batched generations (workbench.batch.groups)
+        ordered = sorted(todo, key=lambda d: len(d["prompt"]))
+        ds = ray.data.from_items([{"item": json.dumps(d)} for d in ordered],
+                                 override_num_blocks=max(1, -(-len(ordered) // batch_size)))
+        res = ds.map_batches(ShardWorker, batch_size=batch_size, compute=ray.data.ActorPoolStrategy(size=workers),
                              fn_constructor_kwargs={"out": out, "batch_id": batch_id, "model": model,
                                                     "tokenizer": tokenizer, "settings": settings, "detect": detect,
                                                     "threads": 1 if not gpus else 0},

@@ -25,6 +25,7 @@ import torch
 from workbench.model import file_sha256, load_tokenizer, state_sha256
 
 from .adapters import Adapter, load_adapter
+from .adapters.base import Route
 from .schema import columns
 from .signals import PROBES, SIGNALS, Probe, StepInfo
 from .store import Store, Writer, merge_batches
@@ -171,16 +172,9 @@ def check_ids(ids: list, vocab_size: int) -> list[int]:
     return out
 
 
-def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_tokens: int = 64,
-               temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, db=None, dtype: str | None = None,
-               probes: Iterable[str] = PROBES, topk: int = 5, progress: bool = False,
-               on_token: Callable[[int, str], None] | None = None, parent_run_id: str | None = None,
-               run_id: str | None = None, backend: str = "auto",
-               run_fields: dict | None = None, device_map=None) -> tuple[str, Store, Adapter, object]:
-    """Record one generation; returns (run_id, store, adapter, tokenizer). See ``workbench.record``.
-
-    ``run_fields``: more ``runs`` columns for the run's first row (e.g. a prompt set's ``batch_id``), so they
-    are there from the start, a run killed mid-way included."""
+def _check_request(prompt, dtype, max_new_tokens, temperature, top_p, seed, topk, run_fields, probes) -> list[str]:
+    """ValueError (one line) for a request no recording can run, before any model is loaded or row written;
+    returns the probe names."""
     if isinstance(prompt, str) and not prompt.strip():
         raise ValueError("empty prompt: type some text to record")
     if isinstance(prompt, str) and len(prompt) > MAX_PROMPT_CHARS:
@@ -195,10 +189,11 @@ def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_t
     unknown = set(probes) - set(SIGNALS)
     if unknown:
         raise ValueError(f"unknown probes {sorted(unknown)}; choose from {PROBES}")
-    store = db if isinstance(db, Store) else Store(db)
-    adapter = load_adapter(model, DTYPES[dtype], backend=backend, device_map=device_map)
-    tokenizer = resolve_tokenizer(tokenizer, adapter, bundled=model is None)
-    label, sha = model_identity(model, adapter, dtype_changed=dtype is not None)
+    return probes
+
+
+def _encode(prompt, adapter: Adapter, tokenizer, max_new_tokens: int) -> list[int]:
+    """The prompt's token ids, checked against the vocabulary and the model's context."""
     ids = check_ids(list(prompt), adapter.summary.vocab_size) if not isinstance(prompt, str) else \
         tokenizer.encode(prompt).ids
     if not ids:
@@ -207,13 +202,13 @@ def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_t
     if len(ids) + max_new_tokens - 1 > limit:  # the last new token is produced, never fed: it needs no slot
         raise ValueError(f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds the model's "
                          f"context of {limit} tokens (the prompt and every new token but the last are fed)")
+    return ids
+
+
+def _insert_run(store: Store, run_id: str, adapter: Adapter, label: str, sha: str, prompt, ids: list[int], tokenizer,
+                params: dict, seed: int, parent_run_id: str | None, run_fields: dict | None) -> None:
+    """The run's first ``runs`` row (status ``running``), with the neutral model summary."""
     summary = adapter.summary
-    for note in summary.notes:
-        warnings.warn(f"recording {label}: {note}", stacklevel=3)
-    run_id = run_id or "r" + uuid.uuid4().hex[:11]  # never all digits: Hive partitions would read it as BIGINT
-    rec = Recorder(adapter, run_id, probes)
-    params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "topk": topk,
-              "probes": sorted(probes), "prompt_ids": ids, "backend": summary.backend}
     store.append({"runs": pl.DataFrame({
         "run_id": [run_id], "created_at": [datetime.now(timezone.utc).replace(tzinfo=None)], "status": ["running"],
         "model": [label], "config": [_config_json(adapter)], "checkpoint_sha256": [sha],
@@ -223,38 +218,106 @@ def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_t
         "pid": [os.getpid()], "summary": [json.dumps(summary.to_dict())],
         "notes": ["; ".join(summary.notes) or None], **{k: [v] for k, v in (run_fields or {}).items()},
     })})
-    writer = Writer(store)
-    eos = eos_of(tokenizer, adapter)
-    texts = [tokenizer.decode([i]) for i in ids]
-    n_tokens = len(ids)
+
+
+class _Recording:
+    """One run being recorded: its probes, the steps collected but not yet handed to the writer, its length."""
+
+    writer: Writer  # set once the run's row exists
+
+    def __init__(self, run_id: str, adapter, probes: list[str], ids: list[int], tokenizer, max_new_tokens: int,
+                 eos: int | None, topk: int, on_token=None, bar=None):
+        self.run_id, self.tokenizer, self.eos, self.topk = run_id, tokenizer, eos, topk
+        self.rec = Recorder(adapter, run_id, probes)
+        self.texts = [tokenizer.decode([i]) for i in ids]
+        self.end = len(ids) + max_new_tokens
+        self.n_tokens = len(ids)
+        self.on_token, self.bar = on_token, bar
+        self.pending: list[dict] = []  # collected steps not yet flushed
+        self.last_flush = time.monotonic()
+
+    def step(self, step, wall_ms: float) -> bool:
+        """Collect one finished generation step; True when it was the run's last."""
+        new_pos = step.start_pos + len(step.input_ids)
+        new_text = self.tokenizer.decode([step.next_token])
+        final = new_pos + 1 >= self.end or step.next_token == self.eos
+        rec = self.rec
+        self.pending.append(rec.collect(StepInfo(self.run_id, step.index, step.start_pos, step.input_ids, step.logits,
+                                                 step.next_token, new_text, self.texts, final, wall_ms, self.topk)))
+        # a live consumer (on_token) may read the store, or block, before the next step: it gets every
+        # step handed to the writer before it is told of the step
+        if (self.on_token is not None or final or step.index == 0 or len(self.pending) >= FLUSH_STEPS
+                or rec.pending_bytes() > FLUSH_BYTES or time.monotonic() - self.last_flush > FLUSH_SECONDS):
+            self.writer.put(merge_batches(self.pending + [rec.flush()]))  # whole steps, one put
+            self.pending, self.last_flush = [], time.monotonic()
+        self.n_tokens = new_pos + 1
+        if self.on_token:
+            self.on_token(new_pos, new_text)
+        if self.bar:
+            self.bar.update(1)
+        return final
+
+    def flush_kept(self) -> None:
+        """Hand the steps collected before an interruption to the writer (they are kept)."""
+        if self.pending:
+            with torch.inference_mode():  # the kept tensors are the stream's inference tensors
+                self.writer.put(merge_batches(self.pending + [self.rec.flush()]))
+            self.pending = []
+
+    def finish(self, store: Store, status: str, error: str | None) -> None:
+        """The run's final row, set once the writer has committed everything before it (a failed write fails it)."""
+        def update(write_error: BaseException | None) -> None:
+            store.update_run(self.run_id, status=status if write_error is None else "failed",
+                             error=error if write_error is None else f"StoreError: {write_error}",
+                             n_tokens=self.n_tokens, finished_at=datetime.now(timezone.utc).replace(tzinfo=None))
+        self.writer.then(update)
+
+
+def _open(model, tokenizer, db, dtype, backend, device_map):
+    """(store, adapter, tokenizer, model label, model sha256) of a recording."""
+    store = db if isinstance(db, Store) else Store(db)
+    adapter = load_adapter(model, DTYPES[dtype], backend=backend, device_map=device_map)
+    tokenizer = resolve_tokenizer(tokenizer, adapter, bundled=model is None)
+    label, sha = model_identity(model, adapter, dtype_changed=dtype is not None)
+    for note in adapter.summary.notes:
+        warnings.warn(f"recording {label}: {note}", stacklevel=4)
+    return store, adapter, tokenizer, label, sha
+
+
+def _params(ids, max_new_tokens, temperature, top_p, topk, probes, adapter) -> dict:
+    return {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "topk": topk,
+            "probes": sorted(probes), "prompt_ids": ids, "backend": adapter.summary.backend}
+
+
+def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_tokens: int = 64,
+               temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, db=None, dtype: str | None = None,
+               probes: Iterable[str] = PROBES, topk: int = 5, progress: bool = False,
+               on_token: Callable[[int, str], None] | None = None, parent_run_id: str | None = None,
+               run_id: str | None = None, backend: str = "auto",
+               run_fields: dict | None = None, device_map=None) -> tuple[str, Store, Adapter, object]:
+    """Record one generation; returns (run_id, store, adapter, tokenizer). See ``workbench.record``.
+
+    ``run_fields``: more ``runs`` columns for the run's first row (e.g. a prompt set's ``batch_id``), so they
+    are there from the start, a run killed mid-way included."""
+    probes = _check_request(prompt, dtype, max_new_tokens, temperature, top_p, seed, topk, run_fields, probes)
+    store, adapter, tokenizer, label, sha = _open(model, tokenizer, db, dtype, backend, device_map)
+    ids = _encode(prompt, adapter, tokenizer, max_new_tokens)
+    run_id = run_id or new_run_id()
     bar = None
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=max_new_tokens, desc=f"record {run_id}", unit="tok", file=sys.stderr)
+    run = _Recording(run_id, adapter, probes, ids, tokenizer, max_new_tokens, eos_of(tokenizer, adapter), topk,
+                     on_token, bar)  # the probes are made before the run row exists
+    _insert_run(store, run_id, adapter, label, sha, prompt, ids, tokenizer,
+                _params(ids, max_new_tokens, temperature, top_p, topk, probes, adapter), seed, parent_run_id, run_fields)
+    run.writer = writer = Writer(store)
     status, error = "complete", None
-    pending: list[dict] = []  # collected steps not yet flushed
-    last_flush = time.monotonic()
     try:
-        with adapter.seams(rec.listeners()):
+        with adapter.seams(run.rec.listeners()):
             t0 = time.perf_counter()
-            for step in adapter.stream(ids, max_new_tokens, temperature, top_p, seed, eos):
-                wall_ms = (time.perf_counter() - t0) * 1e3
-                new_pos = step.start_pos + len(step.input_ids)
-                new_text = tokenizer.decode([step.next_token])
-                final = new_pos + 1 >= len(ids) + max_new_tokens or step.next_token == eos
-                pending.append(rec.collect(StepInfo(run_id, step.index, step.start_pos, step.input_ids, step.logits,
-                                                    step.next_token, new_text, texts, final, wall_ms, topk)))
-                # a live consumer (on_token) may read the store, or block, before the next step: it gets every
-                # step handed to the writer before it is told of the step
-                if (on_token is not None or final or step.index == 0 or len(pending) >= FLUSH_STEPS
-                        or rec.pending_bytes() > FLUSH_BYTES or time.monotonic() - last_flush > FLUSH_SECONDS):
-                    writer.put(merge_batches(pending + [rec.flush()]))  # whole steps, one put
-                    pending, last_flush = [], time.monotonic()
-                n_tokens = new_pos + 1
-                if on_token:
-                    on_token(new_pos, new_text)
-                if bar:
-                    bar.update(1)
+            for step in adapter.stream(ids, max_new_tokens, temperature, top_p, seed, run.eos):
+                run.step(step, (time.perf_counter() - t0) * 1e3)
                 t0 = time.perf_counter()
     except KeyboardInterrupt:
         status, error = "interrupted", "KeyboardInterrupt"
@@ -266,13 +329,134 @@ def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_t
         if bar:
             bar.close()
         try:
-            if pending:  # the steps collected before an interruption are kept
-                with torch.inference_mode():  # the kept tensors are the stream's inference tensors
-                    writer.put(merge_batches(pending + [rec.flush()]))
+            run.flush_kept()
         finally:
-            try:
-                writer.close()
-            finally:
-                store.update_run(run_id, status=status, error=error, n_tokens=n_tokens,
-                                 finished_at=datetime.now(timezone.utc).replace(tzinfo=None))
+            run.finish(store, status, error)
+            writer.close()
     return run_id, store, adapter, tokenizer
+
+
+def new_run_id() -> str:
+    return "r" + uuid.uuid4().hex[:11]  # never all digits: Hive partitions would read it as BIGINT
+
+
+class _RowView:
+    """The adapter as one row of a batch sees it: that row's KV cache; everything else is the adapter's."""
+
+    def __init__(self, adapter: Adapter, row: int):
+        self._adapter, self._row = adapter, row
+
+    def __getattr__(self, name: str):
+        return getattr(self._adapter, name)
+
+    def kv_state(self):
+        return self._adapter.kv_state(row=self._row)
+
+
+def fan_out(rows: list[dict[str, Callable] | None]) -> dict[str, Callable]:
+    """Batch-level seam listeners that hand each row's listeners that row's slice: ``[B, ...]`` tensors by
+    row, a route's ``N = B * T`` rows (batch-major) by row. ``rows[b]`` set to None stops row b's listeners."""
+    seams = set().union(*(d.keys() for d in rows if d))
+    unknown = seams - {"attn_probs", "head_out", "resid_post", "routed"}
+    if unknown:
+        raise ValueError(f"batched recording cannot split the seams {sorted(unknown)}")
+
+    def attn_probs(layer: int, probs: torch.Tensor, q_start: int, *rest) -> None:  # [B, Tc, H, S]
+        for b, d in enumerate(rows):
+            if d is not None:
+                d["attn_probs"](layer, probs[b], q_start, *rest)
+    attn_probs.batched = True  # type: ignore[attr-defined]
+
+    def by_row(seam: str) -> Callable:
+        def call(layer: int, x: torch.Tensor) -> None:  # [B, T, ...]
+            for b, d in enumerate(rows):
+                if d is not None:
+                    d[seam](layer, x[b:b + 1])
+        return call
+
+    def routed(layer: int, r: Route) -> None:
+        t = r.logits.size(0) // len(rows)
+        for b, d in enumerate(rows):
+            if d is not None:
+                s = slice(b * t, (b + 1) * t)
+                d["routed"](layer, Route(layer, r.logits[s], r.indices[s], r.weights[s], r.math))
+
+    make = {"attn_probs": lambda: attn_probs, "routed": lambda: routed}
+    return {seam: make[seam]() if seam in make else by_row(seam) for seam in seams}
+
+
+def record_batch(prompts: list, *, model=None, tokenizer=None, db=None, dtype: str | None = None,
+                 backend: str = "auto", probes: Iterable[str] = PROBES, topk: int = 5,
+                 max_new_tokens: list[int], temperature: list[float], top_p: list[float], seed: list[int],
+                 run_ids: list[str], run_fields: list[dict | None]) -> list[str | None]:
+    """Record several prompts in one batched generation (``Adapter.stream_batch``), each as its own run that
+    equals its single recording (``record_run``) up to floating-point summation order. Per-row settings.
+
+    Returns one error per prompt (None: recorded ``complete``; a string: the run is ``failed`` with it, or, for a
+    prompt refused before its run row existed, there is no run). Needs ``adapter.supports_batch``."""
+    n = len(prompts)
+    errors: list[str | None] = [None] * n
+    checked = []
+    for b in range(n):
+        try:
+            checked.append(_check_request(prompts[b], dtype, max_new_tokens[b], temperature[b], top_p[b], seed[b],
+                                          topk, run_fields[b], probes))
+        except ValueError as e:
+            errors[b] = f"ValueError: {e}"
+    store, adapter, tokenizer, label, sha = _open(model, tokenizer, db, dtype, backend, None)
+    if not adapter.supports_batch:
+        raise ValueError(f"{type(adapter).__name__} records one prompt at a time (no batched generation)")
+    probes = list(dict.fromkeys(probes))
+    ids: dict[int, list[int]] = {}
+    for b in range(n):
+        if errors[b] is None:
+            try:
+                ids[b] = _encode(prompts[b], adapter, tokenizer, max_new_tokens[b])
+            except ValueError as e:
+                errors[b] = f"ValueError: {e}"
+    live = sorted(ids)
+    if not live:
+        return errors
+    eos = eos_of(tokenizer, adapter)
+    runs = [_Recording(run_ids[b], _RowView(adapter, r), probes, ids[b], tokenizer, max_new_tokens[b], eos, topk)
+            for r, b in enumerate(live)]
+    for b in live:
+        _insert_run(store, run_ids[b], adapter, label, sha, prompts[b], ids[b], tokenizer,
+                    _params(ids[b], max_new_tokens[b], temperature[b], top_p[b], topk, probes, adapter), seed[b], None,
+                    run_fields[b])
+    writer = Writer(store)
+    for run in runs:
+        run.writer = writer
+    listening: list[dict | None] = [r.rec.listeners() for r in runs]
+    open_runs = set(range(len(runs)))
+    status, error = "complete", None
+    try:
+        with adapter.seams(fan_out(listening)):
+            t0 = [time.perf_counter()] * len(runs)
+            pick = lambda xs: [xs[b] for b in live]  # noqa: E731
+            for bstep in adapter.stream_batch([ids[b] for b in live], pick(max_new_tokens), pick(temperature),
+                                              pick(top_p), pick(seed), eos):
+                for r, step in enumerate(bstep.steps):
+                    if step is None:
+                        continue
+                    now = time.perf_counter()
+                    if runs[r].step(step, (now - t0[r]) * 1e3):
+                        listening[r] = None  # the row is still fed until the batch ends: nothing more of it is kept
+                        open_runs.discard(r)
+                        runs[r].finish(store, "complete", None)
+                    t0[r] = now
+    except KeyboardInterrupt:
+        status, error = "interrupted", "KeyboardInterrupt"
+        raise
+    except BaseException as e:
+        status, error = "failed", f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        try:
+            for r in sorted(open_runs):
+                runs[r].flush_kept()
+        finally:
+            for r in sorted(open_runs):
+                runs[r].finish(store, status, error)
+            writer.close()
+    return errors

@@ -350,7 +350,7 @@ def record_many(prompts, *, ray: str | bool | None = None, workers: int = 1, **k
         rows = record_many_ray(items, out=kw["out"], batch_id=batch_id, model=kw.get("model"),
                                tokenizer=kw.get("tokenizer"), settings=settings, detect=kw.get("detect", True),
                                progress=kw.get("progress", True), address=None if ray in (True, "auto") else str(ray),
-                               workers=workers)
+                               workers=workers, batch_size=kw.get("batch_size", _batch.BATCH_SIZE))
         res = _batch.BatchRuns(Store(kw["out"]), batch_id)
         res.recorded = rows
     else:

@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import duckdb
 import numpy as np
@@ -585,16 +585,32 @@ class Writer:
             if items[-1] is None:
                 done = True
                 items.pop()
-            if self.error is None and items:
-                try:  # one short lease per transaction: another process may take the file in between
-                    self.store.append(_merge(items))
-                except BaseException as e:  # keep draining; report at close
-                    self.error = e
+            batches: list[dict] = []
+            for item in items + [None]:  # batches up to each callback are committed before it runs
+                if isinstance(item, dict):
+                    batches.append(item)
+                    continue
+                if self.error is None and batches:
+                    try:  # one short lease per transaction: another process may take the file in between
+                        self.store.append(_merge(batches))
+                    except BaseException as e:  # keep draining; report at close
+                        self.error = e
+                batches = []
+                if item is not None:
+                    try:
+                        item(self.error)
+                    except BaseException as e:  # noqa: BLE001
+                        self.error = self.error or e
 
     def put(self, batches: dict[str, pl.DataFrame]) -> None:
         if self.error is not None:
             raise StoreError(f"writing to {self.store.path} failed: {self.error}")
         self.queue.put(batches)
+
+    def then(self, fn: Callable[[BaseException | None], None]) -> None:
+        """Call ``fn(error)`` in the writer's thread once everything put before it is committed (``error``: the
+        write error so far, or None), e.g. to mark a run finished only when its rows are in the file."""
+        self.queue.put(fn)
 
     def close(self) -> None:
         """Wait until everything queued is committed."""

@@ -4,6 +4,7 @@ An adapter wraps one loaded model and offers:
 
 - ``summary``: the neutral ``ModelSummary`` stored with every run (no family-specific config keys);
 - ``stream(...)``: generation with the model's KV cache, yielding ``model.generate.Step`` objects;
+- ``stream_batch(...)`` (where ``supports_batch``): several prompts at once, yielding ``model.generate.BatchStep``;
 - ``forward(ids)``: logits [B, T, V] of a full forward without cache (differentiable; root cause);
 - ``embedding()``: the input-embedding module (captum's ``LayerIntegratedGradients`` target);
 - ``seams(listeners)``: a context manager that attaches listeners to the model's seams for the block;
@@ -15,6 +16,7 @@ replacement where noted, which is how ablations and faults intervene):
 
 - ``attn_probs(layer, probs [Tc, H, S], q_start, window)``: one block of query rows of batch row 0
   (recording); the S keys end at the last query; ``window`` is the layer's sliding window or None.
+  A listener with the attribute ``batched = True`` gets every row, ``[B, Tc, H, S]`` (batched recording).
 - ``head_out(layer, z [B, T, H, d]) -> z | None``: each head's output before the output projection.
 - ``route(layer, Route)``: an intervention on one MoE layer's routing. The listener edits the ``Route``
   (``remove`` experts from the choice, ``unbias`` the selection, ``add_selection``, ``freeze`` the choice,
@@ -170,11 +172,17 @@ class Adapter:
     summary: ModelSummary
     module: nn.Module
     checkpoint_path: str | None = None
+    supports_batch = False  # has stream_batch, kv_state(row=) and batched attn_probs listeners
 
     # -- subclasses -------------------------------------------------------------------------------
     def stream(self, prompt: Sequence[int], max_new_tokens: int, temperature: float, top_p: float, seed: int,
                eos_id: int | None) -> Iterator:
         raise NotImplementedError
+
+    def stream_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
+                     temperature: Sequence[float], top_p: Sequence[float], seed: Sequence[int],
+                     eos_id: int | None) -> Iterator:
+        raise NotImplementedError(f"{type(self).__name__} records one prompt at a time")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -13,7 +13,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-from workbench.model import MoE, Transformer, state_sha256, stream
+from workbench.model import MoE, Transformer, state_sha256, stream, stream_batch
 
 from .base import Adapter, Listener, ModelSummary
 from .routing import RouterMath
@@ -25,6 +25,8 @@ def _hook(module: nn.Module, fn) -> object:
 
 class NativeAdapter(Adapter):
     """Adapter over ``workbench.model.Transformer``."""
+
+    supports_batch = True
 
     def __init__(self, model: Transformer, family: str = "deepseek_v3"):
         self.module = model
@@ -61,6 +63,11 @@ class NativeAdapter(Adapter):
                eos_id: int | None) -> Iterator:
         return stream(self.module, prompt, max_new_tokens, temperature, top_p, seed, eos_id)
 
+    def stream_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
+                     temperature: Sequence[float], top_p: Sequence[float], seed: Sequence[int],
+                     eos_id: int | None) -> Iterator:
+        return stream_batch(self.module, prompts, max_new_tokens, temperature, top_p, seed, eos_id)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.module(ids)
 
@@ -78,13 +85,13 @@ class NativeAdapter(Adapter):
             for layer, c in zip(self.module.layers, caches):
                 layer.attn.cache = c
 
-    def kv_state(self) -> list[tuple[int, int, int, torch.Tensor, torch.Tensor, int]]:
+    def kv_state(self, row: int = 0) -> list[tuple[int, int, int, torch.Tensor, torch.Tensor, int]]:
         out = []
         for i, layer in enumerate(self.module.layers):
             c = layer.attn.cache
             if c is not None:
                 n = c.length
-                out.append((i, n, n * c.bytes_per_token(), c.kv[0, :n], c.pe[0, :n], 0))
+                out.append((i, n, n * c.bytes_per_token(), c.kv[row, :n], c.pe[row, :n], 0))
         return out
 
     def kv_sizes(self) -> list[tuple[int, int, int]]:
@@ -136,7 +143,8 @@ class NativeAdapter(Adapter):
     def _attach(self, seam: str, fn: Listener) -> list:
         layers = self.module.layers
         if seam == "attn_probs":
-            return [_hook(l.attn.hook_attn_probs, lambda _m, _a, kw, out, i=i: fn(i, out[0], kw["q_start"]))
+            rows = slice(None) if getattr(fn, "batched", False) else 0  # a batch fan-out takes every row
+            return [_hook(l.attn.hook_attn_probs, lambda _m, _a, kw, out, i=i: fn(i, out[rows], kw["q_start"]))
                     for i, l in enumerate(layers)]
         if seam == "head_out":
             return [_hook(l.attn.hook_z, lambda _m, _a, _kw, z, i=i: fn(i, z)) for i, l in enumerate(layers)]

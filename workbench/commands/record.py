@@ -8,8 +8,8 @@ from pathlib import Path
 def main(args) -> int:
     if getattr(args, "prompts", None) is not None:
         return record_set(args)
-    if args.out or args.ray or args.batch_id:
-        raise ValueError("--out, --ray and --batch-id go with --prompts")
+    if args.out or args.ray or args.batch_id or args.batch_size != 8:
+        raise ValueError("--out, --ray, --batch-id and --batch-size go with --prompts")
     from workbench.run import record
 
     prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
@@ -48,7 +48,8 @@ def record_set(args) -> int:
     batch = record_many(args.prompts, model=args.model, tokenizer=args.tokenizer, db=args.db, out=args.out,
                         batch_id=args.batch_id, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         top_p=args.top_p, seed=args.seed, dtype=args.dtype, backend=args.backend,
-                        detect=not args.no_detect, progress=True, ray=args.ray, workers=args.workers)
+                        detect=not args.no_detect, progress=True, ray=args.ray, workers=args.workers,
+                        batch_size=args.batch_size)
     runs = batch.runs()
     status = batch.status()
     out = {"batch_id": batch.batch_id, "where": str(batch.store.path), "status": status,
