@@ -161,6 +161,18 @@ def test_cli_prompts_jsonl(env, tmp_path, capsys):
                      "--db", str(db), "--json", "--no-detect"]) == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert again["batch_id"] == out["batch_id"] and again["recorded"] == 0 and again["skipped"] == 6
+    # one at a time: the same batch id (the batch size is not a setting of the runs) and the same tokens
+    db1 = tmp_path / "cli1.duckdb"
+    assert cli.main(["record", "--prompts", str(env["jsonl"]), "--model", env["ckpt"], "--max-new-tokens", "4",
+                     "--db", str(db1), "--json", "--no-detect", "--batch-size", "1"]) == 0
+    one = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert one["batch_id"] == out["batch_id"] and one["status"] == {"complete": 6}
+    tokens = {s: {r["key"]: ids_and_logprobs(Store(d), r["run_id"])[0] for r in o["runs"]}
+              for s, d, o in (("batched", db, out), ("single", db1, one))}
+    assert tokens["batched"] == tokens["single"]
+    assert cli.main(["record", "--prompts", str(env["jsonl"]), "--model", env["ckpt"], "--db", str(db1),
+                     "--batch-size", "0"]) == 2
+    assert "batch_size" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

@@ -98,9 +98,10 @@ def record_many_ray(items: list[dict], *, out, batch_id: str, model=None, tokeni
         # prompts of similar length in one block (by characters: the driver loads no model or tokenizer); an
         # actor records a block in batched generations (workbench.batch.groups)
         ordered = sorted(todo, key=lambda d: len(d["prompt"]))
+        block = max(1, min(batch_size, -(-len(ordered) // workers)))  # every worker gets some when there are few
         ds = ray.data.from_items([{"item": json.dumps(d)} for d in ordered],
-                                 override_num_blocks=max(1, -(-len(ordered) // batch_size)))
-        res = ds.map_batches(ShardWorker, batch_size=batch_size, compute=ray.data.ActorPoolStrategy(size=workers),
+                                 override_num_blocks=-(-len(ordered) // block))
+        res = ds.map_batches(ShardWorker, batch_size=block, compute=ray.data.ActorPoolStrategy(size=workers),
                              fn_constructor_kwargs={"out": out, "batch_id": batch_id, "model": model,
                                                     "tokenizer": tokenizer, "settings": settings, "detect": detect,
                                                     "threads": 1 if not gpus else 0},

@@ -77,6 +77,7 @@ class Recorder:
 # (the prefill, the last step, and every step of a recording with an ``on_token`` consumer are flushed at
 # once). The writer commits every 0.5 s anyway, so this holds back little the store would already have had.
 FLUSH_STEPS, FLUSH_SECONDS, FLUSH_BYTES = 32, 0.2, 32 << 20
+BATCH_FLUSH_SECONDS = 1.0
 
 
 def resolve_tokenizer(tokenizer, adapter: Adapter, bundled: bool):
@@ -226,8 +227,9 @@ class _Recording:
     writer: Writer  # set once the run's row exists
 
     def __init__(self, run_id: str, adapter, probes: list[str], ids: list[int], tokenizer, max_new_tokens: int,
-                 eos: int | None, topk: int, on_token=None, bar=None):
+                 eos: int | None, topk: int, on_token=None, bar=None, flush_seconds: float = FLUSH_SECONDS):
         self.run_id, self.tokenizer, self.eos, self.topk = run_id, tokenizer, eos, topk
+        self.flush_seconds = flush_seconds
         self.rec = Recorder(adapter, run_id, probes)
         self.texts = [tokenizer.decode([i]) for i in ids]
         self.end = len(ids) + max_new_tokens
@@ -247,7 +249,7 @@ class _Recording:
         # a live consumer (on_token) may read the store, or block, before the next step: it gets every
         # step handed to the writer before it is told of the step
         if (self.on_token is not None or final or step.index == 0 or len(self.pending) >= FLUSH_STEPS
-                or rec.pending_bytes() > FLUSH_BYTES or time.monotonic() - self.last_flush > FLUSH_SECONDS):
+                or rec.pending_bytes() > FLUSH_BYTES or time.monotonic() - self.last_flush > self.flush_seconds):
             self.writer.put(merge_batches(self.pending + [rec.flush()]))  # whole steps, one put
             self.pending, self.last_flush = [], time.monotonic()
         self.n_tokens = new_pos + 1
@@ -418,8 +420,9 @@ def record_batch(prompts: list, *, model=None, tokenizer=None, db=None, dtype: s
     if not live:
         return errors
     eos = eos_of(tokenizer, adapter)
-    runs = [_Recording(run_ids[b], _RowView(adapter, r), probes, ids[b], tokenizer, max_new_tokens[b], eos, topk)
-            for r, b in enumerate(live)]
+    # each row's reductions are its own calls: a batch flushes its rows less often by time (the steps rule holds)
+    runs = [_Recording(run_ids[b], _RowView(adapter, r), probes, ids[b], tokenizer, max_new_tokens[b], eos, topk,
+                       flush_seconds=BATCH_FLUSH_SECONDS) for r, b in enumerate(live)]
     for b in live:
         _insert_run(store, run_ids[b], adapter, label, sha, prompts[b], ids[b], tokenizer,
                     _params(ids[b], max_new_tokens[b], temperature[b], top_p[b], topk, probes, adapter), seed[b], None,
