@@ -175,6 +175,10 @@ READ = {"concurrency_id": "read", "concurrency_limit": 1}
 SQL = {"concurrency_id": "sql", "concurrency_limit": 1}
 
 
+def record_thread_count() -> int:
+    return int(os.environ.get("WORKBENCH_RECORD_THREADS", max(1, (os.cpu_count() or 2) // 2)))
+
+
 @contextlib.contextmanager
 def record_threads():
     """torch's intra-op threads while the Record tab records: half the CPUs, at least one.
@@ -187,7 +191,7 @@ def record_threads():
     """
     import torch
 
-    n = int(os.environ.get("WORKBENCH_RECORD_THREADS", max(1, (os.cpu_count() or 2) // 2)))
+    n = record_thread_count()
     before = torch.get_num_threads()
     if n <= 0 or n >= before:
         yield
@@ -499,48 +503,69 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
             return gr.File(visible=False), _fail("Report export", e)
         return gr.File(value=str(path), visible=True), f"Report written: {md_text(Path(path).name)}"
 
-    def record_stream(prompt: str, max_new_tokens: float, temperature: float, top_p: float, seed: float,
-                      checkpoint: str, progress=gr.Progress()):
-        """Record in a thread; yield the tokens committed so far, coloured by confidence, as they land."""
-        from workbench.run import record
+    worker: list = []  # the recording process (workbench.background), started by the first recording
 
-        if not prompt or not prompt.strip():
-            raise gr.Error("empty prompt: type some text to record")
-        rid = "r" + uuid.uuid4().hex[:11]  # as the recorder's ids: never all digits (Parquet/Hive read those as BIGINT)
+    def start_recording(rid: str, prompt: str, checkpoint: str, settings: dict) -> queue.Queue:
+        """Record in the worker process (or, where it cannot run, in a thread); returns the events queue:
+        ``("token", (pos, text))`` per token, then ``("done", error or None)``."""
+        from workbench import background
+        if background.enabled() and not store.read_only and not worker:
+            worker.append(background.RecordingProcess(store, model, tokenizer, threads=record_thread_count()))
+        if worker and worker[0] is not None:
+            try:
+                return worker[0].record(rid, prompt, checkpoint.strip() or None, **settings)
+            except Exception as e:  # e.g. a model that cannot be pickled: record in a thread from now on
+                import warnings
+                warnings.warn(f"recording in a worker process failed to start ({e}); recording in a thread")
+                worker[0] = None
+        from workbench.run import record
         events: queue.Queue = queue.Queue()
-        result: dict = {}
 
         def work() -> None:
+            error = None
             try:
                 with record_threads():
                     chosen = checkpoint.strip() or default_model()
-                    result["run"] = record(prompt, model=chosen, tokenizer=None if checkpoint.strip() else tokenizer,
-                                           max_new_tokens=int(max_new_tokens), temperature=float(temperature),
-                                           top_p=float(top_p), seed=int(seed), db=store, run_id=rid,
-                                           on_token=lambda pos, text: events.put((pos, text)))
-            except BaseException as e:  # shown to the user below
-                result["error"] = e
+                    live[rid] = record(prompt, model=chosen, tokenizer=None if checkpoint.strip() else tokenizer,
+                                       db=store, run_id=rid, on_token=lambda pos, text: events.put(("token", (pos, text))),
+                                       **settings)
+            except BaseException as e:  # shown to the user
+                error = e
             finally:
-                events.put(None)
+                events.put(("done", error))
 
         threading.Thread(target=work, name=f"record-{rid}", daemon=True).start()
+        return events
+
+    def record_stream(prompt: str, max_new_tokens: float, temperature: float, top_p: float, seed: float,
+                      checkpoint: str, progress=gr.Progress()):
+        """Record in the worker process; yield the tokens committed so far, coloured by confidence, as they land."""
+        if not prompt or not prompt.strip():
+            raise gr.Error("empty prompt: type some text to record")
+        rid = "r" + uuid.uuid4().hex[:11]  # as the recorder's ids: never all digits (Parquet/Hive read those as BIGINT)
+        events = start_recording(rid, prompt, checkpoint, {
+            "max_new_tokens": int(max_new_tokens), "temperature": float(temperature), "top_p": float(top_p),
+            "seed": int(seed)})
+        result: dict = {}
         pending: list[tuple[int, str]] = []
         total = int(max_new_tokens)
         while True:
-            item = events.get()
-            done = item is None
-            if not done:
+            kind, item = events.get()
+            done = kind == "done"
+            if done:
+                result["error"] = item
+            else:
                 pending.append(item)
                 # one update per UPDATE_S at most: each re-reads the run and sends the whole strip, work
                 # that would otherwise compete with the recording itself for the CPU and the GIL
                 deadline = time.monotonic() + UPDATE_S
                 while (left := deadline - time.monotonic()) > 0:
                     try:
-                        nxt = events.get(timeout=left)
+                        kind, nxt = events.get(timeout=left)
                     except queue.Empty:
                         break
-                    if nxt is None:
-                        done = True
+                    if kind == "done":
+                        done, result["error"] = True, nxt
                         break
                     pending.append(nxt)
             try:
@@ -556,11 +581,15 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
                 break
             if committed:  # wait for the prefill's rows so the strip always starts with the prompt
                 yield shown, status, rid
-        if "error" in result:
-            e = result["error"]
-            yield shown, _fail("Recording", e), rid if _exists(rid) else ""
+        if result.get("error") is not None:
+            yield shown, _fail("Recording", result["error"]), rid if _exists(rid) else ""
             return
-        live[rid] = result["run"]
+        if rid not in live:  # recorded in the worker process: the detectors run here, as workbench.record's do
+            try:
+                Run(store, rid).anomalies()
+            except Exception as e:  # noqa: BLE001 - a detector bug must not lose the recording
+                import warnings
+                warnings.warn(f"anomaly detection failed for run {rid}: {e}")
         t = query.tokens(store, rid)
         yield (strip_value(t), f"Recorded **{md_text(rid)}**: {t.height} tokens "
                f"({md_text(query.run_row(store, rid)['status'])}).", rid)

@@ -277,7 +277,8 @@ class _Recording:
 
 def _open(model, tokenizer, db, dtype, backend, device_map):
     """(store, adapter, tokenizer, model label, model sha256) of a recording."""
-    store = db if isinstance(db, Store) else Store(db)
+    # a Store, or a stand-in with its append / update_run (workbench.background's relay to another process)
+    store = Store(db) if db is None or isinstance(db, (str, Path)) else db
     adapter = load_adapter(model, DTYPES[dtype], backend=backend, device_map=device_map)
     tokenizer = resolve_tokenizer(tokenizer, adapter, bundled=model is None)
     label, sha = model_identity(model, adapter, dtype_changed=dtype is not None)

@@ -1,0 +1,75 @@
+"""Recording in a worker process (workbench/background.py), as the app's Record tab does: the same run as a
+recording in this process, written by this process's store; errors come back; a killed worker is reported
+and its run ends ``interrupted``; the next recording starts a new worker."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+import workbench
+from workbench import query
+from workbench.background import RecordingProcess
+from workbench.model import save_checkpoint
+from workbench.model.tokenizer import DEFAULT_TOKENIZER
+from workbench.store import Store
+from helpers import tiny_model
+
+
+def events_of(q, timeout: float = 120) -> tuple[list, object]:
+    tokens = []
+    while True:
+        kind, item = q.get(timeout=timeout)
+        if kind == "done":
+            return tokens, item
+        tokens.append(item)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return str(save_checkpoint(tiny_model(vocab_size=4096), tmp_path_factory.mktemp("bg") / "ckpt",
+                               tokenizer=DEFAULT_TOKENIZER))
+
+
+def test_worker_records_the_same_run_into_this_process_store(ckpt, tmp_path):
+    store = Store(tmp_path / "wb.duckdb")
+    rp = RecordingProcess(store, model=ckpt, threads=1)
+    try:
+        tokens, error = events_of(rp.record("rbg1", "def add(a, b):", None, max_new_tokens=6))
+        assert error is None and len(tokens) == 6
+        info = query.run_row(store, "rbg1")
+        assert info["status"] == "complete" and info["pid"] != os.getpid()  # recorded over there, stored here
+        one = workbench.record("def add(a, b):", model=ckpt, db=store, max_new_tokens=6, detect=False)
+        a, b = query.tokens(store, "rbg1"), one.tokens()
+        assert a["token_id"].to_list() == b["token_id"].to_list()
+        assert [p for p, _ in tokens] == list(range(a.height - 6, a.height))
+        assert a["logprob"][1:].to_list() == pytest.approx(b["logprob"][1:].to_list(), abs=1e-6)
+        for table in ("attention", "routing", "kv_tokens"):
+            n = lambda rid: store.sql(f"SELECT count(*) AS n FROM {table} WHERE run_id = ?", [rid])["n"][0]  # noqa: E731
+            assert n("rbg1") == n(one.run_id) > 0
+        # a refused prompt: its error, with its type, and no run
+        _, error = events_of(rp.record("rbg2", "x" * 300_000, None, max_new_tokens=2))
+        assert isinstance(error, ValueError) and "limit" in str(error)
+        with pytest.raises(query.RunNotFound):
+            query.run_row(store, "rbg2")
+    finally:
+        rp.close()
+
+
+def test_killed_worker_is_reported_and_replaced(ckpt, tmp_path):
+    store = Store(tmp_path / "wb.duckdb")
+    rp = RecordingProcess(store, model=ckpt, threads=1)
+    try:
+        q = rp.record("rkill", "def f(x):", None, max_new_tokens=200)
+        kind, _ = q.get(timeout=120)  # the first token: the run row exists, the worker is recording
+        assert kind == "token"
+        os.kill(rp._proc.pid, signal.SIGKILL)
+        _, error = events_of(q)
+        assert isinstance(error, RuntimeError) and "exited" in str(error)
+        store.check_liveness(force=True)
+        assert query.run_row(store, "rkill")["status"] == "interrupted"
+        _, error = events_of(rp.record("rnext", "def g():", None, max_new_tokens=3))  # a new worker
+        assert error is None and query.run_row(store, "rnext")["status"] == "complete"
+    finally:
+        rp.close()

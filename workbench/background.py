@@ -1,0 +1,210 @@
+"""Recording in a process of its own, for a long-lived server (the Gradio app's Record tab).
+
+Every Gradio handler is mostly Python and holds the GIL while it runs; a recording in the app's own process
+needs the GIL between every torch op, so each request served beside it slows its steps (8 reading clients
+made a Record-tab recording 4-5x slower: benchmarks/RESULTS.md "UI under load"). ``RecordingProcess`` runs
+recordings in one long-lived worker process instead (started on the first recording, the default model
+loaded there once): the worker has an interpreter of its own and does all the model's and the probes' work.
+
+The database file stays with the app's process: the worker's ``record_run`` writes through a relay that sends
+each committed batch and run update over a pipe, and a thread of the app applies them to the app's ``Store``
+in order (a DuckDB file can be held by one process at a time; handing it over at every commit would cost a
+reconnect and a checkpoint each time). The run row carries the worker's pid, so a worker killed mid-run is
+marked ``interrupted`` by the store's liveness check like any crashed recorder; the app reports it at once
+and the next recording starts a new worker.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Client, Listener
+from typing import Any
+
+from .store import FINAL_STATUSES, Store
+
+START_TIMEOUT_S = 120.0  # for the worker to import torch and connect back
+
+
+class _Events:
+    """The worker's end of the connection: one message at a time from any of its threads."""
+
+    def __init__(self, conn):
+        self.conn, self.lock = conn, threading.Lock()
+
+    def put(self, message: tuple) -> None:
+        with self.lock:
+            self.conn.send(message)
+
+
+class _Relay:
+    """The worker's stand-in for the app's ``Store``: what ``record_run`` writes goes over the connection."""
+
+    def __init__(self, events: _Events, path: str):
+        self.events, self.path = events, path
+
+    def append(self, batches: dict) -> None:
+        self.events.put(("append", None, batches))
+
+    def update_run(self, run_id: str, **fields: Any) -> None:
+        self.events.put(("update", run_id, fields))
+
+
+def _portable(e: BaseException) -> BaseException:
+    """The exception if it survives pickling, else a RuntimeError with its text."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def _serve(address: str, authkey: bytes) -> None:
+    """The worker (``python -m workbench.background ADDRESS``): connect, take the model, record each job until
+    told to stop (None) or the app goes away."""
+    conn = Client(address, authkey=authkey)
+    model, tokenizer, threads, path = conn.recv()
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    from .recorder import record_run
+
+    events = _Events(conn)
+    relay = _Relay(events, path)
+    default: list = []
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        rid, prompt, checkpoint, kw = job
+        try:
+            chosen = checkpoint or model
+            if chosen is None:  # the bundled demo, loaded once
+                if not default:
+                    from workbench.model import load_checkpoint
+                    default.append(load_checkpoint())
+                chosen = default[0]
+            record_run(prompt, model=chosen, tokenizer=None if checkpoint else tokenizer, db=relay, run_id=rid,
+                       on_token=lambda pos, text, rid=rid: events.put(("token", rid, (pos, text))), **kw)
+            events.put(("done", rid, None))
+        except BaseException as e:  # noqa: BLE001 - reported to the app
+            events.put(("done", rid, _portable(e)))
+
+
+class RecordingProcess:
+    """One worker process recording into ``store`` on behalf of this process (see the module docstring).
+
+    ``record(...)`` queues a recording and returns a ``queue.Queue`` of its events: ``("token", (pos, text))``
+    for each generated token, then ``("done", error or None)`` once its rows are committed.
+    """
+
+    def __init__(self, store: Store, model=None, tokenizer=None, threads: int = 0):
+        self.store, self.model, self.tokenizer, self.threads = store, model, tokenizer, threads
+        self._proc: subprocess.Popen | None = None
+        self._conn = None
+        self._lock = threading.Lock()
+        self._waiting: dict[str, queue.Queue] = {}
+
+    def _start(self) -> None:
+        # a fresh interpreter started as a module (not a fork of this process's threads and torch state, and
+        # not multiprocessing's spawn, which re-imports the caller's __main__)
+        init = pickle.dumps((self.model, self.tokenizer, self.threads, str(self.store.path)))  # fails here if the
+        authkey = os.urandom(16)                                                               # model can't cross
+        listener = Listener(family="AF_UNIX", authkey=authkey)
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "workbench.background", listener.address],
+                                    stdin=subprocess.PIPE, env={**os.environ, "WORKBENCH_RECORD_PROCESS": "0"})
+            proc.stdin.write(authkey.hex().encode() + b"\n")
+            proc.stdin.close()
+            got: list = []
+
+            def accept() -> None:
+                try:
+                    got.append(listener.accept())
+                except OSError:  # closed below: the worker never connected
+                    pass
+            waiter = threading.Thread(target=accept, daemon=True)
+            waiter.start()
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not got and proc.poll() is None and time.monotonic() < deadline:
+                waiter.join(0.1)
+        finally:
+            listener.close()
+        if not got:
+            proc.kill()
+            raise RuntimeError(f"the recording process did not start (exit code {proc.poll()})")
+        conn = got[0]
+        conn.send_bytes(init)
+        self._proc, self._conn = proc, conn
+        threading.Thread(target=self._pump, args=(proc, conn), name="workbench-recorder-pump", daemon=True).start()
+
+    def record(self, run_id: str, prompt: str, checkpoint: str | None = None, **kw) -> queue.Queue:
+        """Queue one recording (``record_run``'s keyword arguments); its events come on the returned queue."""
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._start()
+            q: queue.Queue = queue.Queue()
+            self._waiting[run_id] = q
+            self._conn.send((run_id, prompt, checkpoint, kw))
+        return q
+
+    def _pump(self, proc, conn) -> None:
+        """Apply the worker's writes to the store, in order, and hand each recording its events."""
+        write_error: BaseException | None = None
+        while True:
+            try:
+                kind, rid, payload = conn.recv()
+            except (EOFError, OSError):
+                proc.wait()
+                with self._lock:
+                    waiting, self._waiting = self._waiting, {}
+                for q in waiting.values():
+                    q.put(("done", RuntimeError(f"the recording process exited (code {proc.returncode}); its run "
+                                                "is marked interrupted")))
+                return
+            if kind == "append":
+                try:
+                    self.store.append(payload)
+                except BaseException as e:  # noqa: BLE001 - the run fails with it below
+                    write_error = write_error or e
+            elif kind == "update":
+                if write_error is not None and payload.get("status") in FINAL_STATUSES:
+                    payload = {**payload, "status": "failed", "error": f"StoreError: {write_error}"}
+                    write_error = None
+                try:
+                    self.store.update_run(rid, **payload)
+                except BaseException as e:  # noqa: BLE001
+                    write_error = write_error or e
+            else:
+                with self._lock:
+                    q = self._waiting.pop(rid, None) if kind == "done" else self._waiting.get(rid)
+                if q is not None:
+                    q.put((kind, payload))
+
+    def close(self) -> None:
+        """Stop the worker (it finishes the recording it is on)."""
+        with self._lock:
+            if self._proc is not None and self._proc.poll() is None:
+                try:
+                    self._conn.send(None)
+                    self._proc.wait(timeout=30)
+                except (OSError, subprocess.TimeoutExpired):
+                    self._proc.kill()
+            self._proc = None
+
+
+def enabled() -> bool:
+    """Whether servers record in a worker process (``$WORKBENCH_RECORD_PROCESS=0``: in a thread of their own)."""
+    return os.environ.get("WORKBENCH_RECORD_PROCESS", "1") != "0"
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1], bytes.fromhex(sys.stdin.readline().strip()))
