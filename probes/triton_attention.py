@@ -64,8 +64,13 @@ if triton is not None:
         offs_dv = tl.arange(0, BLOCK_DV)
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + offs_n0
-            k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_dk[:, None] * stride_kd,
-                        mask=(offs_dk[:, None] < DQK) & (offs_n[None, :] < S), other=0.0)
+            k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_dk[:, None] * stride_kd
+            if MASKED:  # keys past S (only here: the unmasked run lies inside [0, S))
+                k = tl.load(k_ptrs, mask=(offs_dk[:, None] < DQK) & (offs_n[None, :] < S), other=0.0)
+            elif DQK != BLOCK_DQK:  # padded head dim
+                k = tl.load(k_ptrs, mask=offs_dk[:, None] < DQK, other=0.0)
+            else:
+                k = tl.load(k_ptrs)
             s = tl.dot(q, k, input_precision=PREC) * qk_scale  # log2 units
             if MASKED:
                 keep = offs_n[None, :] < S
@@ -75,7 +80,10 @@ if triton is not None:
                     keep = keep & (offs_n[None, :] > pos[:, None] - window)
                 s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+            if MASKED:
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+            else:
+                m_use = m_new
             x = s - m_use[:, None]
             p = tl.math.exp2(x)
             if MASKED:
@@ -86,8 +94,13 @@ if triton is not None:
             shift = tl.where(l_i > 0, m_i - m_use, 0.0) * l_i  # l_i = 0 while m_i = -inf
             a_i = alpha * (a_i + shift) + tl.sum(px, 1)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                        mask=(offs_n[:, None] < S) & (offs_dv[None, :] < DV), other=0.0)
+            v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+            if MASKED:
+                v = tl.load(v_ptrs, mask=(offs_n[:, None] < S) & (offs_dv[None, :] < DV), other=0.0)
+            elif DV != BLOCK_DV:
+                v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+            else:
+                v = tl.load(v_ptrs)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
         return acc, m_i, l_i, a_i
@@ -118,6 +131,10 @@ if triton is not None:
         q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_dk[None, :] * stride_qd,
                     mask=(offs_m[:, None] < T) & (offs_dk[None, :] < DQK), other=0.0)
 
+        # the sink: one dot product with key 0 per row (before the loops: fewer live registers)
+        k0 = tl.load(k_base + offs_dk * stride_kd, mask=offs_dk < DQK, other=0.0).to(tl.float32)
+        s0 = tl.sum(q.to(tl.float32) * k0[None, :], 1) * qk_scale
+
         # key ranges: [lo, mid_lo) masked, [mid_lo, mid_hi) visible to every row, [mid_hi, hi) masked
         first_pos = q_start + start_m * BLOCK_M
         last_pos = q_start + tl.minimum(start_m * BLOCK_M + BLOCK_M, T) - 1
@@ -130,10 +147,10 @@ if triton is not None:
         if HAS_WINDOW:
             lo = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
             full_lo = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
+            mid_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
         else:
             lo = 0
-            full_lo = 0
-        mid_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+            mid_lo = 0
         mid_hi = tl.maximum(mid_lo, tl.minimum(full_hi, hi))
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -150,16 +167,11 @@ if triton is not None:
                                             stride_vn, stride_vd, pos, mid_hi, hi, S, window, qk_scale,
                                             True, CAUSAL, HAS_WINDOW, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, PREC)
 
-        # the sink: one dot product with key 0 per row
-        k0 = tl.load(k_base + offs_dk * stride_kd, mask=offs_dk < DQK, other=0.0).to(tl.float32)
-        s0 = tl.sum(q.to(tl.float32) * k0[None, :], 1) * qk_scale
-
-        LN2: tl.constexpr = 0.6931471805599453
         l_safe = tl.where(l_i > 0, l_i, 1.0)  # only padding rows (never stored) can have l = 0
         m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
         log2_l = tl.math.log2(l_safe)
-        lse = (m_use + log2_l) * LN2
-        ent = tl.maximum((log2_l - a_i / l_safe) * LN2, 0.0)  # >= 0 up to rounding
+        lse = (m_use + log2_l) * 0.6931471805599453  # ln 2: back to nats
+        ent = tl.maximum((log2_l - a_i / l_safe) * 0.6931471805599453, 0.0)  # >= 0 up to rounding
         max_w = 1.0 / l_safe
         sink = tl.math.exp2(tl.minimum(s0 - m_use, 0.0)) / l_safe
         if HAS_WINDOW:
@@ -194,15 +206,21 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
         raise ValueError("a sliding window needs causal=True and window >= 1")
 
 
-def _config(on_gpu: bool, block_d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a padded head dim ``block_d``."""
+def _config(on_gpu: bool, block_d: int, fp32: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a padded head dim ``block_d``.
+
+    Chosen from ptxas register/spill reports for sm_90 (bf16: no or 8-byte spills up to 256 dims);
+    ``benchmarks/gpu.py`` times a few alternatives on the device.
+    """
     if not on_gpu:  # the interpreter: small blocks, so that tests cross several of them
         return 32, 32, 1, 1
+    if fp32:  # exact fp32 dots (no tensor cores): smaller tiles
+        return (64, 32, 8, 2) if block_d <= 128 else (32, 16, 8, 2)
     if block_d <= 128:
         return 128, 64, 8, 3
     if block_d <= 256:
         return 64, 32, 4, 2
-    return 32, 32, 4, 1
+    return 64, 16, 8, 1  # MLA absorbed (576/512): spills ~2 KB; tiling Dv would do better
 
 
 def attention_with_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_start: int = 0,
@@ -233,7 +251,7 @@ def attention_with_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
         return o, stats
     block_dqk = max(16, triton.next_power_of_2(dqk))
     block_dv = max(16, triton.next_power_of_2(dv))
-    bm, bn, warps, stages = _config(q.is_cuda, max(block_dqk, block_dv))
+    bm, bn, warps, stages = _config(q.is_cuda, max(block_dqk, block_dv), q.dtype == torch.float32)
     bm, bn = block_m or bm, block_n or bn
     warps, stages = num_warps or warps, num_stages or stages
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
