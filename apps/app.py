@@ -18,6 +18,11 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported
+# Gradio's queue rebuilds a pandas frame of its last GRADIO_ANALYTICS_MAX_EVENTS (10,000) events after every
+# event, for its /monitoring summary, which this app does not use: with 8 clients polling, 22% of the app's
+# CPU (py-spy, benchmarks/ui_load.py), growing with uptime. Every 1,000 events over the last 1,000 instead.
+os.environ.setdefault("GRADIO_ANALYTICS_MAX_EVENTS", "1000")
+os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", "1000")
 
 import contextlib
 import html
@@ -166,13 +171,13 @@ def _fail(where: str, e: BaseException) -> str:
 # -- serving: how the app shares the CPU with a recording ----------------------------------------
 
 UPDATE_S = 0.1  # the Record tab's streamed strip is refreshed at most this often
-# Read handlers run one at a time per group: the run lists and /tokens share one slot, /sql has its own.
-# Their work is mostly Python (Gradio's request handling, frame conversion) and holds the GIL; a
-# recording in this process needs the GIL between every torch op, so each extra handler running beside
-# it slows its steps (on 2 CPUs, 8 clients with 2 slots for /tokens: ~17x, with 1 slot: ~2.7x). Requests
-# beyond a slot wait in Gradio's queue.
-READ = {"concurrency_id": "read", "concurrency_limit": 1}
-SQL = {"concurrency_id": "sql", "concurrency_limit": 1}
+# Read handlers run two at a time per group: the run lists and /tokens share two slots, /sql has two. Their
+# work is mostly Python (Gradio's request handling, frame conversion) holding the GIL; the Record tab records
+# in a worker process (workbench.background), so they no longer slow its steps, and with one slot a group's
+# requests queued (8 clients: p95 0.56-0.62 s, two slots: 0.36-0.42 s; benchmarks/RESULTS.md "UI under
+# load"). Requests beyond the slots wait in Gradio's queue.
+READ = {"concurrency_id": "read", "concurrency_limit": 2}
+SQL = {"concurrency_id": "sql", "concurrency_limit": 2}
 
 
 def record_thread_count() -> int:
@@ -584,12 +589,6 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         if result.get("error") is not None:
             yield shown, _fail("Recording", result["error"]), rid if _exists(rid) else ""
             return
-        if rid not in live:  # recorded in the worker process: the detectors run here, as workbench.record's do
-            try:
-                Run(store, rid).anomalies()
-            except Exception as e:  # noqa: BLE001 - a detector bug must not lose the recording
-                import warnings
-                warnings.warn(f"anomaly detection failed for run {rid}: {e}")
         t = query.tokens(store, rid)
         yield (strip_value(t), f"Recorded **{md_text(rid)}**: {t.height} tokens "
                f"({md_text(query.run_row(store, rid)['status'])}).", rid)

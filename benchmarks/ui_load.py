@@ -23,7 +23,9 @@ The recording is timed two ways, alone and under load:
 * ``ui``: through the app's Record endpoint (``/record``, the Record tab's button), from the POST to
   the last streamed update;
 * ``direct``: ``workbench.record(...)`` called in this process beside the serving app (a notebook
-  user recording while the UI is open).
+  user recording while the UI is open);
+* ``process`` (``--process``): ``workbench record`` in a process of its own writing into the app's database
+  (the two processes take turns on the DuckDB file), timed from its run's ``created_at`` to ``finished_at``.
 
 Reported: wall time of each recording, the median decode step (``steps.wall_ms``), the slowdown
 ratio under load / alone, and the clients' p50 / p95 latency per endpoint (requests that started
@@ -177,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="clients send no session hash (a new Gradio session per request, as before 2026-12-01)")
     ap.add_argument("--switch-interval", type=float, default=0.0,
                     help="sys.setswitchinterval for this (the app's) process, seconds (0: Python's 0.005)")
+    ap.add_argument("--process", action="store_true",
+                    help="also time `workbench record` in a process of its own, writing to the app's database")
     ap.add_argument("--direct-threads", type=int, default=0,
                     help="torch intra-op threads while the 'direct' recording runs (0: torch's default)")
     args = ap.parse_args(argv)
@@ -242,10 +246,27 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             torch.set_num_threads(before)
 
+    def record_process() -> tuple[float, str]:
+        """``workbench record`` in a process of its own (a script or notebook beside a running ``workbench ui``):
+        the time its run took (runs.created_at to finished_at: the model loaded, imports done), so the
+        interpreter's start-up does not dilute the ratio; the two processes take turns on the DuckDB file."""
+        import subprocess
+        env_ = {**os.environ, "OMP_NUM_THREADS": "1", "WORKBENCH_DB": str(db)}
+        out = subprocess.run([sys.executable, "-m", "workbench.cli", "record", "--prompt", PROMPT, "--db", str(db),
+                              "--max-new-tokens", str(args.new_tokens), "--json"], capture_output=True, text=True,
+                             env=env_, timeout=600, cwd=str(ROOT))
+        if out.returncode:
+            raise RuntimeError(f"workbench record failed: {out.stderr[-2000:]}")
+        rid = json.loads(out.stdout.strip().splitlines()[-1])["run_id"]
+        info = query.run_row(store, rid)
+        return (info["finished_at"] - info["created_at"]).total_seconds(), rid
+
     def step_ms(rid: str) -> float:
         s = query.steps(store, rid)
         return statistics.median(s.filter(s["step"] > 0)["wall_ms"].to_list())
 
+    paths_to_time = [("ui", record_ui), ("direct", record_direct)] + ([("process", record_process)]
+                                                                     if args.process else [])
     # warm both paths (the Record tab loads its model once)
     record_ui()
     record_direct()
@@ -269,12 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     windows: list[tuple[float, float]] = []
     for _ in range(args.reps):
         one: dict = {}
-        for how, fn in (("ui", record_ui), ("direct", record_direct)):
+        for how, fn in paths_to_time:
             s, rid = fn()
             one[how] = {"alone": (s, step_ms(rid))}
         go.set()
         time.sleep(args.warmup)
-        for how, fn in (("ui", record_ui), ("direct", record_direct)):
+        for how, fn in paths_to_time:
             t0 = time.time()
             s, rid = fn()
             windows.append((t0, time.time()))
@@ -292,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = sum(1 for x in during if not x[3])
     med = lambda xs: statistics.median(xs)  # noqa: E731
     paths = {}
-    for how in ("ui", "direct"):
+    for how, _ in paths_to_time:
         paths[how] = {
             "alone": (med([r[how]["alone"][0] for r in runs]), med([r[how]["alone"][1] for r in runs])),
             "loaded": (med([r[how]["loaded"][0] for r in runs]), med([r[how]["loaded"][1] for r in runs])),
@@ -324,7 +345,7 @@ def rows(res: dict) -> str:
         return f"{p50 * 1e3:.0f} / {p95 * 1e3:.0f} ms ({n})" if n else "-"
 
     out = []
-    for how in ("ui", "direct"):
+    for how in res["paths"]:
         p = res["paths"][how]
         a, lo = p["alone"], p["loaded"]
         out.append(f"| {res['date']} | {res['label'] or '-'} | {res['clients']} x {'+'.join(res['endpoints'])} | "

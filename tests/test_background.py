@@ -40,7 +40,7 @@ def test_worker_records_the_same_run_into_this_process_store(ckpt, tmp_path):
         assert error is None and len(tokens) == 6
         info = query.run_row(store, "rbg1")
         assert info["status"] == "complete" and info["pid"] != os.getpid()  # recorded over there, stored here
-        one = workbench.record("def add(a, b):", model=ckpt, db=store, max_new_tokens=6, detect=False)
+        one = workbench.record("def add(a, b):", model=ckpt, db=store, max_new_tokens=6)
         a, b = query.tokens(store, "rbg1"), one.tokens()
         assert a["token_id"].to_list() == b["token_id"].to_list()
         assert [p for p, _ in tokens] == list(range(a.height - 6, a.height))
@@ -48,6 +48,14 @@ def test_worker_records_the_same_run_into_this_process_store(ckpt, tmp_path):
         for table in ("attention", "routing", "kv_tokens"):
             n = lambda rid: store.sql(f"SELECT count(*) AS n FROM {table} WHERE run_id = ?", [rid])["n"][0]  # noqa: E731
             assert n("rbg1") == n(one.run_id) > 0
+        # the detectors ran over there, on the same rows: the same findings here
+        assert info["detection"] is not None
+        drop = ["run_id", "anomaly_id"]
+        a_an = query.anomalies(store, "rbg1").drop(drop, strict=False)
+        b_an = query.anomalies(store, one.run_id).drop(drop, strict=False)
+        assert a_an.drop("score").equals(b_an.drop("score"))
+        # (1 torch thread there, 2 here: the sums differ in the last digits)
+        assert a_an["score"].to_list() == pytest.approx(b_an["score"].to_list(), rel=1e-4)
         # a refused prompt: its error, with its type, and no run
         _, error = events_of(rp.record("rbg2", "x" * 300_000, None, max_new_tokens=2))
         assert isinstance(error, ValueError) and "limit" in str(error)

@@ -6,9 +6,10 @@ made a Record-tab recording 4-5x slower: benchmarks/RESULTS.md "UI under load").
 recordings in one long-lived worker process instead (started on the first recording, the default model
 loaded there once): the worker has an interpreter of its own and does all the model's and the probes' work.
 
-The database file stays with the app's process: the worker's ``record_run`` writes through a relay that sends
-each committed batch and run update over a pipe, and a thread of the app applies them to the app's ``Store``
-in order (a DuckDB file can be held by one process at a time; handing it over at every commit would cost a
+The database file stays with the app's process: the worker's ``record_run`` (and then the anomaly detectors)
+write through a tee that keeps the run in a private DuckDB file of the worker (the detectors read it back
+there) and sends each committed batch, replaced rows and run update over a connection, and a thread of the
+app applies them to the app's ``Store`` in order (a DuckDB file can be held by one process at a time; handing it over at every commit would cost a
 reconnect and a checkpoint each time). The run row carries the worker's pid, so a worker killed mid-run is
 marked ``interrupted`` by the store's liveness check like any crashed recorder; the app reports it at once
 and the next recording starts a new worker.
@@ -41,17 +42,32 @@ class _Events:
             self.conn.send(message)
 
 
-class _Relay:
-    """The worker's stand-in for the app's ``Store``: what ``record_run`` writes goes over the connection."""
+class _Tee:
+    """The worker's store: a private DuckDB file (so the detectors can read the run back) whose every write
+    also goes over the connection to the app's ``Store``; reads are the private file's."""
 
-    def __init__(self, events: _Events, path: str):
-        self.events, self.path = events, path
+    def __init__(self, mirror: Store, events: _Events):
+        self.mirror, self.events = mirror, events
+
+    def __getattr__(self, name: str):
+        return getattr(self.mirror, name)
 
     def append(self, batches: dict) -> None:
+        self.mirror.append(batches)
         self.events.put(("append", None, batches))
 
     def update_run(self, run_id: str, **fields: Any) -> None:
+        self.mirror.update_run(run_id, **fields)
         self.events.put(("update", run_id, fields))
+
+    def replace(self, table: str, run_id: str, df, where: str = "", params: list | None = None) -> None:
+        self.mirror.replace(table, run_id, df, where, params)
+        self.events.put(("replace", run_id, (table, df, where, params)))
+
+    def replace_where(self, table: str, where: str, params: list, df) -> None:
+        self.mirror.replace_where(table, where, params, df)
+        self.events.put(("replace_where", None, (table, where, params, df)))
+
 
 
 def _portable(e: BaseException) -> BaseException:
@@ -74,29 +90,51 @@ def _serve(address: str, authkey: bytes) -> None:
         torch.set_num_threads(threads)
     from .recorder import record_run
 
+    import tempfile
+    from pathlib import Path
+
+    from .anomalies import detect as detect_anomalies
+
     events = _Events(conn)
-    relay = _Relay(events, path)
+    tmp = Path(tempfile.mkdtemp(prefix="workbench-recorder-"))
+    tee = _Tee(Store(tmp / "mirror.duckdb"), events)
     default: list = []
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:
-            return
-        if job is None:
-            return
-        rid, prompt, checkpoint, kw = job
-        try:
-            chosen = checkpoint or model
-            if chosen is None:  # the bundled demo, loaded once
-                if not default:
-                    from workbench.model import load_checkpoint
-                    default.append(load_checkpoint())
-                chosen = default[0]
-            record_run(prompt, model=chosen, tokenizer=None if checkpoint else tokenizer, db=relay, run_id=rid,
-                       on_token=lambda pos, text, rid=rid: events.put(("token", rid, (pos, text))), **kw)
-            events.put(("done", rid, None))
-        except BaseException as e:  # noqa: BLE001 - reported to the app
-            events.put(("done", rid, _portable(e)))
+    try:
+        while True:
+            try:
+                job = conn.recv()
+            except EOFError:
+                return
+            if job is None:
+                return
+            rid, prompt, checkpoint, kw, profiles, detect = job
+            try:
+                chosen = checkpoint or model
+                if chosen is None:  # the bundled demo, loaded once
+                    if not default:
+                        from workbench.model import load_checkpoint
+                        default.append(load_checkpoint())
+                    chosen = default[0]
+                tee.mirror.replace_where("profiles", "true", [], profiles)  # the app's baselines, for detect
+                record_run(prompt, model=chosen, tokenizer=None if checkpoint else tokenizer, db=tee, run_id=rid,
+                           on_token=lambda pos, text, rid=rid: events.put(("token", rid, (pos, text))), **kw)
+            except BaseException as e:  # noqa: BLE001 - reported to the app
+                events.put(("done", rid, _portable(e)))
+                continue
+            if detect:
+                try:  # as workbench.record: a detector bug must not lose the recording
+                    detect_anomalies(tee, rid)
+                except Exception as e:  # noqa: BLE001
+                    import warnings
+                    warnings.warn(f"anomaly detection failed for run {rid}: {e}")
+            try:
+                tee.mirror.delete_run(rid)  # the app's store has it now
+            finally:
+                events.put(("done", rid, None))
+    finally:
+        import shutil
+        tee.mirror.close()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class RecordingProcess:
@@ -146,14 +184,18 @@ class RecordingProcess:
         self._proc, self._conn = proc, conn
         threading.Thread(target=self._pump, args=(proc, conn), name="workbench-recorder-pump", daemon=True).start()
 
-    def record(self, run_id: str, prompt: str, checkpoint: str | None = None, **kw) -> queue.Queue:
-        """Queue one recording (``record_run``'s keyword arguments); its events come on the returned queue."""
+    def record(self, run_id: str, prompt: str, checkpoint: str | None = None, detect: bool = True,
+               **kw) -> queue.Queue:
+        """Queue one recording (``record_run``'s keyword arguments; ``detect``: then run the anomaly detectors
+        there, against this store's profiles, as ``workbench.record`` does); its events come on the returned
+        queue."""
+        profiles = self.store.sql("SELECT * FROM profiles")
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._start()
             q: queue.Queue = queue.Queue()
             self._waiting[run_id] = q
-            self._conn.send((run_id, prompt, checkpoint, kw))
+            self._conn.send((run_id, prompt, checkpoint, kw, profiles, detect))
         return q
 
     def _pump(self, proc, conn) -> None:
@@ -174,6 +216,15 @@ class RecordingProcess:
                 try:
                     self.store.append(payload)
                 except BaseException as e:  # noqa: BLE001 - the run fails with it below
+                    write_error = write_error or e
+            elif kind in ("replace", "replace_where"):
+                try:
+                    if kind == "replace":
+                        table, df, where, params = payload
+                        self.store.replace(table, rid, df, where, params)
+                    else:
+                        self.store.replace_where(*payload)
+                except BaseException as e:  # noqa: BLE001
                     write_error = write_error or e
             elif kind == "update":
                 if write_error is not None and payload.get("status") in FINAL_STATUSES:

@@ -283,17 +283,10 @@ def record_many(prompts, *, model=None, tokenizer=None, db=None, out: str | Path
 
 def flush_run(store: Store, out: str | Path, run_id: str) -> None:
     """Write a finished run from a worker's temporary store into the shard folder, then drop it there."""
-    from .export import RUN_TABLES, write_run
+    from .export import write_run
 
     write_run(store, out, run_id)
-    cur = store.cursor()
-    try:
-        cur.execute("BEGIN")
-        for t in RUN_TABLES:
-            cur.execute(f"DELETE FROM {t} WHERE run_id = ?", [run_id])
-        cur.execute("COMMIT")
-    finally:
-        cur.close()
+    store.delete_run(run_id)
 
 
 class BatchRuns:

@@ -506,6 +506,14 @@ class Store:
             self._insert(c, table, df)
         self.checkpoint()  # derived rows are written once a run is finished: into the file itself
 
+    def delete_run(self, run_id: str) -> None:
+        """Drop every row of a run, its ``runs`` row included, in one transaction (a worker's temporary store,
+        once the run is written elsewhere)."""
+        with self._transaction() as c:
+            for t in TABLES:
+                if "run_id" in columns(t):
+                    c.execute(f"DELETE FROM {t} WHERE run_id = ?", [run_id])
+
     def update_run(self, run_id: str, **fields: Any) -> None:
         """Set fields of a run's row. A final update (``status`` other than ``running``, or ``finished_at``)
         checkpoints, so the finished run is in the ``.duckdb`` file itself, not only in its WAL. A run
