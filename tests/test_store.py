@@ -71,6 +71,30 @@ def test_append_is_atomic(tmp_path):
     assert store.sql("SELECT count(*) AS n FROM steps")["n"][0] == 0
 
 
+def test_writer_then_runs_after_what_was_put_before_and_is_told_of_a_failed_write(tmp_path):
+    """``Writer.then``: the callback sees every batch put before it committed (how a run is marked finished only
+    once its rows are in the file); after a failed write it gets the error, and close() raises it."""
+    from workbench.store import Writer
+
+    store = Store(tmp_path / "w.duckdb")
+    steps = lambda i: pl.DataFrame({"run_id": ["r"], "step": [i], "kind": ["decode"], "n_tokens": [1],  # noqa: E731
+                                    "wall_ms": [1.0]})
+    seen: list = []
+    w = Writer(store, interval=5.0)  # one long transaction window: the callback still waits for the commit
+    for i in range(3):
+        w.put({"steps": [steps(i)]})
+    w.then(lambda err: seen.append((err, store.sql("SELECT count(*) AS n FROM steps")["n"][0])))
+    w.put({"steps": [steps(3)]})
+    w.close()
+    assert seen == [(None, 3)] and store.sql("SELECT count(*) AS n FROM steps")["n"][0] == 4
+    w = Writer(store, interval=0.01)
+    w.put({"tokens": [pl.DataFrame({"run_id": ["r"], "pos": ["not a number"]})]})
+    w.then(lambda err: seen.append(err))
+    with pytest.raises(StoreError):
+        w.close()
+    assert seen[-1] is not None
+
+
 def test_newer_schema_version_is_refused(tmp_path):
     path = tmp_path / "future.duckdb"
     con = duckdb.connect(str(path))
