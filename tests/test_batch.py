@@ -114,6 +114,36 @@ def test_batched_generation_equals_single_records_row_by_row(env, tmp_path):
         query.run_row(db, "rbad")
 
 
+def test_a_batch_whose_forward_fails_fails_each_of_its_runs(tmp_path):
+    """A batched generation that raises mid-way: every run of the group ends ``failed`` with the error and the
+    tokens its committed steps hold; the prompt set goes on (``record_group`` returns the rows, never raises)."""
+    from workbench.batch import load_model, record_group
+
+    model = tiny_model(vocab_size=4096)
+    calls = []
+
+    def boom(*_):
+        calls.append(1)
+        if len(calls) == 4:  # the prefill and two decode steps went through
+            raise RuntimeError("boom")
+    handle = model.register_forward_pre_hook(boom)
+    adapter, tok, label = load_model(model, DEFAULT_TOKENIZER)
+    store = Store(tmp_path / "f.duckdb")
+    items = [{"prompt": p, "key": f"k{i}"} for i, p in enumerate(PROMPTS[:3])]
+    rows = record_group(items, store=store, batch_id="bfail", adapter=adapter, tokenizer=tok, label=label,
+                        settings={"max_new_tokens": 8}, detect=False)
+    handle.remove()
+    assert [r["status"] for r in rows] == ["failed"] * 3 and all("boom" in r["error"] for r in rows)
+    # n_tokens = what was committed: the rows that had decoded keep their steps; a row still being fed its
+    # (longer) prompt had no step yet, so 0, as a single recording failing in its prefill
+    grown = []
+    for r in rows:
+        info = query.run_row(store, r["run_id"])
+        assert info["n_tokens"] == query.tokens(store, r["run_id"]).height
+        grown.append(info["n_tokens"] > info["n_prompt_tokens"])
+    assert any(grown)
+
+
 def test_prompt_files(tmp_path):
     (tmp_path / "a.txt").write_text("one\n\ntwo\n")
     (tmp_path / "s.jsonl").write_text('{"prompt": "x", "id": "k", "max_new_tokens": 3}\n{"prompt": "y"}\n')

@@ -115,7 +115,8 @@ def record_group(items: list[dict], *, store: Store, batch_id: str, adapter, tok
     if len(items) == 1 or not adapter.supports_batch:
         return [record_one(item, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tokenizer, label=label,
                            settings=settings, detect=detect) for item in items]
-    kws = [{**settings, **{k: item[k] for k in PER_PROMPT if k in item}} for item in items]
+    defaults = {"max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "seed": 0}  # workbench.record's
+    kws = [{**defaults, **settings, **{k: item[k] for k in PER_PROMPT if k in item}} for item in items]
     run_ids = [new_run_id() for _ in items]
     try:
         errors = record_batch([item["prompt"] for item in items], model=adapter, tokenizer=tokenizer, db=store,

@@ -399,11 +399,10 @@ def record_batch(prompts: list, *, model=None, tokenizer=None, db=None, dtype: s
     prompt refused before its run row existed, there is no run). Needs ``adapter.supports_batch``."""
     n = len(prompts)
     errors: list[str | None] = [None] * n
-    checked = []
     for b in range(n):
         try:
-            checked.append(_check_request(prompts[b], dtype, max_new_tokens[b], temperature[b], top_p[b], seed[b],
-                                          topk, run_fields[b], probes))
+            _check_request(prompts[b], dtype, max_new_tokens[b], temperature[b], top_p[b], seed[b], topk,
+                           run_fields[b], probes)
         except ValueError as e:
             errors[b] = f"ValueError: {e}"
     store, adapter, tokenizer, label, sha = _open(model, tokenizer, db, dtype, backend, None)
@@ -424,17 +423,18 @@ def record_batch(prompts: list, *, model=None, tokenizer=None, db=None, dtype: s
     # each row's reductions are its own calls: a batch flushes its rows less often by time (the steps rule holds)
     runs = [_Recording(run_ids[b], _RowView(adapter, r), probes, ids[b], tokenizer, max_new_tokens[b], eos, topk,
                        flush_seconds=BATCH_FLUSH_SECONDS) for r, b in enumerate(live)]
-    for b in live:
-        _insert_run(store, run_ids[b], adapter, label, sha, prompts[b], ids[b], tokenizer,
-                    _params(ids[b], max_new_tokens[b], temperature[b], top_p[b], topk, probes, adapter), seed[b], None,
-                    run_fields[b])
     writer = Writer(store)
     for run in runs:
         run.writer = writer
     listening: list[dict | None] = [r.rec.listeners() for r in runs]
-    open_runs = set(range(len(runs)))
+    open_runs: set[int] = set()  # rows with a run row and no final status yet
     status, error = "complete", None
     try:
+        for r, b in enumerate(live):
+            _insert_run(store, run_ids[b], adapter, label, sha, prompts[b], ids[b], tokenizer,
+                        _params(ids[b], max_new_tokens[b], temperature[b], top_p[b], topk, probes, adapter), seed[b],
+                        None, run_fields[b])
+            open_runs.add(r)
         with adapter.seams(fan_out(listening)):
             t0 = [time.perf_counter()] * len(runs)
             pick = lambda xs: [xs[b] for b in live]  # noqa: E731
