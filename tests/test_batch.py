@@ -144,6 +144,20 @@ def test_a_batch_whose_forward_fails_fails_each_of_its_runs(tmp_path):
     assert any(grown)
 
 
+def test_groups_put_similar_lengths_together_within_the_limits():
+    from workbench.batch import groups
+    from workbench.model import load_tokenizer
+
+    tok = load_tokenizer()
+    items = [{"prompt": "x " * n, "key": str(n)} for n in (50, 1, 30, 2, 40, 3, 1000)]
+    got = groups(items, tok, batch_size=3, max_batch_tokens=1500)
+    lengths = [[len(tok.encode(d["prompt"]).ids) for d in g] for g in got]
+    flat = [n for g in lengths for n in g]
+    assert flat == sorted(flat) and sorted(d["key"] for g in got for d in g) == sorted(d["key"] for d in items)
+    assert all(len(g) <= 3 and (len(g) == 1 or len(g) * max(g) <= 1500) for g in lengths)
+    assert lengths[-1] == [max(flat)]  # the longest prompt alone: two of it would exceed the token limit
+
+
 def test_prompt_files(tmp_path):
     (tmp_path / "a.txt").write_text("one\n\ntwo\n")
     (tmp_path / "s.jsonl").write_text('{"prompt": "x", "id": "k", "max_new_tokens": 3}\n{"prompt": "y"}\n')
