@@ -9,8 +9,8 @@ loaded there once): the worker has an interpreter of its own and does all the mo
 The database file stays with the app's process: the worker's ``record_run`` (and then the anomaly detectors)
 write through a tee that keeps the run in a private DuckDB file of the worker (the detectors read it back
 there) and sends each committed batch, replaced rows and run update over a connection, and a thread of the
-app applies them to the app's ``Store`` in order (a DuckDB file can be held by one process at a time; handing it over at every commit would cost a
-reconnect and a checkpoint each time). The run row carries the worker's pid, so a worker killed mid-run is
+app applies them to the app's ``Store`` in order (a DuckDB file can be held by one process at a time; handing
+it over at every commit would cost a reconnect and a checkpoint each time). The run row carries the worker's pid, so a worker killed mid-run is
 marked ``interrupted`` by the store's liveness check like any crashed recorder; the app reports it at once
 and the next recording starts a new worker.
 """
@@ -119,7 +119,10 @@ def _serve(address: str, authkey: bytes) -> None:
                 record_run(prompt, model=chosen, tokenizer=None if checkpoint else tokenizer, db=tee, run_id=rid,
                            on_token=lambda pos, text, rid=rid: events.put(("token", rid, (pos, text))), **kw)
             except BaseException as e:  # noqa: BLE001 - reported to the app
-                events.put(("done", rid, _portable(e)))
+                try:
+                    tee.mirror.delete_run(rid)  # what it committed is in the app's store
+                finally:
+                    events.put(("done", rid, _portable(e)))
                 continue
             if detect:
                 try:  # as workbench.record: a detector bug must not lose the recording
