@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from probe_overhead import load_demo, write_section  # noqa: E402
+from probe_overhead import load_demo, publish  # noqa: E402
 from workbench import record_many  # noqa: E402
 from workbench.model import generate, load_tokenizer  # noqa: E402
 from workbench.model.generate import stream_batch  # noqa: E402
@@ -132,10 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         *[f"| {k} | {tokens[k]} | {med(tps[k]):.0f} | {med(speedup[k]):.2f}x |" for k in configs],
         "",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.write:
-        write_section(ROOT / "benchmarks" / "RESULTS.md", "## Batched recording", text)
+    publish(lines, args.write)
     return 0
 
 

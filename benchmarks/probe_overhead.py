@@ -116,11 +116,17 @@ def main(argv: list[str] | None = None) -> int:
         *[f"| {name} | {c:.2f} | {rc:.3f}x | {w:.2f} | {rw:.3f}x |" for name, c, rc, w, rw in rows],
         "",
     ]
+    publish(lines, args.write)
+    return 0
+
+
+def publish(lines: list[str], write: bool) -> None:
+    """Print a benchmark's section (its first line is the ``## `` heading); with ``write``, put it into
+    benchmarks/RESULTS.md in place of the old one."""
     text = "\n".join(lines)
     print(text)
-    if args.write:
-        write_section(ROOT / "benchmarks" / "RESULTS.md", "## Probe overhead", text)
-    return 0
+    if write:
+        write_section(ROOT / "benchmarks" / "RESULTS.md", lines[0], text)
 
 
 def write_section(path: Path, heading: str, text: str) -> None:

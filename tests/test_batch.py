@@ -21,7 +21,7 @@ from workbench.model import save_checkpoint
 from workbench.model.tokenizer import DEFAULT_TOKENIZER
 from workbench.prompts import load_prompt_set
 from workbench.store import Store, StoreError, TraceStore
-from helpers import tiny_model
+from helpers import kill_when_ready, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["def add(a, b):", "for i in range(10):\n", "class Point:", "import os\n", "x = [1, 2, 3]",
@@ -310,15 +310,7 @@ cli.main(["record", "--prompts", sys.argv[1], "--model", sys.argv[2], "--max-new
 
 def test_killed_worker_leaves_whole_runs_and_rerun_completes(env, tmp_path):
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED, str(env["jsonl"]), env["ckpt"], str(out)], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT / "tests")}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline().strip()
-        assert line == "ready", (line, proc.stderr.read() if proc.poll() is not None else "")
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+    kill_when_ready(["-c", KILLED, str(env["jsonl"]), env["ckpt"], str(out)], ROOT, [ROOT / "tests"])
     assert len(complete_runs(out)) == 2
     half = {p.parent.name.removeprefix("run_id=") for p in (out / "tokens").glob("*/*.parquet")}
     assert len(half) == 3  # the third run's tokens are on disk ...

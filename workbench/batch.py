@@ -15,6 +15,7 @@ leaves only whole runs; ``workbench.open(DIR)`` reads the folder. ``ray=`` runs 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -110,12 +111,13 @@ def record_group(items: list[dict], *, store: Store, batch_id: str, adapter, tok
                  detect: bool = True) -> list[dict]:
     """Record prompts of a batch together, in one batched generation (``workbench.recorder.record_batch``) when
     the model's adapter has one, else one by one (``record_one``); one row per prompt, as ``record_one``'s."""
-    from .recorder import new_run_id, record_batch
+    from .recorder import new_run_id, record_batch, record_run
 
     if len(items) == 1 or not adapter.supports_batch:
         return [record_one(item, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tokenizer, label=label,
                            settings=settings, detect=detect) for item in items]
-    defaults = {"max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "seed": 0}  # workbench.record's
+    params = inspect.signature(record_run).parameters  # the settings an item leaves out: record_run's defaults
+    defaults = {k: params[k].default for k in ("max_new_tokens", "temperature", "top_p", "seed")}
     kws = [{**defaults, **settings, **{k: item[k] for k in PER_PROMPT if k in item}} for item in items]
     run_ids = [new_run_id() for _ in items]
     try:

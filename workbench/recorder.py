@@ -7,6 +7,7 @@ It returns the run id; ``workbench.record`` (workbench/run.py) wraps it into a `
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import operator
@@ -17,7 +18,7 @@ import uuid
 import warnings
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import polars as pl
 import torch
@@ -315,13 +316,26 @@ def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_t
     _insert_run(store, run_id, adapter, label, sha, prompt, ids, tokenizer,
                 _params(ids, max_new_tokens, temperature, top_p, topk, probes, adapter), seed, parent_run_id, run_fields)
     run.writer = writer = Writer(store)
-    status, error = "complete", None
     try:
-        with adapter.seams(run.rec.listeners()):
+        with _finishing(lambda: [run], store, writer), adapter.seams(run.rec.listeners()):
             t0 = time.perf_counter()
             for step in adapter.stream(ids, max_new_tokens, temperature, top_p, seed, run.eos):
                 run.step(step, (time.perf_counter() - t0) * 1e3)
                 t0 = time.perf_counter()
+    finally:
+        if bar:
+            bar.close()
+    return run_id, store, adapter, tokenizer
+
+
+@contextlib.contextmanager
+def _finishing(unfinished: Callable[[], list[_Recording]], store: Store, writer: Writer) -> Iterator[None]:
+    """The end of a recording loop, whatever ends it: the runs ``unfinished()`` names then (its steps collected
+    so far handed to the writer) get their final status (complete, or interrupted / failed with the error, which
+    is raised on), and the writer is closed once everything is committed."""
+    status, error = "complete", None
+    try:
+        yield
     except KeyboardInterrupt:
         status, error = "interrupted", "KeyboardInterrupt"
         raise
@@ -329,14 +343,14 @@ def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_t
         status, error = "failed", f"{type(e).__name__}: {e}"
         raise
     finally:
-        if bar:
-            bar.close()
+        runs = unfinished()
         try:
-            run.flush_kept()
+            for run in runs:
+                run.flush_kept()
         finally:
-            run.finish(store, status, error)
+            for run in runs:
+                run.finish(store, status, error)
             writer.close()
-    return run_id, store, adapter, tokenizer
 
 
 def new_run_id() -> str:
@@ -384,8 +398,8 @@ def fan_out(rows: list[dict[str, Callable] | None]) -> dict[str, Callable]:
                 s = slice(b * t, (b + 1) * t)
                 d["routed"](layer, Route(layer, r.logits[s], r.indices[s], r.weights[s], r.math))
 
-    make = {"attn_probs": lambda: attn_probs, "routed": lambda: routed}
-    return {seam: make[seam]() if seam in make else by_row(seam) for seam in seams}
+    own = {"attn_probs": attn_probs, "routed": routed}
+    return {seam: own.get(seam) or by_row(seam) for seam in seams}
 
 
 def record_batch(prompts: list, *, model=None, tokenizer=None, db=None, dtype: str | None = None,
@@ -428,8 +442,7 @@ def record_batch(prompts: list, *, model=None, tokenizer=None, db=None, dtype: s
         run.writer = writer
     listening: list[dict | None] = [r.rec.listeners() for r in runs]
     open_runs: set[int] = set()  # rows with a run row and no final status yet
-    status, error = "complete", None
-    try:
+    with _finishing(lambda: [runs[r] for r in sorted(open_runs)], store, writer):
         for r, b in enumerate(live):
             _insert_run(store, run_ids[b], adapter, label, sha, prompts[b], ids[b], tokenizer,
                         _params(ids[b], max_new_tokens[b], temperature[b], top_p[b], topk, probes, adapter), seed[b],
@@ -449,18 +462,4 @@ def record_batch(prompts: list, *, model=None, tokenizer=None, db=None, dtype: s
                         open_runs.discard(r)
                         runs[r].finish(store, "complete", None)
                     t0[r] = now
-    except KeyboardInterrupt:
-        status, error = "interrupted", "KeyboardInterrupt"
-        raise
-    except BaseException as e:
-        status, error = "failed", f"{type(e).__name__}: {e}"
-        raise
-    finally:
-        try:
-            for r in sorted(open_runs):
-                runs[r].flush_kept()
-        finally:
-            for r in sorted(open_runs):
-                runs[r].finish(store, status, error)
-            writer.close()
     return errors
