@@ -1,9 +1,10 @@
-"""Recompute the model card's numbers on the validation files of the stdlib split.
+"""Recompute the model card's numbers on the held-out validation packages (``model/corpus.py``).
 
 What is measured (``evaluate()``), all on the same validation text:
 
-- **bits per byte of the model**: the validation files are tokenized and joined into one stream
-  ``[EOT] file1 [EOT] file2 ... [EOT]``; the stream is cut into non-overlapping windows of ``seq_len``
+- **bits per byte of the model**: the validation packages' files are tokenized and joined into one
+  stream ``[EOT] file1 [EOT] file2 ... [EOT]``, package after package (with ``max_tokens``, the
+  first ``max_tokens / packages`` tokens of each package); the stream is cut into non-overlapping windows of ``seq_len``
   (512, the training context) predicted tokens (no stride: a token's context is what precedes it in
   its window, at least its previous token). The summed negative log-likelihood in bits of every
   non-EOT target token, divided by the UTF-8 bytes of those tokens (exactly the bytes of the files'
@@ -18,10 +19,19 @@ What is measured (``evaluate()``), all on the same validation text:
 - **expert load** per MoE layer on the validation windows: the share of routed slots (token x top-k)
   that each expert receives, counted on ``layers.*.ffn.gate.hook_indices``, and the smallest share
   relative to the uniform 1 / n_routed_experts.
+- **per package**: the model's and gzip's bits per byte on each validation package alone.
+- **completions**: the greedy 64-token continuation of every ``data/prompts/*.txt`` file, and whether
+  it is Python (``python_measure``): the text (prompt + continuation) is cut after its last complete
+  line, then *closed*: an open string gets its closing quote, open brackets their closers, and a
+  trailing block opener (a last line ending in ``:``) an indented ``pass``. It **parses** when
+  ``ast.parse`` accepts the closed text. Otherwise the measure is how far the continuation gets: the
+  longest run of its complete lines that parses when closed the same way (``valid_lines`` of
+  ``lines``), and the first error's message and line.
 - **sample**: the greedy continuation (48 tokens) of ``def fibonacci(n):``.
 """
 from __future__ import annotations
 
+import ast
 import gzip
 import math
 import time
@@ -33,10 +43,14 @@ import torch.nn.functional as F
 from .checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from .generate import generate
 from .model import MoE, Transformer
-from .tokenizer import load_tokenizer
-from .train import EOT, corpus_files, encode_files
+from .corpus import VALIDATION_PACKAGES, corpus, corpus_files
+from .tokenizer import DATA, load_tokenizer
+from .train import EOT, encode_files
 
 SAMPLE_PROMPT = "def fibonacci(n):"
+PROMPTS = DATA / "prompts"
+COMPLETION_TOKENS = 64
+CLOSERS = {"(": ")", "[": "]", "{": "}"}
 K_GRID = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0)
 
 
@@ -97,6 +111,83 @@ class Bigram:
         del probe
         best = min(scores, key=scores.get)
         return cls(torch.cat([fit_ids, held_raw]), vocab, k=best)
+
+
+def close_python(text: str) -> str:
+    """``text`` cut after its last complete line and closed (see the module docstring): an open string,
+    open brackets, a trailing block opener."""
+    text = text[: text.rfind("\n") + 1]
+    stack: list[str] = []
+    quote = ""  # the open string's delimiter (one or three quote characters); "" outside strings
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if quote:
+            if c == "\\":
+                i += 2
+                continue
+            if text.startswith(quote, i):
+                i += len(quote)
+                quote = ""
+                continue
+            if c == "\n" and len(quote) == 1:
+                quote = ""  # a one-line string never spans lines (ast reports it)
+        elif c == "#":
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+            continue
+        elif c in "'\"":
+            quote = c * 3 if text.startswith(c * 3, i) else c
+            i += len(quote)
+            continue
+        elif c in CLOSERS:
+            stack.append(CLOSERS[c])
+        elif stack and c == stack[-1]:
+            stack.pop()
+        i += 1
+    out = text + quote + "".join(reversed(stack))
+    last = next((line for line in reversed(out.splitlines()) if line.strip() and not line.lstrip().startswith("#")),
+                "")
+    if not quote and not stack and last.rstrip().endswith(":"):
+        indent = len(last) - len(last.lstrip())
+        out = out.rstrip("\n") + "\n" + " " * (indent + 4) + "pass"
+    return out + "\n"
+
+
+def _syntax_error(text: str) -> SyntaxError | None:
+    try:
+        ast.parse(close_python(text))
+    except SyntaxError as e:
+        return e
+    except ValueError as e:  # e.g. a NUL byte
+        return SyntaxError(str(e))
+    return None
+
+
+def python_measure(prompt: str, continuation: str) -> dict:
+    """Whether ``prompt + continuation`` parses once closed, else how many of the continuation's complete
+    lines do (the module docstring defines both)."""
+    lines = continuation.split("\n")[:-1]  # complete lines only; the last one may be cut mid-token
+    err = _syntax_error(prompt + continuation)
+    valid = len(lines)
+    if err is not None:
+        valid = next((k for k in range(len(lines) - 1, -1, -1)
+                      if _syntax_error(prompt + "".join(x + "\n" for x in lines[:k])) is None), 0)
+    return {"parses": err is None, "lines": len(lines), "valid_lines": valid,
+            "error": None if err is None else f"{err.msg} (line {err.lineno})"}
+
+
+def completions(model: Transformer, tok, files: list[Path] | None = None, tokens: int = COMPLETION_TOKENS
+                ) -> list[dict]:
+    """Greedy continuations of the prompt files, each with its ``python_measure``."""
+    out = []
+    for f in files if files is not None else sorted(PROMPTS.glob("*.txt")):
+        prompt = f.read_text(encoding="utf-8")
+        ids = generate(model, tok.encode(prompt).ids, max_new_tokens=tokens, temperature=0.0)
+        text = tok.decode(ids)
+        out.append({"file": f.name, "prompt": prompt, "continuation": text, "tokens": len(ids),
+                    **python_measure(prompt, text)})
+    return out
 
 
 def _windows(stream: torch.Tensor, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -167,12 +258,18 @@ def evaluate(model: Transformer | str | Path | None = None, tokenizer=None, max_
         raise ValueError(f"tokenizer vocabulary ({tok.get_vocab_size()}) does not match the model's "
                          f"({model.args.vocab_size})")
     model.eval()
-    train_files, val_files = corpus_files()
+    packages = corpus()
+    train_files, val_files = corpus_files(packages)
+    val_packages = [p for p in packages if p.split == "validation"]
+    if not val_packages:
+        raise ValueError("none of the validation packages is installed: " + ", ".join(VALIDATION_PACKAGES))
     eot = tok.token_to_id(EOT)
-    stream = torch.cat([torch.tensor([eot], dtype=torch.int32), encode_files(tok, val_files)]).long()
-    capped = max_tokens is not None and max_tokens < stream.numel() - 1
-    if capped:
-        stream = stream[: max_tokens + 1]
+    per = [encode_files(tok, p.files) for p in val_packages]
+    capped = max_tokens is not None and max_tokens < sum(x.numel() for x in per)
+    if capped:  # the same share of every package, from its start
+        per = [x[: max(1, max_tokens // len(per))] for x in per]
+    owner = torch.cat([torch.full((x.numel(),), i) for i, x in enumerate(per)])  # the package of each target
+    stream = torch.cat([torch.tensor([eot], dtype=torch.int32), *per]).long()
     prev, target = stream[:-1], stream[1:]
     text = target != eot  # EOT targets are separators, not text: scored by no method
 
@@ -188,6 +285,14 @@ def evaluate(model: Transformer | str | Path | None = None, tokenizer=None, max_
     bigram = Bigram.fit(tok, train_files)
     bigram_bits = bigram.nll_bits(prev[text], target[text]).sum().item()
     gzip_bits = 8 * len(gzip.compress(scored, compresslevel=9, mtime=0))
+    by_package = []
+    for i, p in enumerate(val_packages):
+        sel = text & (owner == i)
+        raw = b"".join(nbytes[t] for t in target[sel].tolist())
+        by_package.append({"package": p.name, "version": p.version, "licence": p.licence, "files": len(p.files),
+                           "tokens": int(sel.sum()), "bytes": len(raw),
+                           "model": bits[sel].double().sum().item() / max(1, len(raw)),
+                           "gzip": 8 * len(gzip.compress(raw, compresslevel=9, mtime=0)) / max(1, len(raw))})
 
     uniform = 1 / model.args.n_routed_experts
     load = []
@@ -199,9 +304,11 @@ def evaluate(model: Transformer | str | Path | None = None, tokenizer=None, max_
 
     prompt_ids = tok.encode(SAMPLE_PROMPT).ids
     out_ids = generate(model, prompt_ids, max_new_tokens=sample_tokens, temperature=0.0)
+    comps = completions(model, tok)
     n_tok = int(text.sum())
     return {
         "checkpoint": getattr(model, "checkpoint_path", None),
+        "validation_packages": [p.name for p in val_packages],
         "validation_files": len(val_files),
         "training_files": len(train_files),
         "tokens_scored": n_tok,
@@ -213,10 +320,14 @@ def evaluate(model: Transformer | str | Path | None = None, tokenizer=None, max_
         "bits_per_byte": {"model": model_bits / n_bytes, "bigram": bigram_bits / n_bytes,
                           "gzip": gzip_bits / n_bytes},
         "bits_per_token": {"model": model_bits / n_tok, "bigram": bigram_bits / n_tok},
+        "model_vs_gzip": model_bits / gzip_bits,
+        "by_package": by_package,
         "bigram_k": bigram.k,
         "expert_load": load,
         "min_share_vs_uniform": min((x["min_share_vs_uniform"] for x in load), default=None),
         "sample": {"prompt": SAMPLE_PROMPT, "continuation": tok.decode(out_ids), "tokens": len(out_ids)},
+        "completions": comps,
+        "completions_parsing": sum(c["parses"] for c in comps),
         "model_seconds": round(t_model, 1),
         "wall_s": round(time.time() - t0, 1),
     }

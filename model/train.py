@@ -1,8 +1,8 @@
-"""Train the bundled demo model from scratch on the running interpreter's standard library source.
+"""Train the bundled demo model from scratch on the Python source installed on this machine.
 
-Corpus: every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]``, except the folders in ``EXCLUDE``
-(test suites, vendored or generated code, demos). Split by file: a file goes to validation when the
-SHA-1 of its relative path falls in the first 1/20 of the hash space (stable across machines).
+Corpus (``model/corpus.py``): the running interpreter's standard library plus the pure-Python files
+of the installed packages, deduplicated, at most 1.5 MB per package; whole packages are held out
+for validation. ``<out>/corpus.json`` lists every source package, its licence and the bytes taken.
 
 Seeded, resumable (state in ``<out>/train_state``, safetensors + JSON, no pickle), with a progress bar
 and the loss logged to ``<out>/train_log.jsonl``. The DeepSeek-V3 aux-loss-free rule balances the
@@ -10,11 +10,9 @@ experts: after each step, ``bias += rate * sign(mean load - expert load)`` in ev
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-import sysconfig
 import time
 from pathlib import Path
 
@@ -22,28 +20,17 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from . import corpus
 from .checkpoint import save_checkpoint
 from .model import ModelArgs, MoE, Transformer
 from .tokenizer import train_tokenizer
 
-EXCLUDE = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "site-packages", "ensurepip", "__pycache__",
-           "pydoc_data", "encodings"}
 EOT = "<|endoftext|>"
 
 
-def corpus_files(root: str | Path | None = None) -> tuple[list[Path], list[Path]]:
-    """(train, validation) lists of stdlib source files, split by a hash of the relative path."""
-    root = Path(root or sysconfig.get_paths()["stdlib"])
-    train, val = [], []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDE)
-        for name in sorted(filenames):
-            if not name.endswith(".py"):
-                continue
-            path = Path(dirpath) / name
-            rel = path.relative_to(root).as_posix()
-            (val if hashlib.sha1(rel.encode()).digest()[0] < 256 // 20 else train).append(path)
-    return train, val
+def corpus_files() -> tuple[list[Path], list[Path]]:
+    """(train, validation) file lists of the corpus (see ``model/corpus.py``)."""
+    return corpus.corpus_files()
 
 
 def read_text(path: Path) -> str:
@@ -52,12 +39,12 @@ def read_text(path: Path) -> str:
 
 def encode_files(tok, files: list[Path]) -> torch.Tensor:
     """All files tokenized and joined by the end-of-text token, as one int32 stream."""
-    eot = tok.token_to_id(EOT)
-    ids: list[int] = []
-    for enc in tok.encode_batch([read_text(f) for f in files]):
-        ids.extend(enc.ids)
-        ids.append(eot)
-    return torch.tensor(ids, dtype=torch.int32)
+    eot = torch.tensor([tok.token_to_id(EOT)], dtype=torch.int32)
+    parts: list[torch.Tensor] = []
+    for i in range(0, len(files), 256):  # in slices: the whole corpus as Python ints would take GBs
+        for enc in tok.encode_batch([read_text(f) for f in files[i: i + 256]]):
+            parts += [torch.tensor(enc.ids, dtype=torch.int32), eot]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
 
 
 def balance_update(model: Transformer, loads: dict[int, torch.Tensor], rate: float) -> None:
@@ -129,7 +116,15 @@ def train(out: str | Path = "models/demo", preset: str = "demo", steps: int = 12
     out.mkdir(parents=True, exist_ok=True)
     state_dir = out / "train_state"
     torch.manual_seed(seed)
-    train_files = list(files) if files is not None else corpus_files()[0]
+    if files is not None:
+        train_files = list(files)
+    else:
+        packages = corpus.corpus()
+        train_files = corpus.corpus_files(packages)[0]
+        manifest = [{"package": p.name, "version": p.version, "licence": p.licence, "split": p.split,
+                     "files": len(p.files), "bytes": p.bytes, "skipped_generated": p.skipped_generated,
+                     "skipped_duplicate": p.skipped_duplicate, "skipped_cap": p.skipped_cap} for p in packages]
+        (out / "corpus.json").write_text(json.dumps(manifest, indent=1) + "\n")
     tok_path = out / "tokenizer.json"
     if tok_path.exists() and (state_dir / "state.json").exists():
         from tokenizers import Tokenizer

@@ -17,7 +17,8 @@ def main(args) -> int:
 
     console = Console()
     cap = f", capped at {r['max_tokens']}" if r["capped"] else ""
-    t = Table(title=f"bits per byte on {r['validation_files']} validation files "
+    held = ", ".join(r.get("validation_packages", []))
+    t = Table(title=f"bits per byte on {r['validation_files']} files of the held-out packages {held} "
                     f"({r['tokens_scored']} tokens, {r['bytes_scored']} bytes{cap})")
     for c in ("method", "bits/byte", "bits/token"):
         t.add_column(c, justify="right" if c != "method" else "left")
@@ -26,6 +27,14 @@ def main(args) -> int:
                         ("bigram", f"token bigram (k={r['bigram_k']:g})"), ("gzip", "gzip -9")):
         t.add_row(escape(label), f"{r['bits_per_byte'][name]:.3f}", f"{bpt[name]:.3f}" if name in bpt else "")
     console.print(t)
+    if r.get("by_package"):
+        t = Table(title=f"per held-out package (model / gzip -9 overall: {r['model_vs_gzip']:.3f})")
+        for c in ("package", "version", "tokens", "bytes", "model bits/byte", "gzip -9", "model / gzip"):
+            t.add_column(c, justify="left" if c in ("package", "version") else "right")
+        for p in r["by_package"]:
+            t.add_row(escape(p["package"]), escape(p["version"]), str(p["tokens"]), str(p["bytes"]),
+                      f"{p['model']:.3f}", f"{p['gzip']:.3f}", f"{p['model'] / p['gzip']:.3f}")
+        console.print(t)
 
     if r["expert_load"]:
         # experts as rows, MoE layers as columns: fits an 80-column terminal
@@ -43,5 +52,13 @@ def main(args) -> int:
     s = r["sample"]
     console.print(f"[bold]greedy continuation ({s['tokens']} tokens)[/bold]")
     console.print(escape(s["prompt"] + s["continuation"]), highlight=False)
+    comps = r.get("completions", [])
+    if comps:
+        console.print(f"[bold]greedy completions of the prompt files: {r['completions_parsing']} of {len(comps)} "
+                      "parse once closed[/bold]")
+        for c in comps:
+            verdict = "parses" if c["parses"] else f"{c['valid_lines']} of {c['lines']} lines parse; {c['error']}"
+            console.print(f"[bold]{escape(c['file'])}[/bold] ({escape(verdict)})")
+            console.print(escape(c["prompt"] + c["continuation"]), highlight=False)
     console.print(f"[dim]{r['wall_s']} s[/dim]")
     return 0

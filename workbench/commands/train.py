@@ -6,6 +6,6 @@ def main(args) -> int:
     from workbench.model.train import train
 
     out = train(args.out, preset=args.preset, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
-                balance_rate=args.balance_rate, seed=args.seed, force=args.force)
+                balance_rate=args.balance_rate, seed=args.seed, threads=args.threads, force=args.force)
     print(f"checkpoint written to {out}")
     return 0
