@@ -28,11 +28,6 @@ from .tokenizer import train_tokenizer
 EOT = "<|endoftext|>"
 
 
-def corpus_files() -> tuple[list[Path], list[Path]]:
-    """(train, validation) file lists of the corpus (see ``model/corpus.py``)."""
-    return corpus.corpus_files()
-
-
 def read_text(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace")
 

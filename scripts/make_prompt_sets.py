@@ -1,6 +1,7 @@
 """Write data/prompts/calibration.jsonl and data/prompts/clean_eval.jsonl: the openings of Python functions
-from the standard library (a few lines each). Calibration prompts come from the demo model's training
-split, evaluation prompts from its validation split, so the two sets share no file.
+(a few lines each). Calibration prompts come from the demo model's training split (the standard library
+and the installed packages), evaluation prompts from its held-out validation packages, so the two sets
+share no file and the clean set is code the model never saw.
 
     .venv/bin/python scripts/make_prompt_sets.py
 """
@@ -14,13 +15,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from workbench.model.train import corpus_files, read_text  # noqa: E402
+from workbench.model.corpus import corpus_files  # noqa: E402
+from workbench.model.train import read_text  # noqa: E402
 
 
 def openings(files: list[Path], n: int, salt: str, per_file: int = 1) -> list[dict]:
     """n function or method openings (a def line and up to two more lines, dedented), at most ``per_file``
     from one file, files in an order chosen by hash."""
-    ranked = sorted(files, key=lambda f: hashlib.sha1((salt + f.name).encode()).hexdigest())
+    ranked = sorted(files, key=lambda f: hashlib.sha1((salt + f.parent.name + "/" + f.name).encode()).hexdigest())
     out = []
     for f in ranked:
         lines = read_text(f).splitlines()

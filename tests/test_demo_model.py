@@ -114,7 +114,8 @@ def test_python_measure_finds_the_first_bad_line():
     m = python_measure("def f():\n", cont)
     assert not m["parses"] and m["lines"] == 5 and m["valid_lines"] == 3, m  # lines 1-3 parse, the 4th not
     assert "unmatched" in m["error"] and "line 5" in m["error"]  # prompt line + 4
-    assert python_measure("def f():\n", "    # a comment only\n")["parses"]  # the block gets its pass
+    assert python_measure("def f():\n", "    x = 1  # (\n    # a comment\n")["parses"]  # the block gets its pass
+    assert not python_measure("def f():\n", "    # comments\n\n    # only\n")["parses"]  # no code: no Python
     assert not python_measure("def f():\n", "return = 3\n")["parses"]
 
 
@@ -144,7 +145,9 @@ def test_beats_bigram_and_gzip(result):
     assert len(result["by_package"]) == len(result["validation_packages"]) >= 3  # a share of each package
     bpb = result["bits_per_byte"]
     assert bpb["model"] < 0.85 * bpb["bigram"], bpb  # a clear margin (at least 15% fewer bits), not noise
-    assert bpb["model"] <= 0.85 * bpb["gzip"], bpb  # issue 13's target, on text it never saw
+    # issue 13's target, on text it never saw; against gzip of the whole packages, since DEFLATE does
+    # much worse on a short slice than on a package (the model card has the full-validation numbers)
+    assert bpb["model"] <= 0.85 * bpb["gzip_whole"], bpb
     for row in result["by_package"]:
         assert row["model"] < row["gzip"], row
 
