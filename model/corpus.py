@@ -10,7 +10,8 @@ Sources, each a *package* of the corpus:
 A file is skipped when it looks generated: over ``MAX_FILE_BYTES``, or more than 1% of its lines
 longer than 200 characters, or more than a quarter of its bytes digits (tables). Files are deduplicated by the SHA-1 of their bytes: the first copy met
 wins, with the validation packages met first, so no validation file is also trained on (``pip``'s
-vendored ``rich``, say, is excluded by its folder anyway). A package gives at most ``PACKAGE_CAP``
+vendored ``rich``, say, is excluded by its folder anyway, and a copy of a held-out package under a
+``VENDOR_DIRS`` folder of another package is left out whatever its version). A package gives at most ``PACKAGE_CAP``
 bytes (files taken in the order of a hash of their path, so the sample spreads over the package);
 the standard library is taken whole.
 
@@ -19,6 +20,7 @@ out of the training split and any other package's copy of one of their files too
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata as md
 import os
@@ -33,6 +35,9 @@ EXCLUDE = {"test", "tests", "testing", "idlelib", "lib2to3", "turtledemo", "site
 # our own package is left out: the model must not learn the code that observes it
 SKIP_PACKAGES = {"moe-workbench"}
 VALIDATION_PACKAGES = ("attrs", "click", "jinja2", "requests", "rich")
+# folders another package vendors third-party code in: a held-out package's copy there is never trained on,
+# even when it is another version than the installed one (byte-equal copies are caught by the hash anyway)
+VENDOR_DIRS = {"thirdparty", "third_party", "thirdparty_files", "extern", "externals"}
 PACKAGE_CAP = 1_500_000
 MAX_FILE_BYTES = 256_000
 STDLIB = "python-stdlib"
@@ -109,8 +114,10 @@ def _order(name: str, path: Path) -> bytes:
     return hashlib.sha1(f"{name}/{path.name}/{path}".encode()).digest()
 
 
+@functools.lru_cache(maxsize=4)
 def corpus(cap: int = PACKAGE_CAP, validation: tuple[str, ...] = VALIDATION_PACKAGES) -> list[Package]:
-    """Every source package with the files it gives (see the module docstring). Deterministic on a machine."""
+    """Every source package with the files it gives (see the module docstring). Deterministic on a machine;
+    computed once per process (it reads every candidate file)."""
     roots = _site_dirs()
     dists: dict[str, md.Distribution] = {}
     for d in md.distributions():
@@ -130,14 +137,21 @@ def corpus(cap: int = PACKAGE_CAP, validation: tuple[str, ...] = VALIDATION_PACK
     std = Package(STDLIB, platform.python_version(), "PSF-2.0", "train")
     n_val = sum(p.split == "validation" for p, _, _ in sources)
     sources.insert(n_val, (std, _stdlib_files(stdlib), None))
+    held_names = {Path(str(f)).parts[0] for n in val if n in dists for f in dists[n].files or []
+                  if str(f).endswith(".py")}  # the import names of the validation packages
     seen: set[bytes] = set()
     for pkg, files, limit in sources:
         for path in files:
+            if pkg.split == "train" and VENDOR_DIRS & set(path.parts) and held_names & set(path.parts):
+                pkg.skipped_duplicate += 1  # a vendored copy of a held-out package
+                continue
             data = path.read_bytes()
             digest = hashlib.sha1(data).digest()
             if digest in seen:
                 pkg.skipped_duplicate += 1
                 continue
+            if pkg.split == "validation":
+                seen.add(digest)  # a held-out file left out below is still never trained on
             if looks_generated(data):
                 pkg.skipped_generated += 1
                 continue

@@ -124,6 +124,7 @@ def close_python(text: str) -> str:
     text = text[: text.rfind("\n") + 1]
     stack: list[str] = []
     quote = ""  # the open string's delimiter (one or three quote characters); "" outside strings
+    last, last_at = "", 0  # the last code character outside strings and comments, and where it is
     i, n = 0, len(text)
     while i < n:
         c = text[i]
@@ -133,7 +134,7 @@ def close_python(text: str) -> str:
                 continue
             if text.startswith(quote, i):
                 i += len(quote)
-                quote = ""
+                quote, last, last_at = "", c, i - 1
                 continue
             if c == "\n" and len(quote) == 1:
                 quote = ""  # a one-line string never spans lines (ast reports it)
@@ -149,14 +150,15 @@ def close_python(text: str) -> str:
             stack.append(CLOSERS[c])
         elif stack and c == stack[-1]:
             stack.pop()
+        if not quote and not c.isspace():
+            last, last_at = c, i
         i += 1
     out = text + quote + "".join(reversed(stack))
-    last = next((line for line in reversed(out.splitlines()) if line.strip() and not line.lstrip().startswith("#")),
-                "")
-    if not quote and not stack and last.rstrip().endswith(":"):
-        indent = len(last) - len(last.lstrip())
-        out = out.rstrip("\n") + "\n" + " " * (indent + 4) + "pass"
-    return out + "\n"
+    if not quote and not stack and last == ":":  # a block opener with no body yet
+        line = text[text.rfind("\n", 0, last_at) + 1:]
+        indent = line[: len(line) - len(line.lstrip())]
+        out = out.rstrip("\n") + "\n" + indent + ("\t" if "\t" in indent else "    ") + "pass"
+    return out if out.endswith("\n") else out + "\n"
 
 
 def _syntax_error(text: str) -> SyntaxError | None:
@@ -172,6 +174,8 @@ def _syntax_error(text: str) -> SyntaxError | None:
 def python_measure(prompt: str, continuation: str) -> dict:
     """Whether ``prompt + continuation`` parses once closed, else how many of the continuation's complete
     lines do (the module docstring defines both)."""
+    if continuation.startswith("\n"):  # the end of the prompt's last line, no line of the continuation
+        prompt, continuation = prompt + "\n", continuation[1:]
     lines = continuation.split("\n")[:-1]  # complete lines only; the last one may be cut mid-token
     if not any(x.strip() and not x.lstrip().startswith("#") for x in lines):
         # nothing but blank or comment lines: that is no Python, although it parses

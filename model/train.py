@@ -10,6 +10,7 @@ experts: after each step, ``bias += rate * sign(mean load - expert load)`` in ev
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -111,6 +112,7 @@ def train(out: str | Path = "models/demo", preset: str = "demo", steps: int = 12
     out.mkdir(parents=True, exist_ok=True)
     state_dir = out / "train_state"
     torch.manual_seed(seed)
+    manifest = None
     if files is not None:
         train_files = list(files)
     else:
@@ -119,7 +121,8 @@ def train(out: str | Path = "models/demo", preset: str = "demo", steps: int = 12
         manifest = [{"package": p.name, "version": p.version, "licence": p.licence, "split": p.split,
                      "files": len(p.files), "bytes": p.bytes, "skipped_generated": p.skipped_generated,
                      "skipped_duplicate": p.skipped_duplicate, "skipped_cap": p.skipped_cap} for p in packages]
-        (out / "corpus.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    # what the data is: a resumed run must read the same files (installed packages can change in between)
+    corpus_id = hashlib.sha1("\n".join(f"{f}:{f.stat().st_size}" for f in train_files).encode()).hexdigest()
     tok_path = out / "tokenizer.json"
     if tok_path.exists() and (state_dir / "state.json").exists():
         from tokenizers import Tokenizer
@@ -139,6 +142,11 @@ def train(out: str | Path = "models/demo", preset: str = "demo", steps: int = 12
     start, wall0, tokens_seen = 0, 0.0, 0
     if (state_dir / "state.json").exists():
         meta = _load_state(state_dir, model, opt, gen)
+        if meta.get("corpus", corpus_id) != corpus_id:
+            raise ValueError(f"{out} was trained on other files than the corpus now gives (packages installed or "
+                             "removed since?): resuming would train on other data; train into a new --out")
+    if manifest is not None:
+        (out / "corpus.json").write_text(json.dumps(manifest, indent=1) + "\n")
         start, wall0, tokens_seen = meta["step"], meta["wall_s"], meta["tokens_seen"]
     loads: dict[int, torch.Tensor] = {}
 
@@ -175,11 +183,13 @@ def train(out: str | Path = "models/demo", preset: str = "demo", steps: int = 12
         log.flush()
         if (step + 1) % save_every == 0 or step + 1 == steps:
             _save_state(state_dir, model, opt, step + 1, gen,
-                        {"wall_s": wall0 + time.time() - t0, "tokens_seen": tokens_seen})
+                        {"wall_s": wall0 + time.time() - t0, "tokens_seen": tokens_seen, "corpus": corpus_id})
     for h in handles:
         h.remove()
     meta = {"steps": str(steps), "tokens_seen": str(tokens_seen), "seed": str(seed),
-            "wall_s": f"{wall0 + time.time() - t0:.0f}", "batch": str(batch), "seq_len": str(seq_len)}
+            "wall_s": f"{wall0 + time.time() - t0:.0f}", "batch": str(batch), "seq_len": str(seq_len),
+            "lr": str(lr), "warmup": str(warmup), "balance_rate": str(balance_rate),
+            "threads": str(torch.get_num_threads()), "corpus": corpus_id}
     save_checkpoint(model.eval(), out, extra=meta)
     (out / "train_meta.json").write_text(json.dumps({k: v for k, v in meta.items()}, indent=2) + "\n")
     return out

@@ -82,18 +82,25 @@ def compiling_prefix(source: str) -> str:
     return ""
 
 
-GOOD = '''def mean(xs):
-    """The mean of xs."""
+GOOD = """def mean(xs):
+    \"\"\"The mean of xs.
+
+    Brackets ( and [ and a # in a docstring are text.
+    \"\"\"
     total = 0
-    for x in xs:
+    for x in xs:  # a comment: (
         total += x
     return total / len(xs)
 
 
 class Stack:
     def __init__(self):
-        self.items = {"a": [1, 2], 'b': "s(#"}
-'''
+        self.items = {"a": [1,
+                            2], 'b': "s(#", "c": 'it\\'s ('}
+        self.sep = (
+            "x"
+            "y")
+"""
 
 
 def test_python_measure_accepts_every_cut_of_valid_code():
@@ -104,14 +111,22 @@ def test_python_measure_accepts_every_cut_of_valid_code():
         closed = close_python(text)
         ast.parse(closed)
         assert closed.startswith(text[: text.rfind("\n") + 1])
-    head = "def mean(xs):\n"
-    m = python_measure(head, GOOD[len(head):])
-    assert m == {"parses": True, "lines": GOOD.count("\n") - 1, "valid_lines": GOOD.count("\n") - 1, "error": None}
+    head = "def mean(xs):"
+    m = python_measure(head, GOOD[len(head):])  # the continuation starts with the newline, as a model's does
+    n = GOOD.count("\n") - 1
+    assert m == {"parses": True, "lines": n, "valid_lines": n, "error": None}
+    # what closing adds, case by case
+    assert close_python('x = """a(#\n') == 'x = """a(#\n"""\n'
+    assert close_python("f(a,\n  [b,\n") == "f(a,\n  [b,\n])\n"
+    assert close_python('s = "\\"" + (\n') == 's = "\\"" + (\n)\n'
+    assert close_python("def f():  # c (\n") == "def f():  # c (\n    pass\n"
+    assert close_python("if x:\n\tif y:\n") == "if x:\n\tif y:\n\t\tpass\n"
+    assert close_python("d = {'k:': 1}\n") == "d = {'k:': 1}\n"  # a colon in a string opens no block
 
 
 def test_python_measure_finds_the_first_bad_line():
-    cont = "    x = 1\n    y = (2,\n         3)\n    - 8 - 8 ) - 8\n    return x\n"
-    m = python_measure("def f():\n", cont)
+    cont = "\n    x = 1\n    y = (2,\n         3)\n    - 8 - 8 ) - 8\n    return x\n"
+    m = python_measure("def f():", cont)
     assert not m["parses"] and m["lines"] == 5 and m["valid_lines"] == 3, m  # lines 1-3 parse, the 4th not
     assert "unmatched" in m["error"] and "line 5" in m["error"]  # prompt line + 4
     assert python_measure("def f():\n", "    x = 1  # (\n    # a comment\n")["parses"]  # the block gets its pass
@@ -193,7 +208,7 @@ def test_eval_cli_errors_and_escaping(tmp_path, capsys, monkeypatch):
             "bits_per_byte": {"model": 1.0, "bigram": 2.0, "gzip": 3.0}, "bits_per_token": {"model": 3, "bigram": 6},
             "expert_load": [{"layer": 1, "share": [0.5, 0.5], "min_share_vs_uniform": 1.0}],
             "sample": {"prompt": "def fibonacci(n):", "continuation": "\n    x = a[bold]b[/bold]\n", "tokens": 9},
-            "validation_packages": ["p[red]"], "model_vs_gzip": 0.33,
+            "validation_packages": ["p[red]", "q[/x]"], "model_vs_gzip": 0.33,
             "by_package": [{"package": "p[red]", "version": "1", "licence": "MIT", "files": 1, "tokens": 10,
                             "bytes": 30, "model": 1.0, "gzip": 3.0}],
             "completions": [{"file": "a.txt", "prompt": "def f():\n", "continuation": "    y[i]\n", "tokens": 3,
@@ -203,6 +218,6 @@ def test_eval_cli_errors_and_escaping(tmp_path, capsys, monkeypatch):
     assert cli.main(["eval"]) == 0
     out = capsys.readouterr().out
     assert "x = a[bold]b[/bold]" in out  # token text is shown as text, never as rich markup
-    assert "p[red]" in out and "y[i]" in out
+    assert "p[red]" in out and "q[/x]" in out and "y[i]" in out
     assert cli.main(["eval", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == fake

@@ -124,3 +124,12 @@ def test_train_refuses_the_bundled_demo_and_finished_checkpoints(tmp_path, capsy
     with pytest.raises(ValueError, match="finished checkpoint"):
         mt.train(done, steps=1, files=[])
     assert cli.build_parser().parse_args(["train"]).out == "models/demo"  # a new folder by default
+
+
+def test_resume_refuses_other_data(corpus, tmp_path):
+    mt.train(tmp_path, steps=2, save_every=2, files=corpus, **KW)
+    with pytest.raises(ValueError, match="other files"):
+        mt.train(tmp_path, steps=4, save_every=2, files=corpus[:-1], **KW)  # a package gone since
+    assert json.loads((tmp_path / "train_state" / "state.json").read_text())["step"] == 2  # nothing trained
+    meta = mt.train(tmp_path, steps=4, save_every=2, files=corpus, **KW) / "train_meta.json"
+    assert {"lr", "warmup", "balance_rate", "threads", "corpus"} <= json.loads(meta.read_text()).keys()

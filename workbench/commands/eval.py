@@ -18,8 +18,8 @@ def main(args) -> int:
     console = Console()
     cap = f", capped at {r['max_tokens']}" if r["capped"] else ""
     held = ", ".join(r.get("validation_packages", []))
-    t = Table(title=f"bits per byte on {r['validation_files']} files of the held-out packages {held} "
-                    f"({r['tokens_scored']} tokens, {r['bytes_scored']} bytes{cap})")
+    t = Table(title=escape(f"bits per byte on {r['validation_files']} files of the held-out packages {held} "
+                           f"({r['tokens_scored']} tokens, {r['bytes_scored']} bytes{cap})"))
     for c in ("method", "bits/byte", "bits/token"):
         t.add_column(c, justify="right" if c != "method" else "left")
     bpt = r["bits_per_token"]
