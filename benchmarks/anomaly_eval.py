@@ -1,10 +1,10 @@
 """Detectors measured like signals: false alarms on clean runs, and findings that name injected faults.
 
 On the demo model with its bundled baseline profile (data/demo/profile.parquet, calibrated on
-data/prompts/calibration.jsonl: function openings from the demo's training split of the standard library):
+data/prompts/calibration.jsonl: function openings from the demo's training split):
 
-- clean: every prompt of data/prompts/clean_eval.jsonl (openings from the validation split: no file in
-  common with the calibration set), greedy; warning/critical anomaly rows per 1,000 generated tokens
+- clean: every prompt of data/prompts/clean_eval.jsonl (openings from the held-out validation packages:
+  code the model never saw, no file in common with the calibration set), greedy; warning/critical anomaly rows per 1,000 generated tokens
   (target <= 5) and findings per run;
 - faults: heads, routed experts and shared experts scaled x30, router selection biases of +``--amount``
   toward one expert, NaN in one layer's residual stream at one position, one cached KV latent scaled x30;
@@ -41,6 +41,7 @@ from workbench.baseline import BUNDLED, export_profile, profile  # noqa: E402
 from workbench.prompts import load_prompts  # noqa: E402
 
 SECTION = "## Anomaly detectors (calibrated)"
+CALIBRATION = ROOT / "data" / "prompts" / "calibration.jsonl"
 KINDS = ("head", "expert", "shared_expert", "router", "non_finite", "kv")
 
 
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         db = workbench.Store(Path(tmp) / "eval.duckdb")
         if args.make_profile or not BUNDLED.exists():
-            res = profile(ROOT / "data" / "prompts" / "calibration.jsonl", model=model, db=db,
+            res = profile(CALIBRATION, model=model, db=db,
                           max_new_tokens=args.max_new_tokens, progress=True)
             export_profile(db, res["sha"], BUNDLED)
             print(f"wrote {BUNDLED} ({res['cells']} cells from {len(res['runs'])} runs)", flush=True)
@@ -187,10 +188,12 @@ def markdown(results, clean_rows, n_tok, n_findings, n_runs, basis, args, second
     lines = [SECTION, "",
              f"`benchmarks/anomaly_eval.py` on the demo model ({time.strftime('%Y-%m-%d')}, {seconds:.0f} s, "
              f"{torch.get_num_threads()} CPU threads), baseline: {basis or '?'} (data/demo/profile.parquet, "
-             "calibrated on data/prompts/calibration.jsonl: 48 function openings from the training split of the "
-             "standard library). Alarms: Benjamini-Hochberg over every test of a run at alpha 0.01.", "",
-             f"**Clean runs** (data/prompts/clean_eval.jsonl: {n_runs} openings from the validation split, none "
-             f"used for calibration; {args.max_new_tokens} greedy tokens each, {n_tok} generated tokens): "
+             f"calibrated on data/prompts/calibration.jsonl: {len(load_prompts(CALIBRATION))} function openings from "
+             "the demo model's training split: the standard library and the installed packages). Alarms: "
+             "Benjamini-Hochberg over every test of a run at alpha 0.01.", "",
+             f"**Clean runs** (data/prompts/clean_eval.jsonl: {n_runs} openings from the held-out packages the "
+             f"model never saw, none used for calibration; at most {args.max_new_tokens} greedy tokens each, "
+             f"a run ends early at <|endoftext|>; {n_tok} generated tokens): "
              f"{warnings} warning/critical rows, **{per_1000:.2f} per 1,000 generated tokens** (target <= 5: "
              f"{'met' if per_1000 <= 5 else 'missed'}); findings per run: mean {sum(n_findings) / max(n_runs, 1):.2f}, "
              f"max {max(n_findings) if n_findings else 0}.", "",

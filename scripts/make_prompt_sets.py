@@ -30,7 +30,9 @@ def openings(files: list[Path], n: int, salt: str, per_file: int = 1) -> list[di
         for i, line in enumerate(lines):
             if line.lstrip().startswith("def ") and line.rstrip().endswith(":"):
                 indent = len(line) - len(line.lstrip())  # methods too, dedented
-                text = "\n".join(x[indent:] for x in lines[i:i + 3]) + "\n"
+                # no trailing newline: a prompt's final "\n" is a token the tokenizer only makes before column-0
+                # code, so the model would end the function there
+                text = "\n".join(x[indent:] for x in lines[i:i + 3]).rstrip()
                 if 20 <= len(text) <= 240 and text.isascii():
                     out.append({"id": f"{f.parent.name}/{f.name}:{i + 1}", "prompt": text})
                     taken += 1
@@ -43,7 +45,7 @@ def openings(files: list[Path], n: int, salt: str, per_file: int = 1) -> list[di
 
 def main() -> int:
     train, val = corpus_files()
-    for name, files, n, per_file in (("calibration", train, 48, 1), ("clean_eval", val, 24, 3)):
+    for name, files, n, per_file in (("calibration", train, 144, 1), ("clean_eval", val, 24, 3)):
         path = ROOT / "data" / "prompts" / f"{name}.jsonl"
         rows = openings(files, n, name, per_file)
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
