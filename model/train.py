@@ -145,9 +145,9 @@ def train(out: str | Path = "models/demo", preset: str = "demo", steps: int = 12
         if meta.get("corpus", corpus_id) != corpus_id:
             raise ValueError(f"{out} was trained on other files than the corpus now gives (packages installed or "
                              "removed since?): resuming would train on other data; train into a new --out")
+        start, wall0, tokens_seen = meta["step"], meta["wall_s"], meta["tokens_seen"]
     if manifest is not None:
         (out / "corpus.json").write_text(json.dumps(manifest, indent=1) + "\n")
-        start, wall0, tokens_seen = meta["step"], meta["wall_s"], meta["tokens_seen"]
     loads: dict[int, torch.Tensor] = {}
 
     def count(i):

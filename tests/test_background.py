@@ -44,7 +44,8 @@ def test_worker_records_the_same_run_into_this_process_store(ckpt, tmp_path):
         a, b = query.tokens(store, "rbg1"), one.tokens()
         assert a["token_id"].to_list() == b["token_id"].to_list()
         assert [p for p, _ in tokens] == list(range(a.height - 6, a.height))
-        assert a["logprob"][1:].to_list() == pytest.approx(b["logprob"][1:].to_list(), abs=1e-6)
+        # fp32 at |logprob| ~ 10, one worker thread against this process's threads: summation order differs
+        assert a["logprob"][1:].to_list() == pytest.approx(b["logprob"][1:].to_list(), abs=1e-5)
         for table in ("attention", "routing", "kv_tokens"):
             n = lambda rid: store.sql(f"SELECT count(*) AS n FROM {table} WHERE run_id = ?", [rid])["n"][0]  # noqa: E731
             assert n("rbg1") == n(one.run_id) > 0
