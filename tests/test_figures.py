@@ -168,3 +168,18 @@ def test_dense_run_gives_empty_expert_figures(tmp_path):
     r = workbench.record([5, 6, 7], model=model, max_new_tokens=3, db=tmp_path / "d.duckdb")
     for fig in (r.fig_expert_load(), r.fig_coactivation(), r.fig_load_along(), r.fig_token_routing(1)):
         assert len(fig.data) == 0 and "no routing" in fig.layout.title.text
+
+
+def test_figures_carry_the_validated_plotly_white_template(run):
+    """``_layout`` assigns the registered template without plotly's per-figure validation: the figure's
+    JSON must be what ``update_layout(template="plotly_white")`` gives, and the registered template stays
+    untouched when a figure's template is edited."""
+    import plotly.io as pio
+
+    fig = run.fig_head_entropy()
+    ref = go.Figure(fig).update_layout(template="plotly_white")
+    assert fig.to_dict()["layout"]["template"] == ref.to_dict()["layout"]["template"]
+    assert fig.to_dict()["layout"]["template"] == pio.templates["plotly_white"].to_plotly_json()
+    before = pio.templates["plotly_white"].to_plotly_json()
+    fig.layout.template.layout.font.size = 31
+    assert pio.templates["plotly_white"].to_plotly_json() == before

@@ -49,9 +49,23 @@ def _empty(title: str) -> go.Figure:
     return fig
 
 
+@lru_cache(maxsize=1)
+def _template() -> go.layout.Template:
+    import plotly.io as pio
+
+    return pio.templates["plotly_white"]
+
+
 def _layout(fig: go.Figure, title: str, height: int = 380, **kw) -> go.Figure:
-    fig.update_layout(title=title, height=height, margin={"l": 60, "r": 20, "t": 50, "b": 50},
-                      template="plotly_white", **kw)
+    # The registered template is valid already: assigned as plotly assigns its default template (without
+    # validation). ``update_layout(template="plotly_white")`` validates and deep-copies it: ~13 ms a figure,
+    # a third of a replay view's time.
+    fig.layout._validate = False
+    try:
+        fig.layout.template = _template()
+    finally:
+        fig.layout._validate = fig._validate
+    fig.update_layout(title=title, height=height, margin={"l": 60, "r": 20, "t": 50, "b": 50}, **kw)
     return fig
 
 
