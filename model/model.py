@@ -207,6 +207,9 @@ class MLA(nn.Module):
             self.softmax_scale *= yarn_mscale(args.rope_factor, args.mscale) ** 2
         self.cache: KVCache | None = None
         self.hook_attn_probs = HookPoint()  # [B, Tc, H, S] one block of query rows, kwarg q_start
+        # [B, Tc, H, 3] entropy, max weight and weight on key 0 per query row and head of one block; kwargs
+        # q_start and received [B, S] (the block's attention on each key, summed over its rows and heads)
+        self.hook_attn_stats = HookPoint()
         self.hook_z = HookPoint()  # [B, T, H, v] per-head output before wo
         self.hook_out = HookPoint()  # [B, T, D]
 
@@ -225,6 +228,8 @@ class MLA(nn.Module):
         q_abs = torch.einsum("bthd,hdc->bthc", q_nope, wkv_b[:, : self.qk_nope_head_dim])  # [B, T, H, C]
         if self.hook_attn_probs.active:
             o = self._attend_observed(q_abs, q_pe, kv, k_pe, start_pos)
+        elif self.hook_attn_stats.active:
+            o = self._attend_stats(q_abs, q_pe, kv, k_pe, start_pos)
         else:
             o = self._attend_fused(q_abs, q_pe, kv, k_pe, start_pos)  # [B, T, H, C]
         z = torch.einsum("bthc,hdc->bthd", o, wkv_b[:, -self.v_head_dim:])  # [B, T, H, v]
@@ -267,8 +272,40 @@ class MLA(nn.Module):
                 scores = scores + mask[None, :, None, :]
             probs = scores.softmax(dim=-1, dtype=torch.float32).type_as(q_abs)  # [B, Tc, H, S]
             probs = self.hook_attn_probs(probs, q_start=start_pos + t0)
+            if self.hook_attn_stats.active:
+                p = probs.float()
+                stats = torch.stack([-torch.special.xlogy(p, p).sum(-1), p.amax(-1), p[..., 0]], -1)
+                self.hook_attn_stats(stats, q_start=start_pos + t0, received=p.sum(dim=(1, 2)))
             # "bths,bsc->bthc"
             outs.append(torch.bmm(probs.flatten(1, 2), kv).view(q_abs.size(0), tc, self.n_heads, -1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+
+    def _attend_stats(self, q_abs, q_pe, kv, k_pe, start_pos: int) -> torch.Tensor:
+        """The softmax written out in blocks of query rows and reduced on the way to what ``hook_attn_stats``
+        hands over, without materialising probabilities: with e = exp(s - max s) and l = sum(e), the output
+        and p @ K come from one matmul (the latent values are the first C dims of the keys), the entropy is
+        lse - sum(p * s) = max s + log l - scale * q . (p @ K), the max weight 1 / l, the weight on key 0
+        e_0 / l, and the attention each key received one matrix-vector product. As fast as the plain path."""
+        bsz, seqlen, keys = q_abs.size(0), q_abs.size(1), kv.size(1)
+        h, c = self.n_heads, self.kv_lora_rank
+        k = torch.cat([kv, k_pe], -1).float()  # [B, S, C+R]
+        outs = []
+        for t0 in range(0, seqlen, self.attn_chunk):
+            t1 = min(t0 + self.attn_chunk, seqlen)
+            tc = t1 - t0
+            q = torch.cat([q_abs[:, t0:t1], q_pe[:, t0:t1]], -1).flatten(1, 2).float()  # [B, Tc*H, C+R]
+            s = torch.bmm(q, k.transpose(1, 2)).mul_(self.softmax_scale)  # [B, Tc*H, S]
+            if tc > 1 or start_pos + t0 + 1 < keys:
+                s.view(bsz, tc, h, keys).add_(causal_mask(tc, keys, start_pos + t0, q.device)[:, None, :])
+            m = s.amax(-1, keepdim=True)
+            e = s.sub_(m).exp_()  # in place: no second [B, Tc*H, S] block
+            inv = e.sum(-1, keepdim=True).reciprocal_()  # 1 / l
+            pk = torch.bmm(e, k).mul_(inv)  # p @ K: [B, Tc*H, C+R]
+            entropy = (m - inv.log()).squeeze(-1) - self.softmax_scale * (q * pk).sum(-1)
+            stats = torch.stack([entropy.clamp_(min=0.0), inv.squeeze(-1), e[..., 0] * inv.squeeze(-1)], -1)
+            self.hook_attn_stats(stats.view(bsz, tc, h, 3), q_start=start_pos + t0,
+                                 received=torch.bmm(inv.transpose(1, 2), e).squeeze(1))
+            outs.append(pk[..., :c].view(bsz, tc, h, c).type_as(q_abs))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
 

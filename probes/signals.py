@@ -59,6 +59,14 @@ def attention_stats(probs: torch.Tensor, q_start: int, window: int | None = None
     return {"pos": pos, **attention_row_stats(probs, pos, max(0, q_start + tc - s), window)}
 
 
+def reduced_stats(stats: torch.Tensor, n_keys: int, q_start: int, window: int | None = None) -> dict[str, np.ndarray]:
+    """``attention_stats`` of a block of query rows a model has reduced itself: ``stats`` [Tc, H, 3] (see
+    ``reduced_row_stats``) over ``n_keys`` keys that end at the last query."""
+    tc = stats.size(0)
+    pos = np.arange(q_start, q_start + tc, dtype=np.int32)
+    return {"pos": pos, **reduced_row_stats(stats, pos, max(0, q_start + tc - n_keys), window)}
+
+
 def attention_row_stats(probs: torch.Tensor, pos, key0=0, window=None) -> dict[str, np.ndarray]:
     """``attention_stats`` for rows that need not be consecutive queries (decode steps batched together).
 
@@ -78,6 +86,19 @@ def attention_row_stats(probs: torch.Tensor, pos, key0=0, window=None) -> dict[s
         probs = probs.float()
         entropy = -torch.special.xlogy(probs, probs).sum(-1)  # [N, H]
         max_weight, sink = probs.amax(-1), probs[..., 0]
+    return reduced_row_stats(torch.stack([entropy, max_weight, sink], -1), pos, key0, window)
+
+
+def reduced_row_stats(stats: torch.Tensor, pos, key0=0, window=None) -> dict[str, np.ndarray]:
+    """``attention_row_stats`` of rows a model has reduced itself (the ``attn_stats`` seam).
+
+    Args:
+        stats: [N, H, 3] per row and head: entropy (nats), max weight, weight on the row's key 0.
+        pos, key0, window: as for ``attention_row_stats``.
+    Returns: entropy / norm_entropy / max_weight / sink_weight [N, H].
+    """
+    stats = stats.float()
+    entropy, max_weight, sink = stats[..., 0], stats[..., 1], stats[..., 2]
     dev = entropy.device
     key0 = torch.as_tensor(key0, device=dev).expand(entropy.size(0))[:, None]
     sink = torch.where(key0 > 0, torch.zeros_like(sink), sink)

@@ -82,9 +82,10 @@ def test_edited_prompt_diverges_at_the_edit(env):
     assert s["first_divergence_tokens"]["token_id_a"] == PROMPT[EDIT]
     assert s["first_divergence_tokens"]["token_id_b"] == 200
     assert (s["first_signal_divergence"]["pos"], s["first_signal_divergence"]["signal"]) == (EDIT, "tokens.token_id")
-    # before the edit the runs saw the same context: identical signals there
+    # before the edit the runs saw the same context: the same signals there, up to fp32 summation order (an
+    # expert's batch of tokens differs once the edited token routes elsewhere, so its matmul rounds otherwise)
     before = d.tokens.filter(pl.col("pos") < EDIT)
-    assert before["same_token"].all() and before["d_logprob"].drop_nulls().abs().max() == 0.0
+    assert before["same_token"].all() and before["d_logprob"].drop_nulls().abs().max() < 1e-5
 
 
 def test_frames_equal_a_direct_computation(env):

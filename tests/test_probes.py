@@ -286,5 +286,48 @@ def test_chunked_prefill_equals_whole():
         got = model(x)
         with attach(model, {"layers.*.attn.hook_attn_probs": lambda p, **_: None}):
             observed = model(x)
+        with attach(model, {"layers.*.attn.hook_attn_stats": lambda s, **_: None}):
+            reduced = model(x)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(observed, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(reduced, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sharp", [1.0, 40.0])
+def test_reduced_attention_stats_equal_the_probabilities(sharp):
+    """``hook_attn_stats`` from the path without probabilities (max s + log l - scale q.(p@K), 1/l, e_0/l,
+    received as a matrix-vector product) equals the same statistics taken from the explicit softmax's
+    probabilities, for prefill blocks with a query offset and for decode rows; a model whose rows are
+    nearly one-hot (``sharp``) keeps entropy within [0, log n]."""
+    model = biased_tiny_model()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attn.attn_chunk = 4
+            layer.attn.wkv_a.weight.mul_(sharp ** 0.5)
+            (layer.attn.wq if layer.attn.q_lora_rank == 0 else layer.attn.wq_b).weight.mul_(sharp ** 0.5)
+    x = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))
+
+    def run(hooks):
+        seen = []
+
+        def keep(st, q_start, received, **_):
+            seen.append((q_start, st.clone(), received.clone()))
+        model.setup_cache(2, 16)
+        try:
+            with torch.no_grad(), attach(model, {"layers.*.attn.hook_attn_stats": keep, **hooks}):
+                logits = [model(x[:, :9], start_pos=0)]
+                logits += [model(x[:, t:t + 1], start_pos=t) for t in (9, 10)]
+        finally:
+            model.clear_cache()
+        return torch.cat(logits, 1), seen
+
+    reduced, got = run({})
+    observed, ref = run({"layers.*.attn.hook_attn_probs": lambda p, **_: None})  # stats from the probabilities
+    torch.testing.assert_close(reduced, observed, atol=1e-5, rtol=1e-5)
+    assert [q for q, _, _ in got] == [q for q, _, _ in ref] and len(got) == 5 * len(model.layers)
+    for (q0, st, rec), (_, st_ref, rec_ref) in zip(got, ref):
+        torch.testing.assert_close(st, st_ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(rec, rec_ref, atol=1e-4, rtol=1e-4)
+        n_keys = torch.arange(q0, q0 + st.size(1)) + 1.0
+        assert (st[..., 0] >= 0).all() and (st[..., 0] <= n_keys.log()[None, :, None] + 1e-5).all()
+        assert rec.sum(-1).allclose(torch.full((2,), float(st.size(1) * st.size(2))), rtol=1e-5)

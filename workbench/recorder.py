@@ -374,7 +374,7 @@ def fan_out(rows: list[dict[str, Callable] | None]) -> dict[str, Callable]:
     """Batch-level seam listeners that hand each row's listeners that row's slice: ``[B, ...]`` tensors by
     row, a route's ``N = B * T`` rows (batch-major) by row. ``rows[b]`` set to None stops row b's listeners."""
     seams = set().union(*(d.keys() for d in rows if d))
-    unknown = seams - {"attn_probs", "head_out", "resid_post", "routed"}
+    unknown = seams - {"attn_probs", "attn_stats", "head_out", "resid_post", "routed"}
     if unknown:
         raise ValueError(f"batched recording cannot split the seams {sorted(unknown)}")
 
@@ -383,6 +383,12 @@ def fan_out(rows: list[dict[str, Callable] | None]) -> dict[str, Callable]:
             if d is not None:
                 d["attn_probs"](layer, probs[b], q_start, *rest)
     attn_probs.batched = True  # type: ignore[attr-defined]
+
+    def attn_stats(layer: int, stats: torch.Tensor, received: torch.Tensor, q_start: int, *rest) -> None:
+        for b, d in enumerate(rows):  # [B, Tc, H, 3], [B, S]
+            if d is not None:
+                d["attn_stats"](layer, stats[b], received[b], q_start, *rest)
+    attn_stats.batched = True  # type: ignore[attr-defined]
 
     def by_row(seam: str) -> Callable:
         def call(layer: int, x: torch.Tensor) -> None:  # [B, T, ...]
@@ -398,7 +404,7 @@ def fan_out(rows: list[dict[str, Callable] | None]) -> dict[str, Callable]:
                 s = slice(b * t, (b + 1) * t)
                 d["routed"](layer, Route(layer, r.logits[s], r.indices[s], r.weights[s], r.math))
 
-    own = {"attn_probs": attn_probs, "routed": routed}
+    own = {"attn_probs": attn_probs, "attn_stats": attn_stats, "routed": routed}
     return {seam: own.get(seam) or by_row(seam) for seam in seams}
 
 

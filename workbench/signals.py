@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from workbench.probes.signals import (attention_received, attention_row_stats, attention_stats, kv_token_norms,
-                                      routing_records)
+                                      reduced_row_stats, reduced_stats, routing_records)
 
 from .adapters.base import Adapter, Route
 from .rows import Rows, add_received, attention_rows, kv_rows, kv_token_cols, steps_rows, token_frame
@@ -136,9 +136,12 @@ class AttentionProbe(Probe):
         self.kept_blocks: list[dict] = []
         self.kept_single: list[tuple[int, int, torch.Tensor, int | None]] = []
         self.kept_bytes = 0
+        # decode rows the model reduced itself (the attn_stats seam): (layer, pos, [H, 3], key 0's position)
+        self.reduced: list[tuple[int, int, torch.Tensor, int]] = []
+        self.kept_reduced: list[tuple[int, int, torch.Tensor, int]] = []
 
     def listeners(self) -> dict:
-        return {"attn_probs": self.on_probs}
+        return {"attn_stats": self.on_stats} if self.adapter.stats_seam else {"attn_probs": self.on_probs}
 
     def on_probs(self, layer: int, p: torch.Tensor, q_start: int, window: int | None = None) -> None:
         if p.size(0) == 1:  # a decode row: kept, reduced with many others at the next flush
@@ -146,17 +149,32 @@ class AttentionProbe(Probe):
         else:  # a block of prefill rows: reduced at once, so nothing O(T x S) outlives it
             self.blocks.append({"layer": layer, **attention_stats(p.detach(), q_start, window)})
 
+    def on_stats(self, layer: int, st: torch.Tensor, received: torch.Tensor, q_start: int,
+                 window: int | None = None) -> None:
+        if window is not None:
+            raise ValueError("the attn_stats seam has no sliding windows (the native model has none)")
+        if st.size(0) == 1:
+            self.reduced.append((layer, q_start, st[0].detach(), max(0, q_start + 1 - received.size(-1))))
+        else:
+            self.blocks.append({"layer": layer, **reduced_stats(st.detach(), received.size(-1), q_start)})
+
     def collect(self, s: StepInfo) -> dict:
         self.kept_blocks += self.blocks
         self.kept_single += self.single
+        self.kept_reduced += self.reduced
         self.kept_bytes += sum(r[2].numel() * r[2].element_size() for r in self.single)
-        self.blocks, self.single = [], []
+        self.blocks, self.single, self.reduced = [], [], []
         return {}
 
     def flush(self) -> dict:
-        blocks, single = self.kept_blocks, self.kept_single
-        self.kept_blocks, self.kept_single, self.kept_bytes = [], [], 0
+        blocks, single, reduced = self.kept_blocks, self.kept_single, self.kept_reduced
+        self.kept_blocks, self.kept_single, self.kept_reduced, self.kept_bytes = [], [], [], 0
         recs = [{**b, "layer": np.full(b["pos"].size, b["layer"], np.int32)} for b in blocks]
+        if reduced:  # one conversion for every kept decode row
+            pos = np.array([r[1] for r in reduced], np.int32)
+            recs.append({"pos": pos, "layer": np.array([r[0] for r in reduced], np.int32),
+                         **reduced_row_stats(_stack([r[2] for r in reduced]), pos,
+                                             np.array([r[3] for r in reduced]))})
         by_window: dict = defaultdict(list)
         for row in single:
             by_window[row[3]].append(row)
@@ -308,7 +326,7 @@ class KVProbe(Probe):
         self.sizes: list[tuple[int, list]] = []  # (step, [(layer, cached tokens, bytes)]) per kept step
 
     def listeners(self) -> dict:
-        return {"attn_probs": self.on_probs}
+        return {"attn_stats": self.on_stats} if self.adapter.stats_seam else {"attn_probs": self.on_probs}
 
     def on_probs(self, layer: int, p: torch.Tensor, q_start: int, window: int | None = None) -> None:
         # key j is position j, or q_end - S + j once a sliding-window cache holds only the newest S
@@ -317,6 +335,14 @@ class KVProbe(Probe):
             self.single.append((layer, offset, p[0].detach()))
         else:
             add_received(self.received, layer, attention_received(p.detach()), offset)
+
+    def on_stats(self, layer: int, st: torch.Tensor, received: torch.Tensor, q_start: int,
+                 window: int | None = None) -> None:
+        offset = max(0, q_start + st.size(0) - received.size(-1))
+        if st.size(0) == 1:  # kept as one "head" summed already: [1, S]
+            self.single.append((layer, offset, received.detach()[None]))
+        else:
+            add_received(self.received, layer, received.detach().float(), offset)
 
     def _add_kept(self) -> None:
         """Add the kept decode rows to the running totals: one sum per run of same-shaped rows."""
@@ -393,14 +419,14 @@ REGISTRY: tuple[Signal, ...] = (
             _c("rope_norm", "DOUBLE", "L2 norm of its cached rope key (transformers models: of its keys)", "tol"),
             _c("attn_received", "DOUBLE", "attention it has received so far, summed over heads and queries", "tol")),
             "step, layer, pos", "per cached token, at the prefill and the final step")),
-        ("attn_probs",), KVProbe, "KV-cache state"),
+        ("attn_stats", "attn_probs"), KVProbe, "KV-cache state"),
     Signal("attention", (Table("attention", (
         _c("pos", "INTEGER", "query position", "key"), LAYER, _c("head", "INTEGER", "", "key"),
         _c("entropy", "DOUBLE", "nats, over the keys 0..pos", "tol"),
         _c("norm_entropy", "DOUBLE", "entropy / log(pos + 1); NULL at pos 0", "tol"),
         _c("max_weight", "DOUBLE", "", "tol"),
         _c("sink_weight", "DOUBLE", "weight on position 0", "tol")), "pos, layer, head",
-        "per query position x layer x head"),), ("attn_probs",), AttentionProbe, "attention entropy"),
+        "per query position x layer x head"),), ("attn_stats", "attn_probs"), AttentionProbe, "attention entropy"),
     Signal("routing", (Table("routing", (
         POS, LAYER, _c("slot", "INTEGER", "0..K-1, by decreasing gate weight", "key"),
         _c("expert", "INTEGER", "", "exact"),

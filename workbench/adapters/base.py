@@ -17,6 +17,11 @@ replacement where noted, which is how ablations and faults intervene):
 - ``attn_probs(layer, probs [Tc, H, S], q_start, window)``: one block of query rows of batch row 0
   (recording); the S keys end at the last query; ``window`` is the layer's sliding window or None.
   A listener with the attribute ``batched = True`` gets every row, ``[B, Tc, H, S]`` (batched recording).
+- ``attn_stats(layer, stats [Tc, H, 3], received [S], q_start, window)`` (adapters with ``stats_seam``): the
+  same block reduced by the model itself, without probabilities: per row and head the entropy, max weight and
+  weight on key 0, and per key the attention the block's rows and heads gave it. A model offering it computes
+  these in about its plain attention's time; the recorder's probes listen here when the adapter offers it.
+  Batched: ``[B, Tc, H, 3]`` and ``[B, S]``.
 - ``head_out(layer, z [B, T, H, d]) -> z | None``: each head's output before the output projection.
 - ``route(layer, Route)``: an intervention on one MoE layer's routing. The listener edits the ``Route``
   (``remove`` experts from the choice, ``unbias`` the selection, ``add_selection``, ``freeze`` the choice,
@@ -40,7 +45,7 @@ from torch import nn
 
 from .routing import RouterMath
 
-SEAMS = ("attn_probs", "head_out", "route", "routed", "shared_out", "resid_post")
+SEAMS = ("attn_probs", "attn_stats", "head_out", "route", "routed", "shared_out", "resid_post")
 
 
 @dataclass
@@ -173,6 +178,7 @@ class Adapter:
     module: nn.Module
     checkpoint_path: str | None = None
     supports_batch = False  # has stream_batch, kv_state(row=) and batched attn_probs listeners
+    stats_seam = False  # offers the attn_stats seam (the model reduces attention rows itself)
 
     # -- subclasses -------------------------------------------------------------------------------
     def stream(self, prompt: Sequence[int], max_new_tokens: int, temperature: float, top_p: float, seed: int,

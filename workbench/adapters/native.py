@@ -27,6 +27,7 @@ class NativeAdapter(Adapter):
     """Adapter over ``workbench.model.Transformer``."""
 
     supports_batch = True
+    stats_seam = True
 
     def __init__(self, model: Transformer, family: str = "deepseek_v3"):
         self.module = model
@@ -145,6 +146,11 @@ class NativeAdapter(Adapter):
         if seam == "attn_probs":
             rows = slice(None) if getattr(fn, "batched", False) else 0  # a batch fan-out takes every row
             return [_hook(l.attn.hook_attn_probs, lambda _m, _a, kw, out, i=i: fn(i, out[rows], kw["q_start"]))
+                    for i, l in enumerate(layers)]
+        if seam == "attn_stats":
+            rows = slice(None) if getattr(fn, "batched", False) else 0
+            return [_hook(l.attn.hook_attn_stats,
+                          lambda _m, _a, kw, out, i=i: fn(i, out[rows], kw["received"][rows], kw["q_start"]))
                     for i, l in enumerate(layers)]
         if seam == "head_out":
             return [_hook(l.attn.hook_z, lambda _m, _a, _kw, z, i=i: fn(i, z)) for i, l in enumerate(layers)]
