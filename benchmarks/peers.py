@@ -45,10 +45,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SECTION = "## Peers"
-TOOLS = ["plain", "output_attentions", "nnsight", "transformer_lens", "workbench_hf", "workbench_native"]
+TOOLS = ["plain", "output_attentions", "nnsight", "transformer_lens", "workbench_hf", "native_plain", "workbench_native"]
 LABELS = {"plain": "transformers plain forward", "output_attentions": "transformers output_attentions=True",
           "nnsight": "nnsight", "transformer_lens": "TransformerLens (TransformerBridge)",
-          "workbench_hf": "workbench.record (transformers)", "workbench_native": "workbench.record (native)"}
+          "workbench_hf": "workbench.record (transformers)", "native_plain": "our plain forward (native generate, 1 token)",
+          "workbench_native": "workbench.record (native)"}
 NEEDS = {"nnsight": "nnsight", "transformer_lens": "transformer_lens"}
 CONFIG = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16,
               n_routed_experts=32, num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=256,
@@ -172,6 +173,15 @@ def child(tool: str, folder: str, length: int, reps: int) -> dict:
             with torch.no_grad():
                 logits = bridge.run_with_hooks(ids, fwd_hooks=hooks)
             sig["entropy"], sig["routing"], sig["confidence"] = dict(ents), dict(routes), confidence(logits)
+    elif tool == "native_plain":
+        from workbench.model import load_checkpoint
+        from workbench.model.generate import generate
+
+        del hf
+        module = load_checkpoint(folder)
+
+        def run():  # what workbench.record(max_new_tokens=1) runs, without probes or a store
+            sig["tokens"] = generate(module, ids[0].tolist(), 1)
     elif tool in ("workbench_hf", "workbench_native"):
         import workbench
         from workbench.model import load_checkpoint, load_tokenizer
@@ -258,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         print("peers: transformers is not installed (pip install -e '.[test]'); skipped")
         return 0
     missing = [m for m in ("nnsight", "transformer_lens") if importlib.util.find_spec(m) is None]
-    if len(missing) == 2:
+    if len(missing) == 2 and not set(args.tools) - set(NEEDS):
         print("peers: neither nnsight nor TransformerLens is installed (pip install -e '.[peers]'); skipped")
         return 0
     versions = {}
@@ -323,6 +333,20 @@ def report(args, results, versions, missing, loads, total_s) -> str:
             ratio = f" ({s / statistics.median(base['s']):.2f}x)" if "s" in base else ""
             cells += [f"{s:.2f}{ratio}", f"{r['peak_mb']:.0f}"]
         lines.append(f"| {LABELS[tool]} | " + " | ".join(cells) + " |")
+    ours = [n for n in args.lengths if "s" in results.get(("native_plain", n), {})
+            and "s" in results.get(("workbench_native", n), {})]
+    if ours:  # the recording-speed targets: recorded / our own plain forward, time <= 1.20x, peak <= 1.10x
+        lines += ["", "Against our own plain forward (the same weights in workbench's `Transformer`, `generate` of one "
+                  "token: what `record(max_new_tokens=1)` runs without probes or a store):", "",
+                  "| tokens | our plain s | recorded s | time ratio (target <= 1.20x) | our plain peak MB | recorded peak MB "
+                  "| memory ratio (target <= 1.10x) | our plain / transformers plain |", "|---|---|---|---|---|---|---|---|"]
+        for n in ours:
+            p, r = results[("native_plain", n)], results[("workbench_native", n)]
+            ps, rs = statistics.median(p["s"]), statistics.median(r["s"])
+            tp = results.get(("plain", n), {})
+            vs = f"{ps / statistics.median(tp['s']):.2f}x" if "s" in tp else "not run"
+            lines.append(f"| {n} | {ps:.2f} | {rs:.2f} | **{rs / ps:.2f}x** | {p['peak_mb']:.0f} | {r['peak_mb']:.0f} | "
+                         f"**{r['peak_mb'] / max(p['peak_mb'], 1):.2f}x** | {vs} |")
     rows = [r for (t, n), r in results.items() if "rows" in r]
     if rows:
         lines += ["", "workbench rows per run (written to DuckDB inside the timing): " + "; ".join(

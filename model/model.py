@@ -225,16 +225,72 @@ class MLA(nn.Module):
         if self.cache is not None:
             kv, k_pe = self.cache.update(start_pos, kv, k_pe)  # [B, S, C], [B, S, R]
         wkv_b = self.wkv_b.weight.view(self.n_heads, -1, self.kv_lora_rank)
-        q_abs = torch.einsum("bthd,hdc->bthc", q_nope, wkv_b[:, : self.qk_nope_head_dim])  # [B, T, H, C]
-        if self.hook_attn_probs.active:
-            o = self._attend_observed(q_abs, q_pe, kv, k_pe, start_pos)
-        elif self.hook_attn_stats.active:
-            o = self._attend_stats(q_abs, q_pe, kv, k_pe, start_pos)
+        if self.naive(seqlen) and not self.hook_attn_probs.active:
+            # a prefill attends as multi-head attention over keys and values expanded from the latent cache
+            k_nope = torch.einsum("bsc,hdc->bshd", kv, wkv_b[:, : self.qk_nope_head_dim])  # [B, S, H, nope]
+            v = torch.einsum("bsc,hdc->bshd", kv, wkv_b[:, -self.v_head_dim:])  # [B, S, H, v]
+            q = torch.cat([q_nope, q_pe], -1)  # [B, T, H, nope+R]
+            k = torch.cat([k_nope, k_pe[:, :, None].expand(-1, -1, self.n_heads, -1)], -1)  # [B, S, H, nope+R]
+            attend = self._attend_naive_stats if self.hook_attn_stats.active else self._attend_naive
+            z = attend(q, k, v, start_pos)  # [B, T, H, v]
         else:
-            o = self._attend_fused(q_abs, q_pe, kv, k_pe, start_pos)  # [B, T, H, C]
-        z = torch.einsum("bthc,hdc->bthd", o, wkv_b[:, -self.v_head_dim:])  # [B, T, H, v]
+            q_abs = torch.einsum("bthd,hdc->bthc", q_nope, wkv_b[:, : self.qk_nope_head_dim])  # [B, T, H, C]
+            if self.hook_attn_probs.active:
+                o = self._attend_observed(q_abs, q_pe, kv, k_pe, start_pos)
+            elif self.hook_attn_stats.active:
+                o = self._attend_stats(q_abs, q_pe, kv, k_pe, start_pos)
+            else:
+                o = self._attend_fused(q_abs, q_pe, kv, k_pe, start_pos)  # [B, T, H, C]
+            z = torch.einsum("bthc,hdc->bthd", o, wkv_b[:, -self.v_head_dim:])  # [B, T, H, v]
         z = self.hook_z(z)
         return self.hook_out(self.wo(z.flatten(2)))
+
+    def naive(self, seqlen: int) -> bool:
+        """Whether ``seqlen`` query rows attend over expanded keys and values ("naive") rather than in latent
+        space ("absorb", as DeepSeek decodes). Per cached key the naive way pays once for expanding it,
+        H * C * (nope + v), and then H * T * (nope + R + v) for the scores and values; the absorbed way pays
+        H * T * (2C + R). Decode steps stay absorbed; a long enough prefill block is cheaper naive."""
+        c, nope, v = self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim
+        return seqlen > 1 and c * (nope + v) < seqlen * (2 * c - nope - v)
+
+    def _attend_naive(self, q, k, v, start_pos: int) -> torch.Tensor:
+        """Scaled-dot-product attention over per-head keys [B, S, H, nope+R] and values [B, S, H, v]."""
+        seqlen, keys = q.size(1), k.size(1)
+        if seqlen > self.attn_chunk:  # the math kernel holds [B, H, Tc, S] scores: in blocks of query rows
+            c = self.attn_chunk
+            return torch.cat([self._attend_naive(q[:, t0:t0 + c], k, v, start_pos + t0) for t0 in range(0, seqlen, c)], 1)
+        causal = start_pos == 0 and seqlen == keys
+        mask = None if causal else causal_mask(seqlen, keys, start_pos, q.device)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                           is_causal=causal, scale=self.softmax_scale)
+        return o.transpose(1, 2)
+
+    def _attend_naive_stats(self, q, k, v, start_pos: int) -> torch.Tensor:
+        """``_attend_naive`` with the softmax written out in blocks of query rows and reduced on the way to what
+        ``hook_attn_stats`` hands over (see ``_attend_stats``): one matmul gives p @ [V, K], so the output and
+        the entropy's sum(p * s) = scale * q . (p @ K) come together."""
+        bsz, seqlen, h, dv = q.size(0), q.size(1), self.n_heads, self.v_head_dim
+        keys = k.size(1)
+        kh = k.transpose(1, 2).flatten(0, 1).float()  # [B*H, S, nope+R]
+        vk = torch.cat([v.transpose(1, 2).flatten(0, 1).float(), kh], -1)  # [B*H, S, v+nope+R]
+        outs = []
+        for t0 in range(0, seqlen, self.attn_chunk):
+            t1 = min(t0 + self.attn_chunk, seqlen)
+            tc = t1 - t0
+            qh = q[:, t0:t1].transpose(1, 2).flatten(0, 1).float()  # [B*H, Tc, nope+R]
+            s = torch.bmm(qh, kh.transpose(1, 2)).mul_(self.softmax_scale)  # [B*H, Tc, S]
+            if tc > 1 or start_pos + t0 + 1 < keys:
+                s.add_(causal_mask(tc, keys, start_pos + t0, q.device))
+            m = s.amax(-1, keepdim=True)
+            e = s.sub_(m).exp_()
+            inv = e.sum(-1, keepdim=True).reciprocal_()
+            pvk = torch.bmm(e, vk).mul_(inv)  # [B*H, Tc, v+nope+R]: p @ V, then p @ K
+            entropy = (m - inv.log()).squeeze(-1) - self.softmax_scale * (qh * pvk[..., dv:]).sum(-1)
+            stats = torch.stack([entropy.clamp_(min=0.0), inv.squeeze(-1), e[..., 0] * inv.squeeze(-1)], -1)
+            received = torch.bmm(inv.transpose(1, 2), e).view(bsz, h, keys).sum(1)
+            self.hook_attn_stats(stats.view(bsz, h, tc, 3).transpose(1, 2), q_start=start_pos + t0, received=received)
+            outs.append(pvk[..., :dv].view(bsz, h, tc, dv).transpose(1, 2).type_as(q))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
     def _attend_fused(self, q_abs, q_pe, kv, k_pe, start_pos: int) -> torch.Tensor:
         """Scaled-dot-product attention as MQA in latent space: one shared key/value per token."""
