@@ -45,6 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SECTION = "## Peers"
+OURS_SECTION = "## Recording speed (prefill)"  # --write with only plain / our tools: the recording-speed table alone
+PEER_TOOLS = {"output_attentions", "nnsight", "transformer_lens"}
 TOOLS = ["plain", "output_attentions", "nnsight", "transformer_lens", "workbench_hf", "native_plain", "workbench_native"]
 LABELS = {"plain": "transformers plain forward", "output_attentions": "transformers output_attentions=True",
           "nnsight": "nnsight", "transformer_lens": "TransformerLens (TransformerBridge)",
@@ -304,13 +306,18 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.write:
         from probe_overhead import write_section
-        write_section(ROOT / "benchmarks" / "RESULTS.md", SECTION, text)
+        write_section(ROOT / "benchmarks" / "RESULTS.md", _section(args), text)
     return 0
 
 
+def _section(args) -> str:
+    return SECTION if PEER_TOOLS & set(args.tools) else OURS_SECTION
+
+
 def report(args, results, versions, missing, loads, total_s) -> str:
-    lines = [SECTION, "",
-             f"`python benchmarks/peers.py --lengths {' '.join(map(str, args.lengths))} --reps {args.reps}` "
+    tools = "" if args.tools == TOOLS else " --tools " + " ".join(args.tools)
+    lines = [_section(args), "",
+             f"`python benchmarks/peers.py --lengths {' '.join(map(str, args.lengths))} --reps {args.reps}{tools}` "
              f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.machine()}, {os.cpu_count()} cores "
              f"shared with other jobs, torch threads 1, load average {loads[0]} before, {loads[1]} after, "
              f"{total_s:.0f} s in all; " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ").", "",

@@ -344,24 +344,25 @@ class MLA(nn.Module):
         e_0 / l, and the attention each key received one matrix-vector product. As fast as the plain path."""
         bsz, seqlen, keys = q_abs.size(0), q_abs.size(1), kv.size(1)
         h, c = self.n_heads, self.kv_lora_rank
-        k = torch.cat([kv, k_pe], -1).float()  # [B, S, C+R]
+        kv_f, pe_f = kv.float(), k_pe.float()  # no copy in fp32: a decode step does not copy the cache
         outs = []
         for t0 in range(0, seqlen, self.attn_chunk):
             t1 = min(t0 + self.attn_chunk, seqlen)
             tc = t1 - t0
-            q = torch.cat([q_abs[:, t0:t1], q_pe[:, t0:t1]], -1).flatten(1, 2).float()  # [B, Tc*H, C+R]
-            s = torch.bmm(q, k.transpose(1, 2)).mul_(self.softmax_scale)  # [B, Tc*H, S]
+            qc, qr = q_abs[:, t0:t1].flatten(1, 2).float(), q_pe[:, t0:t1].flatten(1, 2).float()  # [B, Tc*H, C|R]
+            s = torch.baddbmm(torch.bmm(qr, pe_f.transpose(1, 2)), qc, kv_f.transpose(1, 2))  # [B, Tc*H, S]
+            s.mul_(self.softmax_scale)
             if tc > 1 or start_pos + t0 + 1 < keys:
-                s.view(bsz, tc, h, keys).add_(causal_mask(tc, keys, start_pos + t0, q.device)[:, None, :])
+                s.view(bsz, tc, h, keys).add_(causal_mask(tc, keys, start_pos + t0, s.device)[:, None, :])
             m = s.amax(-1, keepdim=True)
             e = s.sub_(m).exp_()  # in place: no second [B, Tc*H, S] block
             inv = e.sum(-1, keepdim=True).reciprocal_()  # 1 / l
-            pk = torch.bmm(e, k).mul_(inv)  # p @ K: [B, Tc*H, C+R]
-            entropy = (m - inv.log()).squeeze(-1) - self.softmax_scale * (q * pk).sum(-1)
+            o, pr = torch.bmm(e, kv_f).mul_(inv), torch.bmm(e, pe_f).mul_(inv)  # p @ K, latent and rope parts
+            entropy = (m - inv.log()).squeeze(-1) - self.softmax_scale * ((qc * o).sum(-1) + (qr * pr).sum(-1))
             stats = torch.stack([entropy.clamp_(min=0.0), inv.squeeze(-1), e[..., 0] * inv.squeeze(-1)], -1)
             self.hook_attn_stats(stats.view(bsz, tc, h, 3), q_start=start_pos + t0,
                                  received=torch.bmm(inv.transpose(1, 2), e).squeeze(1))
-            outs.append(pk[..., :c].view(bsz, tc, h, c).type_as(q_abs))
+            outs.append(o.view(bsz, tc, h, c).type_as(q_abs))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
 
