@@ -6,9 +6,11 @@
 Each (length, probes on/off) runs in a fresh subprocess, so its peak resident memory
 (``resource.getrusage(RUSAGE_SELF).ru_maxrss``; tracemalloc does not see torch) is its own. The model is
 the demo model loaded with ``max_seq_len=32768`` (YaRN), one prefill of random tokens under
-``inference_mode``. With probes, every layer's ``hook_attn_probs`` reduces each block of query rows
-(``MLA.attn_chunk`` = 1024) to entropy / norm_entropy / max / sink per row and head, so memory stays
-O(chunk x T); the table also shows what one materialised [heads, T, T] fp32 pattern would need.
+``inference_mode``. With probes, every layer's ``hook_attn_stats`` (the seam the recorder's attention and KV
+probes listen to) gets each block of query rows (``MLA.attn_chunk`` = 1024) reduced by the model itself to
+entropy / max / sink per row and head and the attention each key received, and the hook turns them into
+the attention table's columns, so memory stays O(chunk x T); the table also shows what one materialised
+[heads, T, T] fp32 pattern would need.
 With ``--write`` the table goes into benchmarks/RESULTS.md under "## Long context".
 
 ``--latency`` measures decode-step latency against context length instead (a minute or two): the same
@@ -56,19 +58,19 @@ def one(length: int, probes: bool, threads: int) -> dict:
     import torch
 
     from workbench.probes import attach
-    from workbench.probes.signals import attention_stats
+    from workbench.probes.signals import reduced_stats
 
     torch.set_num_threads(threads)
     model, what = demo_model()
     tokens = torch.randint(0, model.args.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
     rows = [0]
 
-    def on_probs(p, name, q_start, **_):
-        stats = attention_stats(p[0], q_start)  # reduced inside the hook: nothing O(T^2) outlives a block
+    def on_stats(st, name, q_start, received, **_):
+        stats = reduced_stats(st[0], received.size(-1), q_start)  # [Tc, H] rows: nothing O(T^2) outlives a block
         rows[0] += stats["entropy"].size
 
     base = maxrss_mb()
-    hooks = {"layers.*.attn.hook_attn_probs": on_probs} if probes else {}
+    hooks = {"layers.*.attn.hook_attn_stats": on_stats} if probes else {}
     t = time.perf_counter()
     with torch.inference_mode(), attach(model, hooks):
         model(tokens)

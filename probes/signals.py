@@ -12,6 +12,9 @@ import numpy as np
 import torch
 
 
+ROWS = 256  # logits rows per block in token_confidence
+
+
 def token_confidence(logits: torch.Tensor, next_ids: torch.Tensor, k: int = 5) -> dict[str, np.ndarray]:
     """Confidence of each produced token under the distribution that produced it.
 
@@ -20,8 +23,12 @@ def token_confidence(logits: torch.Tensor, next_ids: torch.Tensor, k: int = 5) -
         next_ids: [T] the tokens actually produced (teacher-forced for the prompt).
         k: number of top alternatives kept.
     Returns: prob, logprob, confidence (max prob), entropy (nats), rank (1 = argmax), topk_ids, topk_probs.
-    Non-finite logits give NaN signals and rank -1, never an exception.
+    Non-finite logits give NaN signals and rank -1, never an exception. A long prefill goes in blocks of
+    ``ROWS`` rows, so the [T, V] temporaries stay small.
     """
+    if logits.size(0) > ROWS:
+        parts = [token_confidence(logits[i:i + ROWS], next_ids[i:i + ROWS], k) for i in range(0, logits.size(0), ROWS)]
+        return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
     logits = logits.float()
     logp = torch.log_softmax(logits, dim=-1)  # [T, V]
     p = logp.exp()

@@ -334,3 +334,21 @@ def test_reduced_attention_stats_equal_the_probabilities(sharp, n_prefill):
         n_keys = torch.arange(q0, q0 + st.size(1)) + 1.0
         assert (st[..., 0] >= 0).all() and (st[..., 0] <= n_keys.log()[None, :, None] + 1e-5).all()
         assert rec.sum(-1).allclose(torch.full((2,), float(st.size(1) * st.size(2))), rtol=1e-5)
+
+
+def test_token_confidence_in_blocks_equals_one_pass():
+    """A prefill's logits go through token_confidence in blocks of ROWS rows: the same columns as one pass."""
+    import workbench.probes.signals as sig
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(sig.ROWS * 2 + 7, 40, generator=g)
+    logits[3, 5] = float("nan")
+    ids = torch.randint(0, 40, (logits.size(0),), generator=g)
+    got = token_confidence(logits, ids)
+    rows, sig.ROWS = sig.ROWS, logits.size(0)
+    try:
+        ref = token_confidence(logits, ids)
+    finally:
+        sig.ROWS = rows
+    for key in ref:
+        np.testing.assert_array_equal(got[key], ref[key], err_msg=key)

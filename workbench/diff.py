@@ -63,18 +63,19 @@ class RunDiff:
         # plotly reads a subset of HTML in hover text: escape token text so it shows literally
         ha = [html.escape(x or "") for x in t["text_a"].fill_null("").to_list()]
         hb = [html.escape(x or "") for x in t["text_b"].fill_null("").to_list()]
+        # numeric columns as numpy arrays (NULL -> NaN, a gap as None was): plotly checks a list element by element
         conf = go.Figure([
-            go.Scatter(x=t["pos"].to_list(), y=t["confidence_a"].to_list(), name=f"A {self.a}", mode="lines+markers",
+            go.Scatter(x=t["pos"].to_numpy(), y=t["confidence_a"].to_numpy(), name=f"A {self.a}", mode="lines+markers",
                        text=ha, hovertemplate="pos %{x}<br>%{text}<br>confidence %{y:.3f}<extra>A</extra>"),
-            go.Scatter(x=t["pos"].to_list(), y=t["confidence_b"].to_list(), name=f"B {self.b}", mode="lines+markers",
+            go.Scatter(x=t["pos"].to_numpy(), y=t["confidence_b"].to_numpy(), name=f"B {self.b}", mode="lines+markers",
                        text=hb, hovertemplate="pos %{x}<br>%{text}<br>confidence %{y:.3f}<extra>B</extra>"),
         ])
         if first is not None:
             conf.add_vline(x=first, line_dash="dash", line_color="red", annotation_text="first divergence")
         conf.update_layout(title="Confidence along the sequence", xaxis_title="position", yaxis_title="confidence")
         delta = go.Figure([
-            go.Bar(x=t["pos"].to_list(), y=t["d_logprob"].to_list(), name="Δ logprob (B - A)"),
-            go.Bar(x=t["pos"].to_list(), y=t["d_confidence"].to_list(), name="Δ confidence (B - A)"),
+            go.Bar(x=t["pos"].to_numpy(), y=t["d_logprob"].to_numpy(), name="Δ logprob (B - A)"),
+            go.Bar(x=t["pos"].to_numpy(), y=t["d_confidence"].to_numpy(), name="Δ confidence (B - A)"),
         ])
         delta.update_layout(title="Per-position change", xaxis_title="position", barmode="group")
         h = self.heads
