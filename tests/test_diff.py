@@ -120,3 +120,18 @@ def test_figures_and_cli(env, capsys):
     assert cli.main(["diff", a.run_id, c.run_id, "--db", str(env["store"].path)]) == 0
     assert f"first divergence at pos {EDIT}" in capsys.readouterr().out
     assert cli.main(["diff", a.run_id, "nope", "--db", str(env["store"].path)]) == 2
+
+
+def test_table_pair_equals_two_table_reads(env):
+    """first_divergence reads both runs of a table in one query: the same frames as one read per run."""
+    from workbench import query
+    from workbench.diff import COMPARED
+
+    a, c = env["fp32"].run_id, env["edited"].run_id
+    for table in ("tokens", "attention", "routing", "kv_tokens"):
+        cols = [col for col in query.table(env["store"], table, a, "1").columns]
+        order = ", ".join(COMPARED[table][0])  # the table's key: a total order
+        fa, fc = query.table_pair(env["store"], table, a, c, order, cols)
+        assert fa.height and fc.height
+        assert fa.equals(query.table(env["store"], table, a, order, cols))
+        assert fc.equals(query.table(env["store"], table, c, order, cols))

@@ -179,9 +179,9 @@ COMPARED: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = 
 _TABLE_ORDER = {name: i for i, name in enumerate(COMPARED)}
 
 
-def _signal_frame(store: Store, table: str, run_id: str) -> pl.DataFrame:
+def _signal_frames(store: Store, table: str, a: str, b: str) -> tuple[pl.DataFrame, pl.DataFrame]:
     keys, exact, tol = COMPARED[table]
-    return query.table(store, table, run_id, ", ".join(keys), cols=[*keys, *exact, *tol])
+    return query.table_pair(store, table, a, b, ", ".join(keys), cols=[*keys, *exact, *tol])
 
 
 def _differs(a: Any, b: Any, tol: float) -> tuple[bool, float | None]:
@@ -217,7 +217,7 @@ def first_divergence(store: Store, a: str, b: str, tol: float = 1e-4,
         n_prompt = int(query.run_row(store, a)["n_prompt_tokens"] or 0)
     best: tuple | None = None
     for table, (keys, exact, tolerant) in COMPARED.items():
-        fa, fb = _signal_frame(store, table, a), _signal_frame(store, table, b)
+        fa, fb = _signal_frames(store, table, a, b)
         if fa.height == 0 and fb.height == 0:
             continue
         # a full join leaves the absent side's columns NULL; the marker columns tell absent from NULL

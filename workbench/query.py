@@ -135,6 +135,19 @@ def table(store: Store, name: str, run_id: str, order: str, cols: list[str] | No
                      [run_id])
 
 
+def table_pair(store: Store, name: str, a: str, b: str, order: str, cols: list[str]) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """``table`` for two runs in one round trip (each run's rows pruned to its own rowid range): (a's, b's)."""
+    from .schema import columns
+    bad = [c for c in cols if c not in columns(name)]
+    if bad:
+        raise ValueError(f"{name} has no column(s) {bad}")
+    what = ", ".join(dict.fromkeys(cols))
+    both = store.sql(f"SELECT * FROM (SELECT 0 AS _side, {what} FROM {name} WHERE {_rows(store, name, a)}run_id = ? "
+                     f"UNION ALL SELECT 1 AS _side, {what} FROM {name} WHERE {_rows(store, name, b)}run_id = ?) "
+                     f"ORDER BY _side, {order}", [a, b])
+    return (both.filter(pl.col("_side") == 0).drop("_side"), both.filter(pl.col("_side") == 1).drop("_side"))
+
+
 def signal(store: Store, name: str, run_id: str) -> pl.DataFrame:
     """All rows of one run from a registry signal table, in the table's order."""
     if name not in SIGNAL_TABLES:
