@@ -337,34 +337,28 @@ class MLA(nn.Module):
         return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
     def _attend_stats(self, q_abs, q_pe, kv, k_pe, start_pos: int) -> torch.Tensor:
-        """The softmax written out in blocks of query rows and reduced on the way to what ``hook_attn_stats``
-        hands over, without materialising probabilities: with e = exp(s - max s) and l = sum(e), the output
-        and p @ K come from one matmul (the latent values are the first C dims of the keys), the entropy is
-        lse - sum(p * s) = max s + log l - scale * q . (p @ K), the max weight 1 / l, the weight on key 0
-        e_0 / l, and the attention each key received one matrix-vector product. As fast as the plain path."""
+        """The explicit softmax in latent space (decode steps, short prefills), reduced on the way to what
+        ``hook_attn_stats`` hands over: the entropy is lse - sum(p * s), where sum(p * s) = scale * q . (p @ K)
+        comes from the output's own matmul and p @ k_pe; max and sink weight from p; the attention each key
+        received is a sum of p over the block's rows. Few operations: a decode step's cost is mostly their count."""
         bsz, seqlen, keys = q_abs.size(0), q_abs.size(1), kv.size(1)
-        h, c = self.n_heads, self.kv_lora_rank
+        h, c, scale = self.n_heads, self.kv_lora_rank, self.softmax_scale
         kv_f, pe_f = kv.float(), k_pe.float()  # no copy in fp32: a decode step does not copy the cache
         outs = []
         for t0 in range(0, seqlen, self.attn_chunk):
             t1 = min(t0 + self.attn_chunk, seqlen)
             tc = t1 - t0
             qc, qr = q_abs[:, t0:t1].flatten(1, 2).float(), q_pe[:, t0:t1].flatten(1, 2).float()  # [B, Tc*H, C|R]
-            s = torch.baddbmm(torch.bmm(qr, pe_f.transpose(1, 2)), qc, kv_f.transpose(1, 2))  # [B, Tc*H, S]
-            s.mul_(self.softmax_scale)
+            s = torch.baddbmm(torch.bmm(qr, pe_f.mT), qc, kv_f.mT, beta=scale, alpha=scale)  # [B, Tc*H, S]
             if tc > 1 or start_pos + t0 + 1 < keys:
                 s.view(bsz, tc, h, keys).add_(causal_mask(tc, keys, start_pos + t0, s.device)[:, None, :])
-            m = s.amax(-1, keepdim=True)
-            e = s.sub_(m).exp_()  # in place: no second [B, Tc*H, S] block
-            inv = e.sum(-1, keepdim=True).reciprocal_()  # 1 / l
-            o, pr = torch.bmm(e, kv_f).mul_(inv), torch.bmm(e, pe_f).mul_(inv)  # p @ K, latent and rope parts
-            entropy = (m - inv.log()).squeeze(-1) - self.softmax_scale * ((qc * o).sum(-1) + (qr * pr).sum(-1))
-            stats = torch.stack([entropy.clamp_(min=0.0), inv.squeeze(-1), e[..., 0] * inv.squeeze(-1)], -1)
-            self.hook_attn_stats(stats.view(bsz, tc, h, 3), q_start=start_pos + t0,
-                                 received=torch.bmm(inv.transpose(1, 2), e).squeeze(1))
+            p = s.softmax(-1)
+            o, pr = torch.bmm(p, kv_f), torch.bmm(p, pe_f)  # p @ K: its latent part is the output
+            entropy = s.logsumexp(-1) - scale * (torch.linalg.vecdot(qc, o) + torch.linalg.vecdot(qr, pr))
+            stats = torch.stack([entropy.clamp_(min=0.0), p.amax(-1), p[..., 0]], -1)
+            self.hook_attn_stats(stats.view(bsz, tc, h, 3), q_start=start_pos + t0, received=p.sum(1))
             outs.append(o.view(bsz, tc, h, c).type_as(q_abs))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
-
 
 def causal_mask(seqlen: int, keys: int, start_pos: int, device) -> torch.Tensor:
     """Additive mask [T, S]: query start_pos+i sees keys 0..start_pos+i."""
