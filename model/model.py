@@ -282,14 +282,23 @@ class MLA(nn.Module):
             if tc > 1 or start_pos + t0 + 1 < keys:
                 s.add_(causal_mask(tc, keys, start_pos + t0, q.device))
             m = s.amax(-1, keepdim=True)
-            e = s.sub_(m).exp_()
-            inv = e.sum(-1, keepdim=True).reciprocal_()
-            pvk = torch.bmm(e, vk).mul_(inv)  # [B*H, Tc, v+nope+R]: p @ V, then p @ K
+            if torch.is_grad_enabled():  # autograd keeps the scores: no in-place overwrite
+                e = (s - m).exp()
+                inv = e.sum(-1, keepdim=True).reciprocal()
+                pvk = torch.bmm(e, vk) * inv
+            else:  # in place: no second [B*H, Tc, S] block
+                e = s.sub_(m).exp_()
+                inv = e.sum(-1, keepdim=True).reciprocal_()
+                pvk = torch.bmm(e, vk).mul_(inv)  # [B*H, Tc, v+nope+R]: p @ V, then p @ K
             entropy = (m - inv.log()).squeeze(-1) - self.softmax_scale * (qh * pvk[..., dv:]).sum(-1)
-            stats = torch.stack([entropy.clamp_(min=0.0), inv.squeeze(-1), e[..., 0] * inv.squeeze(-1)], -1)
+            stats = torch.stack([entropy.clamp(min=0.0), inv.squeeze(-1), e[..., 0] * inv.squeeze(-1)], -1)
             received = torch.bmm(inv.transpose(1, 2), e).view(bsz, h, keys).sum(1)
             self.hook_attn_stats(stats.view(bsz, h, tc, 3).transpose(1, 2), q_start=start_pos + t0, received=received)
-            outs.append(pvk[..., :dv].view(bsz, h, tc, dv).transpose(1, 2).type_as(q))
+            if v.dtype == torch.float32:
+                out = pvk[..., :dv]
+            else:  # a half-precision model: probabilities in fp32, p @ V in the model's dtype (as the plain path)
+                out = torch.bmm((e * inv).to(v.dtype), v.transpose(1, 2).flatten(0, 1)).float()
+            outs.append(out.reshape(bsz, h, tc, dv).transpose(1, 2).type_as(q))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
     def _attend_fused(self, q_abs, q_pe, kv, k_pe, start_pos: int) -> torch.Tensor:
@@ -355,8 +364,10 @@ class MLA(nn.Module):
             p = s.softmax(-1)
             o, pr = torch.bmm(p, kv_f), torch.bmm(p, pe_f)  # p @ K: its latent part is the output
             entropy = s.logsumexp(-1) - scale * (torch.linalg.vecdot(qc, o) + torch.linalg.vecdot(qr, pr))
-            stats = torch.stack([entropy.clamp_(min=0.0), p.amax(-1), p[..., 0]], -1)
+            stats = torch.stack([entropy.clamp(min=0.0), p.amax(-1), p[..., 0]], -1)
             self.hook_attn_stats(stats.view(bsz, tc, h, 3), q_start=start_pos + t0, received=p.sum(1))
+            if kv.dtype != torch.float32:  # a half-precision model: p @ V in its dtype, as _attend_observed
+                o = torch.bmm(p.type_as(kv), kv)
             outs.append(o.view(bsz, tc, h, c).type_as(q_abs))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 

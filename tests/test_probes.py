@@ -352,3 +352,27 @@ def test_token_confidence_in_blocks_equals_one_pass():
         sig.ROWS = rows
     for key in ref:
         np.testing.assert_array_equal(got[key], ref[key], err_msg=key)
+
+
+@pytest.mark.parametrize("n_prefill", [9, 40])
+def test_reduced_stats_paths_keep_a_bf16_models_output_and_autograd(n_prefill):
+    """With a stats listener a bf16 model's first attention output stays the plain path's within bf16 rounding
+    (the logits further on may differ more: a near-tie in routing can flip), and a forward under autograd (root
+    cause's gradients) works on both the latent and the naive path."""
+    model = biased_tiny_model()
+    x = torch.randint(0, 256, (1, n_prefill), generator=torch.Generator().manual_seed(4))
+    half = biased_tiny_model().to(torch.bfloat16)
+
+    def z0(hooks):
+        got = {}
+        with torch.no_grad(), attach(half, {"layers.0.attn.hook_z": lambda z, **_: got.setdefault("z", z), **hooks}):
+            half(x)
+        return got["z"]
+    plain, reduced = z0({}), z0({"layers.*.attn.hook_attn_stats": lambda s, **_: None})
+    assert reduced.dtype == torch.bfloat16
+    torch.testing.assert_close(reduced.float(), plain.float(), atol=0.02 * plain.abs().max().item(), rtol=0.02)
+    emb = model.embed(x).detach().requires_grad_(True)
+    seen = []
+    with attach(model, {"layers.*.attn.hook_attn_stats": lambda s, **_: seen.append(s)}):
+        model(inputs_embeds=emb).sum().backward()
+    assert seen and emb.grad is not None and torch.isfinite(emb.grad).all()

@@ -162,7 +162,7 @@ class AttentionProbe(Probe):
         self.kept_blocks += self.blocks
         self.kept_single += self.single
         self.kept_reduced += self.reduced
-        self.kept_bytes += sum(r[2].numel() * r[2].element_size() for r in self.single)
+        self.kept_bytes += sum(r[2].numel() * r[2].element_size() for r in self.single + self.reduced)
         self.blocks, self.single, self.reduced = [], [], []
         return {}
 
