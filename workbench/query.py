@@ -120,28 +120,27 @@ def run_row(store: Store, run_id: str) -> dict:
     return df.row(0, named=True)
 
 
-def table(store: Store, name: str, run_id: str, order: str, cols: list[str] | None = None) -> pl.DataFrame:
-    """All rows of one run from a signal table, ordered: every column but run_id, or ``cols``
-    (names from the schema, never user text)."""
+def _select(name: str, cols: list[str] | None) -> str:
+    """The SELECT list of a signal table read: every column but run_id, or ``cols`` (checked against the schema)."""
     if cols is None:
-        what = "* EXCLUDE (run_id)"
-    else:
-        from .schema import columns
-        bad = [c for c in cols if c not in columns(name)]
-        if bad:
-            raise ValueError(f"{name} has no column(s) {bad}")
-        what = ", ".join(dict.fromkeys(cols))
-    return store.sql(f"SELECT {what} FROM {name} WHERE {_rows(store, name, run_id)}run_id = ? ORDER BY {order}",
-                     [run_id])
-
-
-def table_pair(store: Store, name: str, a: str, b: str, order: str, cols: list[str]) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """``table`` for two runs in one round trip (each run's rows pruned to its own rowid range): (a's, b's)."""
+        return "* EXCLUDE (run_id)"
     from .schema import columns
     bad = [c for c in cols if c not in columns(name)]
     if bad:
         raise ValueError(f"{name} has no column(s) {bad}")
-    what = ", ".join(dict.fromkeys(cols))
+    return ", ".join(dict.fromkeys(cols))
+
+
+def table(store: Store, name: str, run_id: str, order: str, cols: list[str] | None = None) -> pl.DataFrame:
+    """All rows of one run from a signal table, ordered: every column but run_id, or ``cols``
+    (names from the schema, never user text)."""
+    return store.sql(f"SELECT {_select(name, cols)} FROM {name} WHERE {_rows(store, name, run_id)}run_id = ? "
+                     f"ORDER BY {order}", [run_id])
+
+
+def table_pair(store: Store, name: str, a: str, b: str, order: str, cols: list[str]) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """``table`` for two runs in one round trip (each run's rows pruned to its own rowid range): (a's, b's)."""
+    what = _select(name, cols)
     both = store.sql(f"SELECT * FROM (SELECT 0 AS _side, {what} FROM {name} WHERE {_rows(store, name, a)}run_id = ? "
                      f"UNION ALL SELECT 1 AS _side, {what} FROM {name} WHERE {_rows(store, name, b)}run_id = ?) "
                      f"ORDER BY _side, {order}", [a, b])
