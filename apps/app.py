@@ -1,6 +1,6 @@
 """The Gradio workbench: layout and event wiring only.
 
-Every number on screen comes from ``workbench.query`` frames, ``workbench.figures`` (plotly) or a
+Every number on screen comes from ``workbench.data.query`` frames, ``workbench.views.figures`` (plotly) or a
 ``workbench.Run``; this file holds no SQL and no analysis. Every string from the database (token
 text, prompts, statuses, errors, run ids) and every exception message is untrusted: it reaches the
 page only through components that render text (HighlightedText, Dataframe with ``str`` columns,
@@ -38,10 +38,10 @@ from pathlib import Path
 import gradio as gr
 import polars as pl
 
-from workbench import query
-from workbench.anomalies import select as select_anomalies
+from workbench.data import query
+from workbench.analysis.anomalies import select as select_anomalies
 from workbench.run import Run
-from workbench.store import Store
+from workbench.data.store import Store
 
 # confidence buckets of the token strip (label -> colour); the legend explains them
 BUCKETS = [("< 0.2", "#e63946", 0.2), ("0.2-0.5", "#f4a261", 0.5), ("0.5-0.8", "#e9c46a", 0.8),
@@ -173,7 +173,7 @@ def _fail(where: str, e: BaseException) -> str:
 UPDATE_S = 0.1  # the Record tab's streamed strip is refreshed at most this often
 # Read handlers run two at a time per group: the run lists and /tokens share two slots, /sql has two. Their
 # work is mostly Python (Gradio's request handling, frame conversion) holding the GIL; the Record tab records
-# in a worker process (workbench.background), so they no longer slow its steps, and with one slot a group's
+# in a worker process (workbench.capture.background), so they no longer slow its steps, and with one slot a group's
 # requests queued (8 clients: p95 0.56-0.62 s, two slots: 0.36-0.42 s; benchmarks/RESULTS.md "UI under
 # load"). Requests beyond the slots wait in Gradio's queue.
 READ = {"concurrency_id": "read", "concurrency_limit": 2}
@@ -295,7 +295,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         if run.info.get("error"):
             head += f"  \n⚠️ error: {esc(run.info['error'])}"
         try:
-            from workbench.replay import step_range
+            from workbench.analysis.replay import step_range
             last_step = step_range(store, run_id)[1]
         except Exception:
             last_step = int(t["step"].max()) if n else 0
@@ -335,7 +335,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
             return _fail("Root cause", e), None, None, None
         progress(1.0, desc="done")
         methods = ", ".join(sorted(set(ranked["method"].drop_nulls().to_list()))) if ranked.height else ""
-        from workbench.rootcause import ig_check
+        from workbench.analysis.rootcause import ig_check
         warn = ig_check(ranked, int(steps))
         return (f"Root cause of pos {pos}: {ranked.height} ranked causes ({md_text(methods)})."
                 + (f"  \n⚠️ {md_text(warn)}" if warn else ""), run.fig_attribution(pos),
@@ -400,7 +400,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         if not a or not b:
             return None, "Choose two runs.", None, None, None, None
         try:
-            from workbench.diff import diff_runs
+            from workbench.analysis.diff import diff_runs
             d = diff_runs(store, a, b)
         except Exception as e:
             return None, _fail("Comparison", e), None, None, None, None
@@ -443,7 +443,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         return gr.Slider(value=nxt), gr.Timer()
 
     def sql(text: str):
-        from workbench.sqlsafe import SqlError, run_readonly
+        from workbench.data.sqlsafe import SqlError, run_readonly
         try:
             r = run_readonly(store, text)
         except SqlError as e:  # DuckDB's message quotes the data (a token's text, say): text only
@@ -453,7 +453,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
 
     def kv_whatif_stored(run_id: str | None):
         """The KV what-if rows stored for the run (``policy_results``) and their Pareto figure."""
-        from workbench.figures import fig_kv_pareto
+        from workbench.views.figures import fig_kv_pareto
         if not run_id:
             return "Choose a run.", None, None
         df = query.policy_results(store, run_id)
@@ -463,7 +463,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
 
     def kv_whatif_run(run_id: str | None, picked: list[str] | None, extra: str, progress=gr.Progress()):
         """Re-run the run's tokens with each chosen policy (``Run.kv_whatif``); the table and the figure."""
-        from workbench.figures import fig_kv_pareto
+        from workbench.views.figures import fig_kv_pareto
         if not run_id:
             return "Choose a run first.", None, None
         specs = list(picked or []) + [x.strip() for x in re.split(r"[;\n]", extra or "") if x.strip()]
@@ -480,7 +480,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
                 _kv_shown(df), fig_kv_pareto(df))
 
     def code_views(run_id: str | None, generated_only: bool = True):
-        """The Code tab: compile check, each token's Python class, confidence by class (workbench.codeview)."""
+        """The Code tab: compile check, each token's Python class, confidence by class (workbench.analysis.codeview)."""
         if not run_id:
             return "Choose a run.", [], None, None
         run = get_run(run_id)
@@ -508,12 +508,12 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
             return gr.File(visible=False), _fail("Report export", e)
         return gr.File(value=str(path), visible=True), f"Report written: {md_text(Path(path).name)}"
 
-    worker: list = []  # the recording process (workbench.background), started by the first recording
+    worker: list = []  # the recording process (workbench.capture.background), started by the first recording
 
     def start_recording(rid: str, prompt: str, checkpoint: str, settings: dict) -> queue.Queue:
         """Record in the worker process (or, where it cannot run, in a thread); returns the events queue:
         ``("token", (pos, text))`` per token, then ``("done", error or None)``."""
-        from workbench import background
+        from workbench.capture import background
         if background.enabled() and not store.read_only and not worker:
             worker.append(background.RecordingProcess(store, model, tokenizer, threads=record_thread_count()))
         if worker and worker[0] is not None:
@@ -604,7 +604,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
     def batch_views(batch_id: str | None):
         """A batch's runs, its least confident tokens, expert load and per-head entropy over all its runs."""
         from workbench.run import Batch
-        from workbench.figures import batch_confidence_figure, batch_entropy_figure, batch_load_figure
+        from workbench.views.figures import batch_confidence_figure, batch_entropy_figure, batch_load_figure
         if not batch_id:
             return None, None, None, None, "No batch yet: `workbench record --prompts FILE` records one."
         b = Batch(store, batch_id)
@@ -737,7 +737,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
             with gr.Tab("KV what-if", id="kvwhatif") as kvw_tab:
                 gr.Markdown("Re-run the picked run's tokens teacher-forced with KV-cache policies acting on the "
                             "cache, against the full cache: Δ NLL (nats per generated token), top-1 agreement, "
-                            "memory kept at the end (`workbench kv-whatif`; the specs: `workbench.kvwhatif`).")
+                            "memory kept at the end (`workbench kv-whatif`; the specs: `workbench.analysis.kv_policies`).")
                 with gr.Row():
                     kvw_pick = gr.CheckboxGroup(label="Policies", choices=KV_POLICY_CHOICES,
                                                 value=KV_POLICY_DEFAULT, elem_id="kvw-policies", scale=3)

@@ -33,7 +33,7 @@ from probe_overhead import load_demo, publish  # noqa: E402
 from workbench import record_many  # noqa: E402
 from workbench.model import generate, load_tokenizer  # noqa: E402
 from workbench.model.generate import stream_batch  # noqa: E402
-from workbench.store import Store  # noqa: E402
+from workbench.data.store import Store  # noqa: E402
 
 MODULES = ("textwrap", "json/encoder", "argparse", "csv")
 
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{n_new} new tokens each (greedy, stopping at end-of-text), every probe, detectors off, fp32, CPU "
         f"({platform.machine()}, torch threads {torch.get_num_threads()}). New tokens per second of wall time, "
         "median over repetitions; speed-up: recording one at a time / this, same repetition. Batched rows are "
-        "grouped by prompt length (`workbench.batch.groups`); each batched run equals its single recording "
+        "grouped by prompt length (`workbench.capture.prompt_sets.groups`); each batched run equals its single recording "
         "(tests/test_batch.py).",
         "",
         "| configuration | new tokens | tokens/s | speed-up vs recorded one at a time |",

@@ -5,11 +5,11 @@
 Records the first ``--prompts`` prompts of data/prompts/clean_eval.jsonl with the bundled demo model
 (greedy, ``--new-tokens`` each, into a temporary database), then, from the store alone:
 
-- replays each run's routing through a per-layer LRU cache of K experts (``workbench.whatif.expert_cache``)
+- replays each run's routing through a per-layer LRU cache of K experts (``workbench.analysis.whatif.expert_cache``)
   with each predictor, K in ``--slots``, summed over the runs; once counting every position, once the
   generated positions only (the prompt then only warms the cache), beside the seed documents' 82.4%
   (level 1: the last 3 tokens' experts) and 94.1% (level 2: the next 5 positions);
-- reads every run's text as Python (``workbench.codeview``): confidence and entropy by token class over
+- reads every run's text as Python (``workbench.analysis.codeview``): confidence and entropy by token class over
   the generated tokens, and the compile check of each run's text.
 
 With ``--write`` the tables go into benchmarks/RESULTS.md under "## Expert cache" and "## Code view".
@@ -32,11 +32,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from workbench import record  # noqa: E402
-from workbench.codeview import class_summary, run_compile_check, token_classes  # noqa: E402
+from workbench.analysis.codeview import class_summary, run_compile_check, token_classes  # noqa: E402
 from workbench.model import DEFAULT_CHECKPOINT, load_checkpoint, load_tokenizer  # noqa: E402
-from workbench.prompts import load_prompts  # noqa: E402
-from workbench.store import Store  # noqa: E402
-from workbench.whatif import PREDICTORS, SEED_HIT_RATES, expert_cache_sweep  # noqa: E402
+from workbench.capture.prompts import load_prompts  # noqa: E402
+from workbench.data.store import Store  # noqa: E402
+from workbench.analysis.whatif import PREDICTORS, SEED_HIT_RATES, expert_cache_sweep  # noqa: E402
 
 PROMPTS = ROOT / "data" / "prompts" / "clean_eval.jsonl"
 NAMES = {"none": "LRU only", "prev3": "LRU + prefetch last 3 tokens' experts (`prev3`)",
@@ -128,7 +128,7 @@ def code_section(runs, header: str) -> str:
     status = Counter(c["status"] for c in checks)
     gen = classes.filter(~pl.col("is_prompt") & pl.col("confidence").is_not_null())
     lines = [header, "",
-             f"The same {len(runs)} runs read as Python (`run.code_view()`, `workbench.codeview`): each generated "
+             f"The same {len(runs)} runs read as Python (`run.code_view()`, `workbench.analysis.codeview`): each generated "
              "token gets the `tokenize` class covering most of its characters; confidence = max probability of "
              f"the distribution that produced it. {gen.height} generated tokens.", "",
              "| class | tokens | mean confidence | median confidence | mean entropy (nats) | confidence < 0.2 |",

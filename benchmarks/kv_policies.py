@@ -7,7 +7,7 @@ Each prompt (the first ``--prompts`` of data/prompts/clean_eval.jsonl) is record
 cache (workbench/kvwhatif.py says what each does). Numbers are pooled over the prompts: Δ NLL and top-1
 agreement per generated token, memory as total bytes kept / total bytes of the full cache at the end of each
 run. PPL is exp(mean NLL) of the recorded generated tokens: the full cache's, and the policy's
-(full x exp(Δ NLL)). The same policies run on a tiny dense Llama folder (``python -m workbench.tiny llama
+(full x exp(Δ NLL)). The same policies run on a tiny dense Llama folder (``python -m workbench.capture.tiny llama
 DIR``: RANDOM weights, so its numbers only show that the machinery works on transformers' key/value caches).
 With ``--write`` the tables go into benchmarks/RESULTS.md under "## KV-cache policies".
 """
@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from workbench import record  # noqa: E402
-from workbench.kvwhatif import Full, parse_policy, run_tokens, trace  # noqa: E402
-from workbench.store import Store  # noqa: E402
+from workbench.analysis.kv_policies import Full, parse_policy, run_tokens, trace  # noqa: E402
+from workbench.data.store import Store  # noqa: E402
 
 from probe_overhead import load_demo, write_section  # noqa: E402
 
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     demo, dfacts = bench(model, load_tokenizer(), texts, args.new_tokens, store)
     hf = hfacts = None
     if not args.no_hf:
-        from workbench.tiny import make_folder
+        from workbench.capture.tiny import make_folder
         folder = make_folder("llama", tmp / "llama")
         print("tiny llama (random weights)", file=sys.stderr)
         from tokenizers import Tokenizer
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if hf is not None:
         lines += [
-            "### Tiny dense Llama (`python -m workbench.tiny llama DIR`: RANDOM weights, hidden 64, 2 layers, 4 "
+            "### Tiny dense Llama (`python -m workbench.capture.tiny llama DIR`: RANDOM weights, hidden 64, 2 layers, 4 "
             f"heads, 2 kv heads): {hfacts['tokens']} generated tokens, full-cache PPL {hfacts['ppl_full']:.3f}",
             "",
             "Random weights: these rows show the policies running on transformers' key/value caches (eviction "

@@ -16,7 +16,7 @@ With ``--write`` the table goes into benchmarks/RESULTS.md under "## Long contex
 ``--latency`` measures decode-step latency against context length instead (a minute or two): the same
 model with a latent cache already holding L tokens (random values: the cost does not depend on them),
 ``--steps`` one-token decode forwards at each L after 2 warm-up ones, plain (no probes), and fits
-``wall_ms = a * (L / 32768)^b + c`` to them (``workbench.whatif.fit_latency``, scipy's curve_fit), beside
+``wall_ms = a * (L / 32768)^b + c`` to them (``workbench.analysis.whatif.fit_latency``, scipy's curve_fit), beside
 the seed documents' a = 12.4, b = 1.38, c = 8.2; with ``--write`` under "## Latency against context".
 The same fit on a recorded run's own steps table (``run.latency_fit()``) is shown for comparison.
 """
@@ -116,8 +116,8 @@ def latency_main(args) -> int:
     import polars as pl
 
     from workbench import record
-    from workbench.store import Store
-    from workbench.whatif import L0, SEED_LATENCY, fit_latency
+    from workbench.data.store import Store
+    from workbench.analysis.whatif import L0, SEED_LATENCY, fit_latency
 
     t0 = time.perf_counter()
     # each in a fresh process: glibc reads its malloc settings at start. "default": as a user runs it;
@@ -157,7 +157,7 @@ def latency_main(args) -> int:
         f"Model: {what}, loaded with max_seq_len {MAX_LEN} (YaRN), fp32, CPU ({platform.machine()}, torch threads "
         f"{args.threads}, 2 cores shared with other jobs). One-token decode forwards with L tokens already in the "
         f"latent cache, no probes, {args.steps} per L after 2 warm-up ones. Fit: `wall_ms = a * (L / {L0})^b + c` "
-        "by `scipy.optimize.curve_fit` on every step (`workbench.whatif.fit_latency`; ± one standard error).",
+        "by `scipy.optimize.curve_fit` on every step (`workbench.analysis.whatif.fit_latency`; ± one standard error).",
         "",
         "| L (cached tokens) | median ms per step | min | max | fitted | median, MALLOC_MMAP_THRESHOLD_=4G | fitted |",
         "|---|---|---|---|---|---|---|",
@@ -197,7 +197,7 @@ def latency_main(args) -> int:
         "unmaps it; with MALLOC_MMAP_THRESHOLD_ raised the jump goes. (Not fixed here: model/model.py.)",
         "- A recorded run's own steps (`run.latency_fit()`) span a few dozen lengths near the start: no curvature "
         "to fit there, so a and b are not identifiable (the huge standard errors say so); pool runs of different "
-        "lengths (`workbench.whatif.fit_latency(run_a, run_b, ...)`) or measure as above.",
+        "lengths (`workbench.analysis.whatif.fit_latency(run_a, run_b, ...)`) or measure as above.",
         "",
     ]
     text = "\n".join(lines)

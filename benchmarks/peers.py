@@ -61,7 +61,7 @@ CONFIG = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=16, num_
 
 
 def make_folder(folder: Path, context: int, seed: int = 0) -> Path:
-    """A random transformers DeepseekV3 folder (weights scaled like ``workbench.tiny``) with the bundled tokenizer."""
+    """A random transformers DeepseekV3 folder (weights scaled like ``workbench.capture.tiny``) with the bundled tokenizer."""
     import torch
     import transformers
     from workbench.model.tokenizer import DEFAULT_TOKENIZER
@@ -190,7 +190,7 @@ def child(tool: str, folder: str, length: int, reps: int) -> dict:
     elif tool in ("workbench_hf", "workbench_native"):
         import workbench
         from workbench.model import load_checkpoint, load_tokenizer
-        from workbench.store import Store
+        from workbench.data.store import Store
 
         tok = load_tokenizer(Path(folder) / "tokenizer.json")
         if tool == "workbench_hf":

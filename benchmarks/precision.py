@@ -4,7 +4,7 @@
 
 Records the first ``--prompts`` prompts of data/prompts/clean_eval.jsonl with the bundled demo model
 (greedy, ``--new-tokens`` each, into a temporary database), then re-runs each run's tokens teacher-forced
-with ``run.precision_probe`` (``workbench.whatif``): per layer and format the layer's weights, the inputs
+with ``run.precision_probe`` (``workbench.analysis.whatif``): per layer and format the layer's weights, the inputs
 of its linear layers and its latent KV cache fake-quantized with per-tensor max-abs scaling, one layer at
 a time, then all layers together; and, for all layers together, each of the three parts alone. Numbers
 are means over the runs. With ``--write`` the tables go into benchmarks/RESULTS.md under "## Precision".
@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from expert_cache import record_runs  # noqa: E402
-from workbench.store import Store  # noqa: E402
-from workbench.whatif import PARTS, precision_probe  # noqa: E402
+from workbench.data.store import Store  # noqa: E402
+from workbench.analysis.whatif import PARTS, precision_probe  # noqa: E402
 
 FORMATS = ["fp8_e4m3", "int8", "bf16"]
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from workbench.model import DEFAULT_CHECKPOINT, ModelArgs, Transformer, generate, load_checkpoint, load_tokenizer  # noqa: E402
 from workbench import PROBES, record  # noqa: E402
-from workbench.store import Store  # noqa: E402
+from workbench.data.store import Store  # noqa: E402
 
 PROMPT = '''def fibonacci(n):
     """Return the n-th Fibonacci number."""

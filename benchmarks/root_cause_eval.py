@@ -19,7 +19,7 @@ prompts in rotation.
 
     .venv/bin/python benchmarks/root_cause_eval.py            # writes its section of RESULTS.md
     .venv/bin/python benchmarks/root_cause_eval.py --no-write --per-kind 2
-    .venv/bin/python -m workbench.tiny mixtral /tmp/mixtral   # a tiny random transformers MoE
+    .venv/bin/python -m workbench.capture.tiny mixtral /tmp/mixtral   # a tiny random transformers MoE
     .venv/bin/python benchmarks/root_cause_eval.py --model /tmp/mixtral --kinds head,expert
 
 Every model goes through its adapter (workbench/adapters), so the same faults and the same ranking run
@@ -45,10 +45,10 @@ import polars as pl  # noqa: E402
 import torch  # noqa: E402
 
 import workbench  # noqa: E402
-from workbench import faults  # noqa: E402
-from workbench.adapters import Adapter, adapter_for, load_adapter  # noqa: E402
+from workbench.analysis import faults# noqa: E402
+from workbench.capture.adapters import Adapter, adapter_for, load_adapter  # noqa: E402
 from workbench.model import load_tokenizer  # noqa: E402
-from workbench.rootcause import suspects  # noqa: E402
+from workbench.analysis.rootcause import suspects  # noqa: E402
 
 SECTION = "## Root cause (fault injection)"
 PROMPTS = [
@@ -361,9 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - t_start
     print(json.dumps({k: v for k, v in summary.items()}, indent=1))
     tiny = ckpt / "tiny.json"
-    if tiny.exists():  # a folder made by workbench.tiny: say how to make it again, not where it lay
+    if tiny.exists():  # a folder made by workbench.capture.tiny: say how to make it again, not where it lay
         t = json.loads(tiny.read_text())
-        label = f"python -m workbench.tiny {t['family']} DIR --seed {t['seed']}"
+        label = f"python -m workbench.capture.tiny {t['family']} DIR --seed {t['seed']}"
     meta = {"checkpoint": "`" + label.replace(str(ROOT) + "/", "") + "`",
             "when": time.strftime("%Y-%m-%d"), "seconds": seconds, "threads": torch.get_num_threads(),
             "per_kind": args.per_kind, "scale": args.scale, "amount": args.amount, "seed": args.seed,

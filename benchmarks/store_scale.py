@@ -47,9 +47,9 @@ sys.path.insert(0, str(ROOT))
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from workbench.rows import Rows  # noqa: E402
-from workbench.schema import columns  # noqa: E402
-from workbench.store import Store  # noqa: E402
+from workbench.data.rows import Rows  # noqa: E402
+from workbench.data.schema import columns  # noqa: E402
+from workbench.data.store import Store  # noqa: E402
 
 SECTION = "## Store at scale"
 KEYS = {"run_id", "pos", "step", "layer", "head", "slot"}
@@ -82,7 +82,7 @@ class Shape:
                    asdict(a))
 
     def summary(self) -> dict:
-        from workbench.adapters.base import ModelSummary
+        from workbench.capture.adapters.base import ModelSummary
         return ModelSummary(family="deepseek_v3", backend="native", n_layers=self.n_layers, n_heads=self.n_heads,
                             n_kv_heads=1, vocab_size=self.vocab, max_seq_len=self.max_seq_len,
                             moe_layers=self.moe_layers, n_routed_experts=self.n_experts, n_shared_experts=1,
@@ -208,7 +208,7 @@ def synth_run(rng: np.random.Generator, run_id: str, n_prompt: int, n_tokens: in
 
 def signal_values(batches: dict) -> int:
     """Values of a batch: rows x non-key columns (a top-k list counts as k values)."""
-    from workbench.store import to_frame
+    from workbench.data.store import to_frame
 
     n = 0
     for table, b in batches.items():
@@ -279,7 +279,7 @@ def recorder_pattern(store: Store, shape: Shape, n_tokens: int = 500, n_prompt: 
                      steps_per_commit: int = 32) -> dict:
     """One run written as the recorder's writer commits it: the prefill's rows, then decode steps
     ``steps_per_commit`` at a time, each one ``Store.append`` (runs row first, marked running)."""
-    from workbench.store import to_frame
+    from workbench.data.store import to_frame
 
     rng = np.random.default_rng(seed)
     rid = "rpattern" + f"{seed:04d}"
@@ -314,11 +314,11 @@ def recorder_pattern(store: Store, shape: Shape, n_tokens: int = 500, n_prompt: 
 def views(store: Store) -> dict[str, object]:
     """name -> fn(run_id, other_run_id): what the app computes (call for call, see apps/app.py) and the
     query-layer / Run calls alone."""
-    from workbench import query
-    from workbench.anomalies import select as select_anomalies
+    from workbench.data import query
+    from workbench.analysis.anomalies import select as select_anomalies
     from workbench.apps.app import run_choices, runs_table, strip_value
-    from workbench.diff import diff_runs
-    from workbench.replay import step_range
+    from workbench.analysis.diff import diff_runs
+    from workbench.analysis.replay import step_range
     from workbench.run import Run
 
     def load_run(rid, _):

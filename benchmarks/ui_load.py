@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     ap.add_argument("--app", default=None, help="take build_app from this file (e.g. an older apps/app.py)")
     ap.add_argument("--sqlsafe", default=None,
-                    help="take workbench.sqlsafe (the SQL console's sandbox) from this file (e.g. an older one)")
+                    help="take workbench.data.sqlsafe (the SQL console's sandbox) from this file (e.g. an older one)")
     ap.add_argument("--no-sessions", action="store_true",
                     help="clients send no session hash (a new Gradio session per request, as before 2026-12-01)")
     ap.add_argument("--switch-interval", type=float, default=0.0,
@@ -187,16 +187,16 @@ def main(argv: list[str] | None = None) -> int:
 
     import httpx
     import workbench
-    from workbench import query
+    from workbench.data import query
     from helpers import free_port
 
     if args.sqlsafe:
         import importlib.util
-        spec = importlib.util.spec_from_file_location("workbench.sqlsafe", args.sqlsafe)
+        spec = importlib.util.spec_from_file_location("workbench.data.sqlsafe", args.sqlsafe)
         mod = importlib.util.module_from_spec(spec)
-        sys.modules["workbench.sqlsafe"] = mod
+        sys.modules["workbench.data.sqlsafe"] = mod
         spec.loader.exec_module(mod)
-        workbench.sqlsafe = mod
+        workbench.data.sqlsafe = mod
     if args.app:
         import importlib.util
         spec = importlib.util.spec_from_file_location("workbench.apps.app", args.app)

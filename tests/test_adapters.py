@@ -21,11 +21,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import workbench  # noqa: E402
-from workbench.tiny import DENSE_FAMILIES, FAMILIES, MOE_FAMILIES, make_folder  # noqa: E402
-from workbench import cli, faults, query  # noqa: E402
-from workbench.adapters import HFAdapter, adapter_for, load_adapter  # noqa: E402
-from workbench.adapters.hf import load_hf  # noqa: E402
-from workbench.rootcause import integrated_gradients  # noqa: E402
+from workbench.capture.tiny import DENSE_FAMILIES, FAMILIES, MOE_FAMILIES, make_folder  # noqa: E402
+from workbench import cli# noqa: E402
+from workbench.analysis import faults
+from workbench.data import query
+from workbench.capture.adapters import HFAdapter, adapter_for, load_adapter  # noqa: E402
+from workbench.capture.adapters.hf import load_hf  # noqa: E402
+from workbench.analysis.rootcause import integrated_gradients  # noqa: E402
 
 PROMPT = "def add(a, b):\n    return"
 NEW = 5
@@ -178,7 +180,7 @@ def test_root_cause_and_replay_on_every_family(env, family):
 def test_ablations_do_what_they_say(env, family):
     """Head: zero its slice of o_proj's input; routed expert: removed from the choice (re-routed); shared
     expert: its output zeroed; router: its selection bias removed. Each equals a hand-made intervention."""
-    from workbench.rootcause import component_ablation, target_fn
+    from workbench.analysis.rootcause import component_ablation, target_fn
 
     run = env["run"](family)
     a = run.adapter()

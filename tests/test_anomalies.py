@@ -185,7 +185,7 @@ def test_profile_round_trip_through_the_store_and_detection_against_it(tmp_path)
     model = tiny_model()
     db = workbench.Store(tmp_path / "w.duckdb")
     res = workbench.profile([[5 + i, 17, 101 + i, 3] for i in range(6)], model=model, db=db, max_new_tokens=6)
-    from workbench import query
+    from workbench.data import query
     stored = query.profile(db, res["sha"])
     assert stored.height == res["cells"] > 0
     assert {"norm_entropy", "confidence", "surprise", "margin", "expert_share", "load_dispersion", "latent_norm",

@@ -14,8 +14,8 @@ import pytest
 import workbench
 from workbench.model.tokenizer import DEFAULT_TOKENIZER
 from workbench.model import load_tokenizer, save_checkpoint
-from workbench import query
-from workbench.sqlsafe import SqlError, readonly_sql, run_readonly
+from workbench.data import query
+from workbench.data.sqlsafe import SqlError, readonly_sql, run_readonly
 from helpers import tiny_model, free_port
 
 

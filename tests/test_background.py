@@ -9,11 +9,11 @@ import signal
 import pytest
 
 import workbench
-from workbench import query
-from workbench.background import RecordingProcess
+from workbench.data import query
+from workbench.capture.background import RecordingProcess
 from workbench.model import save_checkpoint
 from workbench.model.tokenizer import DEFAULT_TOKENIZER
-from workbench.store import Store
+from workbench.data.store import Store
 from helpers import tiny_model
 
 

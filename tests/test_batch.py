@@ -14,13 +14,14 @@ import polars as pl
 import pytest
 
 import workbench
-from workbench import cli, query
-from workbench.batch import prompt_items
-from workbench.export import complete_runs, export_parquet
+from workbench import cli
+from workbench.data import query
+from workbench.capture.prompt_sets import prompt_items
+from workbench.data.export import complete_runs, export_parquet
 from workbench.model import save_checkpoint
 from workbench.model.tokenizer import DEFAULT_TOKENIZER
-from workbench.prompts import load_prompt_set
-from workbench.store import Store, StoreError, TraceStore
+from workbench.capture.prompts import load_prompt_set
+from workbench.data.store import Store, StoreError, TraceStore
 from helpers import kill_when_ready, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,8 +71,8 @@ def test_record_many_equals_single_records(env, tmp_path):
 
 def assert_same_signals(a: Store, run_a: str, b: Store, run_b: str, tol: float = 1e-4) -> None:
     """Every signal table of two runs: the same rows (keys), equal exact columns, tolerance columns within ``tol``
-    (the tables' own replay classification, workbench.signals)."""
-    from workbench.signals import TABLES
+    (the tables' own replay classification, workbench.data.signals)."""
+    from workbench.data.signals import TABLES
 
     for name, table in TABLES.items():
         q = f"SELECT * EXCLUDE (run_id) FROM {name} WHERE run_id = ? ORDER BY {table.order}"
@@ -88,7 +89,7 @@ def test_batched_generation_equals_single_records_row_by_row(env, tmp_path):
     """record_batch directly: prompts of 1 to 30 tokens (the longer ones fed teacher-forced while the shorter
     decode), per-row settings (new tokens, sampling temperature and seed), a row stopped early; every signal
     table equals the row's own single recording."""
-    from workbench.recorder import new_run_id, record_batch
+    from workbench.capture.recorder import new_run_id, record_batch
 
     prompts = ["x", "def add(a, b):", "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n",
                "for i in range(10):\n    print(i)"]
@@ -117,7 +118,7 @@ def test_batched_generation_equals_single_records_row_by_row(env, tmp_path):
 def test_a_batch_whose_forward_fails_fails_each_of_its_runs(tmp_path):
     """A batched generation that raises mid-way: every run of the group ends ``failed`` with the error and the
     tokens its committed steps hold; the prompt set goes on (``record_group`` returns the rows, never raises)."""
-    from workbench.batch import load_model, record_group
+    from workbench.capture.prompt_sets import load_model, record_group
 
     model = tiny_model(vocab_size=4096)
     calls = []
@@ -145,7 +146,7 @@ def test_a_batch_whose_forward_fails_fails_each_of_its_runs(tmp_path):
 
 
 def test_groups_put_similar_lengths_together_within_the_limits():
-    from workbench.batch import groups
+    from workbench.capture.prompt_sets import groups
     from workbench.model import load_tokenizer
 
     tok = load_tokenizer()
@@ -290,7 +291,7 @@ KILLED = r"""
 import os, sys, time
 import torch
 torch.set_num_threads(1)
-import workbench.export as export
+import workbench.data.export as export
 real, n = os.replace, []
 
 def replace(src, dst):  # the third run: its tokens file is in place, the rest (and its marker) never come

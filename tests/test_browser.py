@@ -16,7 +16,7 @@ import pytest
 import polars as pl
 
 import workbench
-from workbench import query
+from workbench.data import query
 from workbench.model import load_tokenizer
 from helpers import tiny_model, free_port
 
@@ -153,7 +153,7 @@ def mixtral_server(tmp_path_factory):
     """A tiny random transformers Mixtral recorded from its folder, served by the app."""
     pytest.importorskip("transformers")
     from workbench.apps.app import build_app
-    from workbench.tiny import make_folder
+    from workbench.capture.tiny import make_folder
 
     root = tmp_path_factory.mktemp("mixtral")
     folder = make_folder("mixtral", root / "model")

@@ -49,7 +49,7 @@ def test_native_prompt_filling_the_context(tmp_path):
 def test_transformers_prompt_filling_the_context(tmp_path):
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
-    from workbench.tiny import make_folder
+    from workbench.capture.tiny import make_folder
 
     folder = make_folder("llama", tmp_path / "llama")
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from workbench.store import Store
+from workbench.data.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,10 +10,10 @@ import pytest
 from workbench.model.tokenizer import DEFAULT_TOKENIZER
 from workbench.model import save_checkpoint
 from workbench import cli
-from workbench.diff import diff_runs
+from workbench.analysis.diff import diff_runs
 from workbench import record
 from workbench.run import Workbench
-from workbench.store import Store
+from workbench.data.store import Store
 from helpers import tiny_model
 
 PROMPT = [5, 17, 42, 7, 99, 3, 64, 12]
@@ -124,8 +124,8 @@ def test_figures_and_cli(env, capsys):
 
 def test_table_pair_equals_two_table_reads(env):
     """first_divergence reads both runs of a table in one query: the same frames as one read per run."""
-    from workbench import query
-    from workbench.diff import COMPARED
+    from workbench.data import query
+    from workbench.analysis.diff import COMPARED
 
     a, c = env["fp32"].run_id, env["edited"].run_id
     for table in ("tokens", "attention", "routing", "kv_tokens"):

@@ -15,9 +15,9 @@ import polars as pl
 import pytest
 
 import workbench
-import workbench.store as store_mod
-from workbench import query
-from workbench.store import Store, process_identity
+import workbench.data.store as store_mod
+from workbench.data import query
+from workbench.data.store import Store, process_identity
 from helpers import kill_when_ready, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,8 +145,8 @@ def test_interrupted_run_counts_committed_tokens(tmp_path, monkeypatch):
 CHILD = textwrap.dedent("""
     import sys, time
     import workbench
-    import workbench.recorder as recorder
-    import workbench.store as store
+    import workbench.capture.recorder as recorder
+    import workbench.data.store as store
     from helpers import tiny_model
 
     db, where = sys.argv[1], sys.argv[2]

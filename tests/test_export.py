@@ -8,12 +8,12 @@ import pytest
 from workbench.model.tokenizer import DEFAULT_TOKENIZER
 from workbench.model import save_checkpoint
 from workbench import cli
-from workbench.export import RUN_TABLES, export_parquet
+from workbench.data.export import RUN_TABLES, export_parquet
 from workbench import record
 from helpers import kill_when_ready
-from workbench.schema import SCHEMA_VERSION
-from workbench.schema import columns
-from workbench.store import Store
+from workbench.data.schema import SCHEMA_VERSION
+from workbench.data.schema import columns
+from workbench.data.store import Store
 from helpers import tiny_model
 
 
@@ -94,7 +94,7 @@ def test_export_marker_and_failure_between_files(env, tmp_path, monkeypatch):
     """A failure between two files leaves whole files only, no temporary file and no _SUCCESS; a rerun
     completes with the marker."""
     import json
-    import workbench.export as export
+    import workbench.data.export as export
 
     store = env["store"]
     out = tmp_path / "pq"
@@ -124,8 +124,8 @@ def test_export_marker_and_failure_between_files(env, tmp_path, monkeypatch):
 
 KILLED_EXPORT = r"""
 import os, sys, time
-import workbench.export as export
-from workbench.store import Store
+import workbench.data.export as export
+from workbench.data.store import Store
 
 real, n = os.replace, []
 

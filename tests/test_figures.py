@@ -1,4 +1,4 @@
-"""workbench.figures: every figure's data equal the query layer's numbers; token text escaped."""
+"""workbench.views.figures: every figure's data equal the query layer's numbers; token text escaped."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,8 @@ import pytest
 
 import workbench
 from workbench.model import ModelArgs, Transformer, load_tokenizer
-from workbench import figures, query
+from workbench.views import figures
+from workbench.data import query
 
 XSS = "<img src=x onerror=alert(1)>"
 

@@ -1,4 +1,4 @@
-"""The KV-cache policy what-if (workbench.kvwhatif): exactness of the full cache, eviction against a hand-masked
+"""The KV-cache policy what-if (workbench.analysis.kv_policies): exactness of the full cache, eviction against a hand-masked
 forward, INT8 fake quantisation, spec parsing, the CLI, transformers folders, and the policy_results table."""
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import workbench
-from workbench import query
-from workbench.kvwhatif import COLUMNS, Full, fake_quant, kv_whatif, parse_policy, run_tokens, trace
+from workbench.data import query
+from workbench.analysis.kv_policies import COLUMNS, Full, fake_quant, kv_whatif, parse_policy, run_tokens, trace
 from workbench.model import save_checkpoint
 from workbench.model.tokenizer import DEFAULT_TOKENIZER
-from workbench.store import Store
+from workbench.data.store import Store
 from helpers import tiny_model
 
 PROMPT = [5, 17, 3, 99, 42, 7, 250, 11]
@@ -184,7 +184,7 @@ def test_cli_prints_json_and_reports_bad_specs(tmp_path, capsys):
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
 def test_works_on_a_tiny_transformers_folder(tmp_path, family):
     pytest.importorskip("transformers")
-    from workbench.tiny import make_folder
+    from workbench.capture.tiny import make_folder
 
     folder = make_folder(family, tmp_path / family)
     run = workbench.record("def add(a, b):\n    return", model=str(folder), max_new_tokens=10,
@@ -209,8 +209,8 @@ def test_works_on_a_tiny_transformers_folder(tmp_path, family):
 
 
 def test_policy_results_round_trip_through_the_store(native, tmp_path):
-    from workbench.figures import fig_kv_pareto
-    from workbench.report import build_report, render_html, render_md
+    from workbench.views.figures import fig_kv_pareto
+    from workbench.views.report import build_report, render_html, render_md
 
     store = native.store
     df = kv_whatif(store, native.run_id, ["full", "window:sink=1,recent=3", "topk_int8:k=2"], adapter=native.adapter())

@@ -15,10 +15,10 @@ import torch
 import workbench
 from workbench.model import ModelArgs, Transformer, save_checkpoint
 from workbench.model.tokenizer import DEFAULT_TOKENIZER
-from workbench.recorder import MAX_PROMPT_CHARS
-from workbench.signals import PROBES, SIGNALS
-from workbench.signals import TABLES as SIGNAL_TABLES
-from workbench.store import Store
+from workbench.capture.recorder import MAX_PROMPT_CHARS
+from workbench.data.signals import PROBES, SIGNALS
+from workbench.data.signals import TABLES as SIGNAL_TABLES
+from workbench.data.store import Store
 from helpers import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,12 +212,12 @@ def test_batched_decode_reductions_equal_per_step_reductions(tmp_path, monkeypat
     """Decode steps reduced together at a flush (the default) store exactly the rows that reducing every step
     on its own stores, on every signal table: batching changes the cost, never a value. gpt-oss covers
     sliding-window layers (rows whose key 0 moves) mixed with full ones."""
-    import workbench.recorder as recorder
+    import workbench.capture.recorder as recorder
 
     if family == "native":
         model, kw = tiny(), {}
     else:
-        from workbench.tiny import make_folder
+        from workbench.capture.tiny import make_folder
         folder = make_folder("gpt_oss", tmp_path / "gpt_oss")
         model, kw = str(folder), {}
     stores = {}

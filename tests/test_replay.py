@@ -13,10 +13,10 @@ from workbench.probes import attach
 from workbench.probes.signals import attention_stats
 from workbench import cli
 from workbench import record
-from workbench.diff import first_divergence
-from workbench.signals import TABLES as SIGNAL_TABLES
-from workbench.replay import at_step, replay_run, step_range
-from workbench.store import Store
+from workbench.analysis.diff import first_divergence
+from workbench.data.signals import TABLES as SIGNAL_TABLES
+from workbench.analysis.replay import at_step, replay_run, step_range
+from workbench.data.store import Store
 from helpers import tiny_model
 
 PROMPT = [5, 17, 42, 7, 99, 3]

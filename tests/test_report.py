@@ -14,8 +14,8 @@ from workbench.model import save_checkpoint
 import workbench
 from workbench import cli
 from workbench import record
-from workbench.report import build_report, script_json, write_report
-from workbench.store import Store
+from workbench.views.report import build_report, script_json, write_report
+from workbench.data.store import Store
 from helpers import tiny_model
 
 EVIL = "</script><script>alert(1)</script>"
@@ -65,7 +65,7 @@ def test_json_and_html_carry_the_same_facts(env, html_report, tmp_path):
     ranks = [sev[a["severity"]] for a in facts["anomalies"]]
     assert ranks == sorted(ranks) and [a["rank"] for a in facts["anomalies"]] == list(range(1, len(ranks) + 1))
     # the top anomalous position is explained with a ranked root cause and its attribution over the context
-    assert len(facts["explained"]) == (1 if facts["anomalies"] and importlib.util.find_spec("workbench.rootcause")
+    assert len(facts["explained"]) == (1 if facts["anomalies"] and importlib.util.find_spec("workbench.analysis.rootcause")
                                        else 0)
     if facts["explained"]:
         ex = facts["explained"][0]
@@ -143,7 +143,7 @@ def test_missing_analyses_degrade_to_notes(env, tmp_path, monkeypatch):
     run = env["run"]
 
     def gone(*a, **k):
-        raise ImportError("No module named 'workbench.anomalies'")
+        raise ImportError("No module named 'workbench.analysis.anomalies'")
 
     monkeypatch.setattr(run, "anomalies", gone)
     rep = build_report(run, explain=2)
@@ -165,7 +165,7 @@ def test_missing_analyses_degrade_to_notes(env, tmp_path, monkeypatch):
 def test_explain_time_budget(env):
     rep = build_report(env["run"], explain=3, explain_budget_s=0.0, root_cause_kw=RC)
     targets = {a["pos"] for a in rep.facts["anomalies"] if a["pos"]}
-    if len(targets) > 1 and importlib.util.find_spec("workbench.rootcause"):
+    if len(targets) > 1 and importlib.util.find_spec("workbench.analysis.rootcause"):
         assert len(rep.facts["explained"]) == 1  # the first is always explained
         assert any("budget" in n and "skipped" in n for n in rep.notes)
 
@@ -184,7 +184,7 @@ def test_report_leads_with_the_diagnosis(tmp_path):
     import polars as pl
 
     from helpers import tiny_model
-    from workbench import faults
+    from workbench.analysis import faults
 
     model = tiny_model()
     db = workbench.Store(tmp_path / "w.duckdb")

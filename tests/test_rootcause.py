@@ -13,9 +13,10 @@ import workbench
 from workbench.model.tokenizer import DEFAULT_TOKENIZER
 from workbench.model import ModelArgs, Transformer
 from workbench.probes import attach
-from workbench import faults, query
+from workbench.analysis import faults
+from workbench.data import query
 from workbench.cli import main as cli_main
-from workbench.rootcause import (component_ablation, frozen_routing, integrated_gradients, real_routing,
+from workbench.analysis.rootcause import (component_ablation, frozen_routing, integrated_gradients, real_routing,
                                  target_fn)
 from helpers import tiny_model
 
@@ -266,7 +267,7 @@ def test_root_cause_against_a_reference(tiny, tmp_path, capsys):
 
 
 def test_ig_check_flags_an_unconverged_attribution():
-    from workbench.rootcause import ig_check, rank_causes
+    from workbench.analysis.rootcause import ig_check, rank_causes
 
     comps = [("head", 0, 0, None)]
     ok = rank_causes(np.array([1.0, 2.0]), "ig_routing_frozen", 0.01, comps, np.array([0.5]), 2)
@@ -277,8 +278,8 @@ def test_ig_check_flags_an_unconverged_attribution():
 
 
 def test_suspects_put_what_a_finding_names_first():
-    from workbench.findings import SCHEMA
-    from workbench.rootcause import rank_causes, suspects
+    from workbench.analysis.findings import SCHEMA
+    from workbench.analysis.rootcause import rank_causes, suspects
 
     comps = [("head", 0, 0, None), ("head", 1, 2, None), ("expert", 1, None, 3), ("router", 1, None, None)]
     causes = rank_causes(np.array([0.1]), "ig_plain", 0.0, comps, np.array([2.0, 0.5, 0.2, 0.01]), 1)

@@ -1,4 +1,4 @@
-"""The SQL console's sandbox (workbench.sqlsafe): what it refuses, within what time and memory, and the
+"""The SQL console's sandbox (workbench.data.sqlsafe): what it refuses, within what time and memory, and the
 queries it keeps answering exactly like the store does."""
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import polars as pl
 import pytest
 
 import workbench
-from workbench import sqlsafe
-from workbench.sqlsafe import SqlError, readonly_sql, run_readonly
-from workbench.schema import columns
-from workbench.store import Store, Writer
+from workbench.data import sqlsafe
+from workbench.data.sqlsafe import SqlError, readonly_sql, run_readonly
+from workbench.data.schema import columns
+from workbench.data.store import Store, Writer
 from helpers import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -467,7 +467,7 @@ def held(tmp_path, monkeypatch):
 
 
 def test_cursor_timeout(held):
-    from workbench.store import StoreError
+    from workbench.data.store import StoreError
     s, holder = held
     t0 = time.monotonic()
     with pytest.raises(StoreError, match="within 0.3 s"):

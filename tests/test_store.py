@@ -15,9 +15,9 @@ import polars as pl
 import pytest
 
 import workbench
-from workbench.query import RunNotFound
-from workbench.schema import SCHEMA_VERSION, TABLES, columns
-from workbench.store import Store, StoreError
+from workbench.data.query import RunNotFound
+from workbench.data.schema import SCHEMA_VERSION, TABLES, columns
+from workbench.data.store import Store, StoreError
 from helpers import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,7 +74,7 @@ def test_append_is_atomic(tmp_path):
 def test_writer_then_runs_after_what_was_put_before_and_is_told_of_a_failed_write(tmp_path):
     """``Writer.then``: the callback sees every batch put before it committed (how a run is marked finished only
     once its rows are in the file); after a failed write it gets the error, and close() raises it."""
-    from workbench.store import Writer
+    from workbench.data.store import Writer
 
     store = Store(tmp_path / "w.duckdb")
     steps = lambda i: pl.DataFrame({"run_id": ["r"], "step": [i], "kind": ["decode"], "n_tokens": [1],  # noqa: E731
@@ -142,7 +142,7 @@ CHILD = textwrap.dedent("""
     import sys, time, torch
     import workbench
     from workbench.model import ModelArgs, Transformer
-    from workbench.store import Store
+    from workbench.data.store import Store
 
     db = sys.argv[1]
     model = Transformer(ModelArgs.preset("tiny")).init_weights(seed=1, std=0.1).eval()

@@ -13,10 +13,10 @@ import numpy as np
 import polars as pl
 import pytest
 
-from workbench import query
+from workbench.data import query
 from workbench.run import Run
-from workbench.signals import TABLES as SIGNAL_TABLES
-from workbench.store import Store
+from workbench.data.signals import TABLES as SIGNAL_TABLES
+from workbench.data.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -113,7 +113,7 @@ def test_rowid_ranges_match_the_plain_filter(scale, built, tmp_path):
     live["runs"] = live["runs"].with_columns(pl.lit("running").alias("status"), pl.lit(None, pl.Int32).alias("pid"))
     att = live.pop("attention")
     half = att.cols["pos"] < 20
-    from workbench.rows import Rows
+    from workbench.data.rows import Rows
     first = Rows(att.run_id, {c: v[half] for c, v in att.cols.items()}, nan_to_null=att.nan_to_null)
     rest = Rows(att.run_id, {c: v[~half] for c, v in att.cols.items()}, nan_to_null=att.nan_to_null)
     s2._shared.last_check = 1e18  # no liveness check: the run stays 'running' though no process records it

@@ -13,7 +13,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import pytest
 
 import workbench
-from workbench import query
+from workbench.data import query
 from workbench.model import load_tokenizer
 from helpers import tiny_model, free_port
 from test_browser import browser, page, pytestmark  # noqa: F401 - fixtures and the chromium skip

@@ -1,5 +1,5 @@
-"""What-if on recorded runs: expert cache replay, latency fit, precision probe, code view (workbench.whatif,
-workbench.codeview) and the expert-cache command."""
+"""What-if on recorded runs: expert cache replay, latency fit, precision probe, code view (workbench.analysis.whatif,
+workbench.analysis.codeview) and the expert-cache command."""
 from __future__ import annotations
 
 import io
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import workbench
-from workbench import codeview, whatif
+from workbench.analysis import codeview
+from workbench.analysis import whatif
 from workbench.model import load_tokenizer
 from helpers import tiny_model
 
@@ -262,7 +263,7 @@ def test_precision_probe_on_a_recorded_run(tiny_run):
 
 
 def test_run_level_views_and_figures(tiny_run):
-    from workbench import figures
+    from workbench.views import figures
 
     cv = tiny_run.code_view()
     per = tiny_run.code_view(per_token=True)
@@ -287,7 +288,7 @@ def test_run_level_views_and_figures(tiny_run):
 
 def test_precision_probe_on_a_transformers_moe(tmp_path):
     pytest.importorskip("transformers")
-    from workbench.tiny import make_folder
+    from workbench.capture.tiny import make_folder
 
     run = workbench.record("def add(a, b):", model=make_folder("mixtral", tmp_path / "mixtral"), max_new_tokens=6,
                            db=tmp_path / "wb.duckdb", detect=False)

@@ -11,12 +11,12 @@ Re-exports what a notebook needs from ``model`` and ``probes`` too.
 from workbench.model import (ModelArgs, Transformer, generate, load_checkpoint, load_tokenizer)  # noqa: F401
 from workbench.probes import attach, hook_points  # noqa: F401
 
-from .adapters import Adapter, ModelSummary, load_adapter
-from .baseline import profile
-from .query import RunNotFound
-from .run import Batch, Run, Workbench, open, record, record_many
-from .signals import PROBES, REGISTRY
-from .store import Store, StoreError, TraceStore, default_db
+from workbench.capture.adapters import Adapter, ModelSummary, load_adapter
+from workbench.analysis.baseline import profile
+from workbench.data.query import RunNotFound
+from workbench.run import Batch, Run, Workbench, open, record, record_many
+from workbench.data.signals import PROBES, REGISTRY
+from workbench.data.store import Store, StoreError, TraceStore, default_db
 
 __all__ = ["Adapter", "Batch", "ModelArgs", "ModelSummary", "PROBES", "REGISTRY", "Run", "RunNotFound", "Store",
            "StoreError", "Transformer", "Workbench", "attach", "default_db", "generate", "hook_points", "load_adapter",

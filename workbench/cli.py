@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", action="append", required=True, metavar="SPEC",
                    help="repeatable: full, window:sink=4,recent=64, heavy_hitters:budget=64, entropy, "
                         "confidence:threshold=0.85 (or shallow=0.80,deep=0.92), topk_int8:k=512, quant_tree, "
-                        "recompute:delta=0.012,window=3 (see workbench.kvwhatif)")
+                        "recompute:delta=0.012,window=3 (see workbench.analysis.kv_policies)")
     p.add_argument("--json", action="store_true")
     _db(p)
 
@@ -186,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .query import RunNotFound
-    from .store import StoreError
+    from workbench.data.query import RunNotFound
+    from workbench.data.store import StoreError
 
     name = {"import": "import_traces"}.get(args.command, args.command.replace('-', '_'))  # kv-whatif: kv_whatif.py
     mod = importlib.import_module(f"workbench.commands.{name}")

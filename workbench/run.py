@@ -1,7 +1,7 @@
 """The user-facing facade: ``record``, ``Workbench`` (a database) and ``Run`` (one recorded generation).
 
-All thin, and on top of everything else: reads go through ``workbench.query``, figures through
-``workbench.figures``, analyses (anomalies, root cause, replay, diff) through their own modules, which
+All thin, and on top of everything else: reads go through ``workbench.data.query``, figures through
+``workbench.views.figures``, analyses (anomalies, root cause, replay, diff) through their own modules, which
 take a store and a run id and never import this one. A ``Run`` returned by ``record`` keeps the adapter
 it was recorded with, so root cause runs on that same model.
 """
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import polars as pl
 
-from . import query
-from .adapters import Adapter, ModelSummary
-from .batch import BatchRuns
-from .signals import PROBES, TABLES
-from .store import Store
+from workbench.data import query
+from workbench.capture.adapters import Adapter, ModelSummary
+from workbench.capture.prompt_sets import BatchRuns
+from workbench.data.signals import PROBES, TABLES
+from workbench.data.store import Store
 
 
 class Run:
@@ -29,7 +29,7 @@ class Run:
         self.info = query.run_row(store, run_id)  # raises RunNotFound
         self._adapter: Adapter | None = None
         if model is not None:
-            from .adapters import adapter_for
+            from workbench.capture.adapters import adapter_for
             self._adapter = adapter_for(model)
         self._tokenizer = tokenizer
 
@@ -72,7 +72,7 @@ class Run:
     def adapter(self) -> Adapter:
         """The adapter to re-run this run with: the one it was recorded with, else its checkpoint (hash-checked)."""
         if self._adapter is None:
-            from .resolve import load_for_run
+            from workbench.capture.resolve import load_for_run
             try:
                 self._adapter = load_for_run(self.info)
             except ValueError as e:
@@ -92,7 +92,7 @@ class Run:
 
     # -- signals: one accessor per registry table (tokens, attention, routing, kv, kv_tokens, steps, ...) --
     def signal(self, table: str) -> pl.DataFrame:
-        """All rows of one signal table for this run (see ``workbench.signals.REGISTRY``)."""
+        """All rows of one signal table for this run (see ``workbench.data.signals.REGISTRY``)."""
         return query.signal(self.store, table, self.run_id)
 
     def expert_load(self) -> pl.DataFrame:
@@ -101,20 +101,20 @@ class Run:
     # -- analyses ---------------------------------------------------------------------------------
     def anomalies(self, recompute: bool = False, reference=None, **thresholds) -> pl.DataFrame:
         """Anomalies of this run (detected and stored on first call, or when ``recompute``)."""
-        from .anomalies import detect
+        from workbench.analysis.anomalies import detect
         ref = getattr(reference, "run_id", reference)
         return detect(self.store, self.run_id, recompute=recompute, reference=ref, **thresholds)
 
     def findings(self, **thresholds) -> pl.DataFrame:
-        """The run's anomalies grouped into ranked findings: one per component or token span (workbench.findings)."""
-        from .findings import findings
+        """The run's anomalies grouped into ranked findings: one per component or token span (workbench.analysis.findings)."""
+        from workbench.analysis.findings import findings
         return findings(self.store, self.run_id, **thresholds)
 
     def root_cause(self, pos: int, reference=None, **kw) -> pl.DataFrame:
         """Ranked causes of the token at ``pos``: source tokens (IG), heads, experts, routers (ablation).
 
         ``reference``: a known-good ``Run`` or run id, module, adapter or checkpoint folder (see rootcause)."""
-        from .rootcause import root_cause
+        from workbench.analysis.rootcause import root_cause
         if isinstance(reference, Run):  # its live adapter, unless the run id's checks (same weights) must speak
             same = reference.info["checkpoint_sha256"] == self.info["checkpoint_sha256"]
             reference = reference.run_id if same or reference._adapter is None else reference._adapter
@@ -124,65 +124,65 @@ class Run:
 
     def suspects(self, pos: int, **kw) -> pl.DataFrame:
         """Components ranked by the findings and the root cause of the token at ``pos`` together."""
-        from .rootcause import suspects
+        from workbench.analysis.rootcause import suspects
         kw.setdefault("save", False)
         return suspects(self.root_cause(pos, **kw), self.findings())
 
     def at_step(self, t: int):
         """The state of the generation after step ``t``, from the database alone."""
-        from .replay import at_step
+        from workbench.analysis.replay import at_step
         return at_step(self.store, self.run_id, t)
 
     def replay(self, **kw) -> dict:
-        """Re-run this run and compare it with the record (see ``workbench.replay.replay_run``)."""
-        from .replay import replay_run
+        """Re-run this run and compare it with the record (see ``workbench.analysis.replay.replay_run``)."""
+        from workbench.analysis.replay import replay_run
         return replay_run(self.store, self.run_id, model=kw.pop("model", self._adapter), **kw)
 
     def report(self, out: str | Path | None = None, format: str = "html") -> Path | str:
-        from .report import write_report
+        from workbench.views.report import write_report
         return write_report(self, out, format)
 
-    # -- what-if on the record (workbench.whatif, workbench.codeview) -------------------------------
+    # -- what-if on the record (workbench.analysis.whatif, workbench.analysis.codeview) -------------------------------
     def expert_cache(self, slots=(2, 4, 8), predictor: str = "none", decode_only: bool = False) -> pl.DataFrame:
         """Hit rates of a per-layer LRU cache of K expert ``slots`` replayed over this run's routing
         (``predictor``: "none", "prev3" or "lookahead"; ``decode_only``: count generated positions only)."""
-        from .whatif import expert_cache
+        from workbench.analysis.whatif import expert_cache
         start = int(self.info["n_prompt_tokens"] or 0) if decode_only else 0
         return expert_cache(self.routing(), slots, predictor, count_from=start)
 
     def latency_fit(self, L0: int = 32768):
-        """``wall_ms = a * (L / L0)^b + c`` fitted to this run's decode steps (``workbench.whatif.LatencyFit``)."""
-        from .whatif import fit_latency
+        """``wall_ms = a * (L / L0)^b + c`` fitted to this run's decode steps (``workbench.analysis.whatif.LatencyFit``)."""
+        from workbench.analysis.whatif import fit_latency
         return fit_latency(self, L0=L0)
 
     def precision_probe(self, formats=("fp8_e4m3", "int8", "bf16"), layers=None,
                         parts=("weights", "activations", "kv"), all_layers: bool = True) -> pl.DataFrame:
         """The recorded tokens re-run teacher-forced with one layer at a time fake-quantized to each format:
-        ``layer, format, rel_l2, delta_nll, top1_agreement`` (``workbench.whatif.precision_probe``)."""
-        from .whatif import precision_probe
+        ``layer, format, rel_l2, delta_nll, top1_agreement`` (``workbench.analysis.whatif.precision_probe``)."""
+        from workbench.analysis.whatif import precision_probe
         return precision_probe(self.adapter(), self.tokens()["token_id"].to_list(), formats, layers, parts,
                                all_layers)
 
     def code_view(self, generated_only: bool = True, per_token: bool = False) -> pl.DataFrame:
-        """Confidence and entropy by Python token class (``workbench.codeview``); ``per_token``: each token's class."""
-        from .codeview import code_view, token_classes
+        """Confidence and entropy by Python token class (``workbench.analysis.codeview``); ``per_token``: each token's class."""
+        from workbench.analysis.codeview import code_view, token_classes
         return token_classes(self.tokens()) if per_token else code_view(self.tokens(), generated_only)
 
     def compile_check(self) -> dict:
         """``ast.parse`` of the run's text: status, the first syntax error's line, col and token ``pos``."""
-        from .codeview import run_compile_check
+        from workbench.analysis.codeview import run_compile_check
         return run_compile_check(self.tokens())
 
     def fig_precision(self, formats=("fp8_e4m3", "int8", "bf16"), value: str = "delta_nll", **kw):
         """Heat map (layer x format) of ``precision_probe``."""
-        from .figures import precision_figure
+        from workbench.views.figures import precision_figure
         return precision_figure(self.precision_probe(formats, **kw), value=value)
 
     def kv_whatif(self, policies, save: bool = True) -> pl.DataFrame:
         """The recorded tokens re-run teacher-forced with each KV-cache policy acting on the cache (spec strings
         such as ``"window:sink=4,recent=64"``): ``policy, bytes_kept, bytes_full, delta_nll, top1_agreement,
-        first_divergence, events`` against the full cache (``workbench.kvwhatif``); stored in ``policy_results``."""
-        from .kvwhatif import kv_whatif
+        first_divergence, events`` against the full cache (``workbench.analysis.kv_policies``); stored in ``policy_results``."""
+        from workbench.analysis.kv_policies import kv_whatif
         return kv_whatif(self.store, self.run_id, policies, adapter=self.adapter(), save=save)
 
     def policy_results(self) -> pl.DataFrame:
@@ -194,7 +194,7 @@ class Run:
         if name in TABLES:
             return lambda: self.signal(name)
         if name.startswith("fig_"):
-            from . import figures
+            from workbench.views import figures
             fn = getattr(figures, name, None)
             if fn is not None:
                 return lambda *a, **k: fn(self.store, self.run_id, *a, **k)
@@ -248,12 +248,12 @@ class Workbench:
         return self.run(r["run_id"][0])
 
     def diff(self, a: str, b: str):
-        from .diff import diff_runs
+        from workbench.analysis.diff import diff_runs
         return diff_runs(self.store, a, b)
 
     def sql(self, query_text: str, **kw) -> pl.DataFrame:
-        """Read-only SQL over the store (row and time limits; see ``workbench.sqlsafe``)."""
-        from .sqlsafe import readonly_sql
+        """Read-only SQL over the store (row and time limits; see ``workbench.data.sqlsafe``)."""
+        from workbench.data.sqlsafe import readonly_sql
         return readonly_sql(self.store, query_text, **kw)
 
     def record(self, prompt, **kw) -> Run:
@@ -275,7 +275,7 @@ class Workbench:
 
     def search(self, text: str, **kw) -> pl.DataFrame:
         """Runs and positions whose decoded text contains ``text`` (run_id, pos, end_pos, offset, match,
-        context; ``workbench.query.search``)."""
+        context; ``workbench.data.query.search``)."""
         return query.search(self.store, text, **kw)
 
     def __repr__(self) -> str:
@@ -297,7 +297,7 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
             none), the bundled one for the bundled model.
         db: database path or ``Store`` (default ``$WORKBENCH_DB`` or ``data/workbench.duckdb``).
         dtype: "float32" / "bfloat16" / "float16" to run the model in that dtype.
-        probes: signals to record (``workbench.signals.PROBES``: all of them by default).
+        probes: signals to record (``workbench.data.signals.PROBES``: all of them by default).
         on_token: called as ``on_token(pos, text)`` for each generated token (live streaming).
         detect: run the anomaly detectors once the run completes (``Run.anomalies()`` recomputes on demand).
         backend: "auto" | "native" | "transformers": how a DeepseekV3 folder is run.
@@ -305,7 +305,7 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
         device_map: a transformers folder too large for one device, placed by accelerate ("auto", or
             {module path: device}); recorded through the same adapter and probes.
     """
-    from .recorder import record_run
+    from workbench.capture.recorder import record_run
 
     rid, store, adapter, tok = record_run(
         prompt, model=model, tokenizer=tokenizer, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -322,7 +322,7 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
 
 
 class Batch(BatchRuns):
-    """The runs of one prompt-set recording (``workbench.batch.BatchRuns``: frames and figures over all of
+    """The runs of one prompt-set recording (``workbench.capture.prompt_sets.BatchRuns``: frames and figures over all of
     them), and each of them as a ``Run``."""
 
     def run(self, run_id: str) -> Run:
@@ -333,15 +333,15 @@ class Batch(BatchRuns):
 
 def record_many(prompts, *, ray: str | bool | None = None, workers: int = 1, **kw) -> Batch:
     """Record every prompt of a set as its own run, all sharing one ``batch_id``; returns a ``Batch``
-    (``workbench.batch.record_many``: resumable, a failing prompt becomes a failed run, ``out=`` for shards).
+    (``workbench.capture.prompt_sets.record_many``: resumable, a failing prompt becomes a failed run, ``out=`` for shards).
 
     ``ray``: run the set on a Ray Data actor pool instead: True / "auto" (a local cluster, or the one
     ``$RAY_ADDRESS`` names) or a cluster address; needs ``out`` and ``pip install 'moe-workbench[ray]'``;
     ``workers``: actors of the pool (one model each)."""
-    from . import batch as _batch
+    from workbench import batch as _batch
 
     if ray:
-        from .raybatch import record_many_ray
+        from workbench.capture.ray_actors import record_many_ray
         if kw.get("out") is None:
             raise ValueError("--ray writes Parquet shards: give --out DIR")
         prep = {k: kw[k] for k in ("model", "batch_id", "max_new_tokens", "temperature", "top_p", "seed", "dtype",
@@ -362,5 +362,5 @@ def record_many(prompts, *, ray: str | bool | None = None, workers: int = 1, **k
 
 def open(db: str | Path | None = None) -> Workbench:  # noqa: A001 - the documented name
     """Open (or create) a workbench database; a folder of Parquet shards (``workbench export``, ``workbench
-    record --prompts ... --out DIR``) opens read-only (``workbench.store.TraceStore``)."""
+    record --prompts ... --out DIR``) opens read-only (``workbench.data.store.TraceStore``)."""
     return Workbench(db)

@@ -9,7 +9,7 @@ def _num(v):
 
 
 def main(args) -> int:
-    from workbench.anomalies import select
+    from workbench.analysis.anomalies import select
     from workbench.run import Workbench
 
     run = Workbench(args.db).run(args.run_id)

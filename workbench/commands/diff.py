@@ -5,8 +5,8 @@ import json
 
 
 def main(args) -> int:
-    from workbench.diff import diff_runs
-    from workbench.store import Store
+    from workbench.analysis.diff import diff_runs
+    from workbench.data.store import Store
 
     d = diff_runs(Store(args.db), args.run_a, args.run_b)
     s = d.summary

@@ -1,5 +1,5 @@
 """workbench expert-cache RUN_ID --slots 2,4,8 [--predictor none|prev3|lookahead|all] [--json]: a run's routing
-replayed through a per-layer LRU cache of K experts (workbench.whatif.expert_cache)."""
+replayed through a per-layer LRU cache of K experts (workbench.analysis.whatif.expert_cache)."""
 from __future__ import annotations
 
 import json
@@ -17,13 +17,13 @@ def parse_slots(text: str) -> list[int]:
 
 def main(args) -> int:
     from workbench.run import Workbench
-    from workbench.whatif import PREDICTORS
+    from workbench.analysis.whatif import PREDICTORS
 
     run = Workbench(args.db).run(args.run_id)
     slots = parse_slots(args.slots)
     preds = list(PREDICTORS) if args.predictor == "all" else [args.predictor]
     if run.routing().height == 0:
-        from workbench.query import no_routing_reason
+        from workbench.data.query import no_routing_reason
         raise ValueError(f"run {run.run_id}: {no_routing_reason(run.store, run.run_id)}")
     frames = {p: run.expert_cache(slots, p, decode_only=args.decode_only) for p in preds}
     if args.json:

@@ -20,7 +20,7 @@ def main(args) -> int:
     ig = df.filter(df["kind"] == "token")
     method = ig["method"][0] if ig.height else None
     delta = ig["delta"][0] if ig.height else None
-    from workbench.rootcause import ig_check
+    from workbench.analysis.rootcause import ig_check
     warning = ig_check(df, args.steps)
     if args.json:
         rows = [{k: _num(v) for k, v in r.items()} | ({"source_text": texts.get(r["source_pos"])}

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 
 def main(args) -> int:
-    from workbench.store import Store, TraceStore
-    from workbench.export import import_traces
+    from workbench.data.store import Store, TraceStore
+    from workbench.data.export import import_traces
 
     dest = Store(args.db)
     added, present = import_traces(TraceStore(args.traces), dest)

@@ -5,8 +5,8 @@ import json
 
 
 def main(args) -> int:
-    from workbench.replay import replay_run
-    from workbench.store import Store
+    from workbench.analysis.replay import replay_run
+    from workbench.data.store import Store
 
     res = replay_run(Store(args.db), args.run_id, progress=True)
     if args.json:

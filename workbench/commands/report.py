@@ -3,7 +3,7 @@ from __future__ import annotations
 
 
 def main(args) -> int:
-    from workbench.report import write_report
+    from workbench.views.report import write_report
     from workbench.run import Workbench
 
     run = Workbench(args.db).run(args.run_id)

@@ -5,8 +5,8 @@ import json
 
 
 def main(args) -> int:
-    from workbench.query import search
-    from workbench.store import Store
+    from workbench.data.query import search
+    from workbench.data.store import Store
 
     df = search(Store(args.db), args.text, batch_id=args.batch, ignore_case=args.ignore_case, limit=args.limit)
     if args.json:

@@ -13,7 +13,7 @@ def main(args) -> int:
               "record runs and read the database", file=sys.stderr)
     db = args.db
     if getattr(args, "traces", None):
-        from workbench.store import TraceStore
+        from workbench.data.store import TraceStore
         db = TraceStore(args.traces)
     launch(db, args.host, args.port, args.auth)
     return 0

@@ -26,7 +26,7 @@ import time
 from multiprocessing.connection import Client, Listener
 from typing import Any
 
-from .store import FINAL_STATUSES, Store
+from workbench.data.store import FINAL_STATUSES, Store
 
 START_TIMEOUT_S = 120.0  # for the worker to import torch and connect back
 
@@ -80,7 +80,7 @@ def _portable(e: BaseException) -> BaseException:
 
 
 def _serve(address: str, authkey: bytes) -> None:
-    """The worker (``python -m workbench.background ADDRESS``): connect, take the model, record each job until
+    """The worker (``python -m workbench.capture.background ADDRESS``): connect, take the model, record each job until
     told to stop (None) or the app goes away."""
     conn = Client(address, authkey=authkey)
     model, tokenizer, threads, path = conn.recv()
@@ -88,12 +88,12 @@ def _serve(address: str, authkey: bytes) -> None:
 
     if threads > 0:
         torch.set_num_threads(threads)
-    from .recorder import record_run
+    from workbench.capture.recorder import record_run
 
     import tempfile
     from pathlib import Path
 
-    from .anomalies import detect as detect_anomalies
+    from workbench.analysis.anomalies import detect as detect_anomalies
 
     events = _Events(conn)
     tmp = Path(tempfile.mkdtemp(prefix="workbench-recorder-"))
@@ -161,7 +161,7 @@ class RecordingProcess:
         authkey = os.urandom(16)                                                               # model can't cross
         listener = Listener(family="AF_UNIX", authkey=authkey)
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "workbench.background", listener.address],
+            proc = subprocess.Popen([sys.executable, "-m", "workbench.capture.background", listener.address],
                                     stdin=subprocess.PIPE, env={**os.environ, "WORKBENCH_RECORD_PROCESS": "0"})
             proc.stdin.write(authkey.hex().encode() + b"\n")
             proc.stdin.close()

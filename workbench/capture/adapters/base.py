@@ -219,7 +219,7 @@ class Adapter:
         """Detach the generation cache while full forwards run (a model that keeps one overrides this)."""
         return contextlib.nullcontext()
 
-    # -- the KV what-if (workbench.kvwhatif): a cache the caller edits between decode steps ----------
+    # -- the KV what-if (workbench.analysis.kv_policies): a cache the caller edits between decode steps ----------
     def kv_session(self, max_len: int) -> contextlib.AbstractContextManager:
         """A fresh KV cache for the block, under ``torch.inference_mode``; yields ``forward(ids, start_pos)
         -> logits [len(ids), V]`` (fp32) that feeds tokens through it. Inside: ``kv_entries()`` and

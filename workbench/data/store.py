@@ -37,9 +37,9 @@ import duckdb
 import numpy as np
 import polars as pl
 
-from .rows import Rows
-from .schema import ADDED_COLUMNS, SCHEMA_VERSION, TABLES, columns, ddl
-from .signals import TABLES as SIGNAL_TABLES
+from workbench.data.rows import Rows
+from workbench.data.schema import ADDED_COLUMNS, SCHEMA_VERSION, TABLES, columns, ddl
+from workbench.data.signals import TABLES as SIGNAL_TABLES
 
 REPO_DATA = Path(__file__).resolve().parent.parent / "data"
 

@@ -1,33 +1,12 @@
-"""Row builders: one step's reductions as numpy columns (``Rows``), the shape every signal table is stored in.
-
-The recorder hands ``Rows`` to the store's ``Writer``, which concatenates many steps' columns and builds
-one frame per table per transaction in its own thread: building a polars frame per table per step cost
-more than a small model's decode step.
-"""
+"""Row builders: what the probes reduce, as ``Rows`` (numpy columns) of the signal tables."""
 from __future__ import annotations
-
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import polars as pl
 import torch
 
+from workbench.data.rows import Rows
 from workbench.probes.signals import token_confidence
-
-
-@dataclass
-class Rows:
-    """One table's rows as numpy columns (2-D arrays for list columns), not yet a frame."""
-
-    run_id: str
-    cols: dict[str, np.ndarray]
-    dtypes: dict[str, Any] = field(default_factory=dict)  # polars dtypes where numpy's is not enough
-    nan_to_null: tuple[str, ...] = ()
-
-    @property
-    def height(self) -> int:
-        return len(next(iter(self.cols.values())))
 
 
 def add_received(received: dict[int, torch.Tensor], layer: int, got: torch.Tensor, offset: int = 0) -> None:

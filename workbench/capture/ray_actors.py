@@ -3,8 +3,8 @@
 Ray Data runs the set's prompts on an actor pool of ``workers`` actors (``ActorPoolStrategy``). Each actor
 loads the model once, takes one GPU when the cluster has GPUs (else one CPU, with torch on one thread),
 records each block of prompts (``batch_size``, similar lengths) as one batched generation into its own
-temporary DuckDB file (``workbench.batch.record_group``) and writes the
-finished run into ``DIR`` as Parquet shards with ``workbench.export.write_run``: every file under a
+temporary DuckDB file (``workbench.capture.prompt_sets.record_group``) and writes the
+finished run into ``DIR`` as Parquet shards with ``workbench.data.export.write_run``: every file under a
 temporary name moved into place, then the run's completion marker. A killed actor leaves no half-written
 run (readers skip runs without a marker) and running the command again records only the prompts without a
 ``complete`` run in the batch. Needs ``pip install 'moe-workbench[ray]'`` (``ray[data]``).
@@ -24,8 +24,8 @@ class ShardWorker:
     def __init__(self, out: str, batch_id: str, model, tokenizer, settings: dict, detect: bool, threads: int):
         import torch
 
-        from .batch import load_model
-        from .store import Store
+        from workbench.capture.prompt_sets import load_model
+        from workbench.data.store import Store
 
         if threads > 0:
             torch.set_num_threads(threads)
@@ -40,7 +40,7 @@ class ShardWorker:
         self.store = Store(self.tmp / "shard.duckdb")
 
     def __call__(self, batch: dict) -> dict:
-        from .batch import _generated, flush_run, groups, record_group
+        from workbench.capture.prompt_sets import _generated, flush_run, groups, record_group
 
         rows: dict[str, list] = {"run_id": [], "key": [], "status": [], "n_tokens": [], "generated": [], "error": []}
         items = [json.loads(str(text)) for text in list(batch["item"])]
@@ -72,7 +72,7 @@ def record_many_ray(items: list[dict], *, out, batch_id: str, model=None, tokeni
         import ray.data
     except ImportError:
         raise ValueError("--ray needs Ray: pip install 'moe-workbench[ray]' (ray[data])") from None
-    from .batch import Bars, completed
+    from workbench.capture.prompt_sets import Bars, completed
 
     out = str(Path(out).resolve())
     Path(out).mkdir(parents=True, exist_ok=True)
@@ -96,7 +96,7 @@ def record_many_ray(items: list[dict], *, out, batch_id: str, model=None, tokeni
         gpus = float(ray.cluster_resources().get("GPU", 0))
         per = {"num_gpus": 1} if gpus >= 1 else {"num_cpus": 1}
         # prompts of similar length in one block (by characters: the driver loads no model or tokenizer); an
-        # actor records a block in batched generations (workbench.batch.groups)
+        # actor records a block in batched generations (workbench.capture.prompt_sets.groups)
         ordered = sorted(todo, key=lambda d: len(d["prompt"]))
         block = max(1, min(batch_size, -(-len(ordered) // workers)))  # every worker gets some when there are few
         ds = ray.data.from_items([{"item": json.dumps(d)} for d in ordered],

@@ -1,7 +1,7 @@
 """Plotly figures of a run, shared by the Gradio app, the notebook (``Run.fig_*``) and the reports.
 
 Every function is pure: ``fig_<name>(store, run_id, ...) -> go.Figure``, built only from
-``workbench.query`` frames. ``Run`` exposes each one as ``run.fig_<name>(...)``.
+``workbench.data.query`` frames. ``Run`` exposes each one as ``run.fig_<name>(...)``.
 
 Token text is untrusted (a model can emit ``<img src=x onerror=...>``) and plotly renders hover text,
 labels and ticks as a subset of HTML, so every piece of token text goes through ``token_label``.
@@ -19,8 +19,8 @@ from pathlib import Path
 import plotly.graph_objects as go
 import polars as pl
 
-from . import query
-from .store import Store
+from workbench.data import query
+from workbench.data.store import Store
 
 CONFIDENCE_SCALE = "RdYlGn"  # red = unsure, green = confident; also used by the app's token strip
 ENTROPY_SCALE = "Viridis"
@@ -445,14 +445,14 @@ def fig_components(store: Store, run_id: str, pos: int, top: int = 15) -> go.Fig
 
 
 # -- what-if: expert cache, latency against context, precision, code view ---------------------------
-# ``*_figure(frame or fit)`` draw what ``workbench.whatif`` / ``workbench.codeview`` computed (several runs
+# ``*_figure(frame or fit)`` draw what ``workbench.analysis.whatif`` / ``workbench.analysis.codeview`` computed (several runs
 # pooled, or a model re-run: the precision probe); ``fig_*(store, run_id)`` compute it from one run's rows.
 
 def expert_cache_figure(df: pl.DataFrame, title: str = "Expert cache: hit rate against cache size K") -> go.Figure:
     """Hit rate (all MoE layers together: the ``layer`` null rows) against K, one line per predictor
-    (``workbench.whatif.expert_cache_sweep``; a frame without ``predictor`` is one line), with the seed
+    (``workbench.analysis.whatif.expert_cache_sweep``; a frame without ``predictor`` is one line), with the seed
     documents' 82.4% (last 3 tokens) and 94.1% (next 5 positions) as reference lines."""
-    from .whatif import SEED_HIT_RATES
+    from workbench.analysis.whatif import SEED_HIT_RATES
 
     tot = df.filter(pl.col("layer").is_null())
     if tot.height == 0:
@@ -479,8 +479,8 @@ def expert_cache_figure(df: pl.DataFrame, title: str = "Expert cache: hit rate a
 
 def fig_expert_cache(store: Store, run_id: str, slots=(1, 2, 3, 4, 6, 8, 12, 16), predictors=None,
                      decode_only: bool = False) -> go.Figure:
-    """The run's expert-cache hit rate against K for each predictor (``workbench.whatif``)."""
-    from .whatif import PREDICTORS, expert_cache_sweep
+    """The run's expert-cache hit rate against K for each predictor (``workbench.analysis.whatif``)."""
+    from workbench.analysis.whatif import PREDICTORS, expert_cache_sweep
 
     r = query.routing(store, run_id)
     if r.height == 0:
@@ -494,10 +494,10 @@ def fig_expert_cache(store: Store, run_id: str, slots=(1, 2, 3, 4, 6, 8, 12, 16)
 
 def latency_fit_figure(fit, reference: bool = True) -> go.Figure:
     """Decode-step wall time against context length with the fitted ``a (L/L0)^b + c`` (a
-    ``workbench.whatif.LatencyFit``), the residuals below; ``reference``: the seeds' curve (a=12.4, b=1.38, c=8.2)."""
+    ``workbench.analysis.whatif.LatencyFit``), the residuals below; ``reference``: the seeds' curve (a=12.4, b=1.38, c=8.2)."""
     from plotly.subplots import make_subplots
 
-    from .whatif import SEED_LATENCY, latency_model
+    from workbench.analysis.whatif import SEED_LATENCY, latency_model
 
     r = fit.residuals
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.7, 0.3], vertical_spacing=0.06)
@@ -526,8 +526,8 @@ def latency_fit_figure(fit, reference: bool = True) -> go.Figure:
 
 
 def fig_latency_fit(store: Store, run_id: str, L0: int = 32768) -> go.Figure:
-    """The run's decode-step latency against context with the fit (``workbench.whatif.fit_latency``)."""
-    from .whatif import decode_points, fit_latency
+    """The run's decode-step latency against context with the fit (``workbench.analysis.whatif.fit_latency``)."""
+    from workbench.analysis.whatif import decode_points, fit_latency
 
     info = query.run_row(store, run_id)
     pts = decode_points(query.steps(store, run_id), int(info["n_prompt_tokens"] or 0))
@@ -539,7 +539,7 @@ def fig_latency_fit(store: Store, run_id: str, L0: int = 32768) -> go.Figure:
 
 
 def precision_figure(df: pl.DataFrame, value: str = "delta_nll") -> go.Figure:
-    """Heat map layer x format of a precision probe (``workbench.whatif.precision_probe``): ``value``
+    """Heat map layer x format of a precision probe (``workbench.analysis.whatif.precision_probe``): ``value``
     ``delta_nll`` (nats, diverging around 0) or ``rel_l2``; the ``layer`` null row is "all layers"."""
     if df.height == 0:
         return _empty("no precision-probe rows")
@@ -570,7 +570,7 @@ def precision_figure(df: pl.DataFrame, value: str = "delta_nll") -> go.Figure:
 
 def code_view_figure(summary: pl.DataFrame, title: str = "Confidence by Python token class") -> go.Figure:
     """Mean confidence per token class (bars, token counts on them) and mean entropy (markers, right axis),
-    from ``workbench.codeview.code_view``."""
+    from ``workbench.analysis.codeview.code_view``."""
     if summary.height == 0:
         return _empty("no classified tokens (no generated text?)")
     cls = summary["class"].to_list()
@@ -591,8 +591,8 @@ def code_view_figure(summary: pl.DataFrame, title: str = "Confidence by Python t
 
 
 def fig_code_view(store: Store, run_id: str, generated_only: bool = True) -> go.Figure:
-    """The run's confidence and entropy by Python token class (``workbench.codeview``)."""
-    from .codeview import code_view
+    """The run's confidence and entropy by Python token class (``workbench.analysis.codeview``)."""
+    from workbench.analysis.codeview import code_view
 
     t = query.tokens(store, run_id)
     if t.height == 0:
@@ -601,7 +601,7 @@ def fig_code_view(store: Store, run_id: str, generated_only: bool = True) -> go.
     return code_view_figure(code_view(t, generated_only), f"Confidence by Python token class ({what})")
 
 
-# -- what-if: KV-cache policies (workbench.kvwhatif) ------------------------------------------------
+# -- what-if: KV-cache policies (workbench.analysis.kv_policies) ------------------------------------------------
 
 SEED_TOPK_INT8_KEPT = 0.53  # the seed documents: top-512 in FP16 + the rest INT8, "memory -47%"
 
@@ -651,7 +651,7 @@ def fig_kv_pareto(frame, run_id: str | None = None) -> go.Figure:
 __all__ = [n for n in dir() if n.startswith("fig_")] + ["token_label", "CONFIDENCE_SCALE"]
 
 
-# -- batches (prompt sets): frames from workbench.query.batch_* ------------------------------------------
+# -- batches (prompt sets): frames from workbench.data.query.batch_* ------------------------------------------
 
 def batch_load_figure(load: pl.DataFrame, batch_id: str = "") -> go.Figure:
     """Share of routed slots per expert per MoE layer over a batch's runs (``query.batch_expert_load``)."""

@@ -25,8 +25,8 @@ from typing import Any
 
 import polars as pl
 
-from . import query
-from .schema import SCHEMA_VERSION
+from workbench.data import query
+from workbench.data.schema import SCHEMA_VERSION
 
 FORMATS = ("html", "json", "md")
 CAUSES_SHOWN = 10
@@ -73,13 +73,13 @@ class Report:
 
 
 def _figure(rep: Report, section: str, key: str, name: str, *args) -> None:
-    """Add ``workbench.figures.<name>(store, run_id, *args)``; a note instead if it cannot be drawn."""
+    """Add ``workbench.views.figures.<name>(store, run_id, *args)``; a note instead if it cannot be drawn."""
     store, run_id = rep.run.store, rep.run.run_id
     try:
-        from . import figures
+        from workbench.views import figures
         fn = getattr(figures, name)
     except (ImportError, AttributeError) as e:
-        rep.notes.append(f"figure {key} unavailable: workbench.figures.{name} is missing ({e})")
+        rep.notes.append(f"figure {key} unavailable: workbench.views.figures.{name} is missing ({e})")
         return
     try:
         rep.figures.append((section, key, fn(store, run_id, *args)))
@@ -122,7 +122,7 @@ def _findings(run, anomalies, rep: Report):
     if anomalies is None:
         return None
     try:
-        from .findings import group_findings
+        from workbench.analysis.findings import group_findings
         s = run.model_summary
         return group_findings(anomalies, run.routing(), shared_experts=bool(s.n_shared_experts))
     except Exception as e:  # noqa: BLE001 - a report still comes out
@@ -131,11 +131,11 @@ def _findings(run, anomalies, rep: Report):
 
 
 def _code_facts(rep: Report, toks: pl.DataFrame) -> None:
-    """The text read as Python (workbench.codeview): the compile check and confidence by token class."""
+    """The text read as Python (workbench.analysis.codeview): the compile check and confidence by token class."""
     if toks.height == 0:
         return
     try:
-        from .codeview import code_view, run_compile_check
+        from workbench.analysis.codeview import code_view, run_compile_check
         rep.facts["code"] = {"compile": _plain(run_compile_check(toks)), "classes": _records(code_view(toks))}
     except Exception as e:  # noqa: BLE001 - a report still comes out
         rep.notes.append(f"code view failed: {type(e).__name__}: {e}")
@@ -208,7 +208,7 @@ def build_report(run, explain: int = 3, root_cause_kw: dict | None = None,
         causes = _explain(run, pos, rep, dict(root_cause_kw or {}))
         if causes is None:
             continue
-        from .rootcause import ig_check
+        from workbench.analysis.rootcause import ig_check
         warn = ig_check(causes, (root_cause_kw or {}).get("steps", 32))
         if warn:
             rep.notes.append(f"position {pos}: {warn}")
@@ -394,7 +394,7 @@ def render_html(rep: Report) -> str:
     if f.get("code"):
         text = {t["pos"]: t["text"] for t in f["tokens"]}
         parts.append("<h2>Code</h2><p class='muted'>the run's text read as Python: <code>ast.parse</code> as it is, "
-                     "and the generated tokens' confidence by <code>tokenize</code> class (workbench.codeview)</p>"
+                     "and the generated tokens' confidence by <code>tokenize</code> class (workbench.analysis.codeview)</p>"
                      f"<p>{_e(_compile_line(f['code']['compile'], text))}</p>")
         parts.append(_table(f["code"]["classes"], CODE_COLUMNS))
         for key, fig in by_section.get("code", []):

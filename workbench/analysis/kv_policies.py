@@ -63,8 +63,8 @@ import numpy as np
 import polars as pl
 import torch
 
-from . import query
-from .store import Store
+from workbench.data import query
+from workbench.data.store import Store
 
 COLUMNS = ["policy", "bytes_kept", "bytes_full", "delta_nll", "top1_agreement", "first_divergence", "events"]
 SCHEMA = {"policy": pl.String, "bytes_kept": pl.Int64, "bytes_full": pl.Int64, "delta_nll": pl.Float64,
@@ -550,7 +550,7 @@ def kv_whatif(store: Store, run_id: str, policies, adapter=None, save: bool = Tr
     pols = list(unique.values())
     ids, n_prompt = run_tokens(store, run_id)
     if adapter is None:
-        from .resolve import load_for_run
+        from workbench.capture.resolve import load_for_run
         adapter = load_for_run(query.run_row(store, run_id))
     base = trace(adapter, ids, n_prompt, Full())
     rows = []

@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from . import query
-from .store import Store
+from workbench.data import query
+from workbench.data.store import Store
 
 BUCKETS = (1, 8, 32, 128, 512, 2048, 8192, 1 << 30)
 PROBS = np.array([0.001, 0.005] + [i / 100 for i in range(1, 100)] + [0.995, 0.999])
@@ -210,10 +210,10 @@ def profile(prompts, *, model=None, db=None, max_new_tokens: int = 32, tokenizer
     """Record a calibration set with ``model`` and store its profile; returns {sha, runs, cells, source}.
 
     Args:
-        prompts: a prompt-set path (workbench.prompts: JSONL, folder of .txt, or .txt) or a list of strings.
+        prompts: a prompt-set path (workbench.capture.prompts: JSONL, folder of .txt, or .txt) or a list of strings.
     """
-    from .prompts import load_prompts
-    from .recorder import record_run
+    from workbench.capture.prompts import load_prompts
+    from workbench.capture.recorder import record_run
 
     items = load_prompts(prompts) if isinstance(prompts, (str, Path)) else [{"prompt": p, "id": str(i)}
                                                                            for i, p in enumerate(prompts)]

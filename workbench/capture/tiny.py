@@ -2,7 +2,7 @@
 top-2, with a small byte-level BPE tokenizer): for the tests, the benchmarks, and trying the workbench on a
 family without downloading anything. Needs ``transformers``.
 
-    python -m workbench.tiny mixtral /tmp/mixtral      # then: workbench record --model /tmp/mixtral ...
+    python -m workbench.capture.tiny mixtral /tmp/mixtral      # then: workbench record --model /tmp/mixtral ...
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The recorder: one loop over any model adapter, driven by the signal registry.
 
-``record_run`` resolves the model to an adapter (``workbench.adapters``), inserts the run row (with the
+``record_run`` resolves the model to an adapter (``workbench.capture.adapters``), inserts the run row (with the
 neutral model summary), attaches every chosen signal's probe to the adapter's seams, streams the
 generation, and hands each step's rows to a background ``Writer`` that commits them as whole steps.
 It returns the run id; ``workbench.record`` (workbench/run.py) wraps it into a ``Run``.
@@ -25,11 +25,11 @@ import torch
 
 from workbench.model import file_sha256, load_tokenizer, state_sha256
 
-from .adapters import Adapter, load_adapter
-from .adapters.base import Route
-from .schema import columns
-from .signals import PROBES, SIGNALS, Probe, StepInfo
-from .store import Store, Writer, merge_batches
+from workbench.capture.adapters import Adapter, load_adapter
+from workbench.capture.adapters.base import Route
+from workbench.data.schema import columns
+from workbench.data.signals import PROBES, SIGNALS, Probe, StepInfo
+from workbench.data.store import Store, Writer, merge_batches
 
 MAX_PROMPT_CHARS = 200_000
 DTYPES = {None: None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -278,7 +278,7 @@ class _Recording:
 
 def _open(model, tokenizer, db, dtype, backend, device_map):
     """(store, adapter, tokenizer, model label, model sha256) of a recording."""
-    # a Store, or a stand-in with its append / update_run (workbench.background's relay to another process)
+    # a Store, or a stand-in with its append / update_run (workbench.capture.background's relay to another process)
     store = Store(db) if db is None or isinstance(db, (str, Path)) else db
     adapter = load_adapter(model, DTYPES[dtype], backend=backend, device_map=device_map)
     tokenizer = resolve_tokenizer(tokenizer, adapter, bundled=model is None)

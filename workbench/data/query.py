@@ -10,9 +10,9 @@ import threading
 
 import polars as pl
 
-from .adapters.base import ModelSummary
-from .signals import TABLES as SIGNAL_TABLES
-from .store import FINAL_STATUSES, Store
+from workbench.capture.adapters.base import ModelSummary
+from workbench.data.signals import TABLES as SIGNAL_TABLES
+from workbench.data.store import FINAL_STATUSES, Store
 
 
 class RunNotFound(KeyError):
@@ -124,7 +124,7 @@ def _select(name: str, cols: list[str] | None) -> str:
     """The SELECT list of a signal table read: every column but run_id, or ``cols`` (checked against the schema)."""
     if cols is None:
         return "* EXCLUDE (run_id)"
-    from .schema import columns
+    from workbench.data.schema import columns
     bad = [c for c in cols if c not in columns(name)]
     if bad:
         raise ValueError(f"{name} has no column(s) {bad}")
@@ -215,7 +215,7 @@ def no_routing_reason(store: Store, run_id: str) -> str:
 
 
 def policy_results(store: Store, run_id: str) -> pl.DataFrame:
-    """A run's stored KV-cache what-if rows (``workbench.kvwhatif``), least memory kept first."""
+    """A run's stored KV-cache what-if rows (``workbench.analysis.kv_policies``), least memory kept first."""
     return store.sql("""SELECT * EXCLUDE (run_id) FROM policy_results WHERE run_id = ?
                         ORDER BY bytes_kept / greatest(bytes_full, 1), delta_nll, policy""", [run_id])
 

@@ -24,9 +24,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import quote
 
-from . import query
-from .schema import SCHEMA_VERSION, TABLES, columns
-from .store import MARKER, RUN_MARKERS, Store, complete_runs  # noqa: F401 - the markers' home is the store
+from workbench.data import query
+from workbench.data.schema import SCHEMA_VERSION, TABLES, columns
+from workbench.data.store import MARKER, RUN_MARKERS, Store, complete_runs  # noqa: F401 - the markers' home is the store
 
 RUN_TABLES = tuple(t for t in TABLES if "run_id" in columns(t))
 # runs last: a run's row appears (or is refreshed) only once its signal tables are written

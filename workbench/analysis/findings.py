@@ -23,7 +23,7 @@ import math
 
 import polars as pl
 
-from . import query
+from workbench.data import query
 
 SCHEMA = {"rank": pl.Int32, "component": pl.Utf8, "layer": pl.Int32, "head": pl.Int32, "expert": pl.Int32,
           "pos_start": pl.Int32, "pos_end": pl.Int32, "positions": pl.List(pl.Int32), "n_rows": pl.Int32,
@@ -144,7 +144,7 @@ def _concentrated_expert(routing: pl.DataFrame | None, layer: int, positions: li
 
 def findings(store, run_id: str, **thresholds) -> pl.DataFrame:
     """The run's findings, ranked (detecting its anomalies first if that never ran)."""
-    from .anomalies import detect
+    from workbench.analysis.anomalies import detect
 
     rows = detect(store, run_id, **thresholds)
     s = query.run_summary(store, run_id)

@@ -44,8 +44,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from . import query
-from .baseline import bucket_of, tail_p
+from workbench.data import query
+from workbench.analysis.baseline import bucket_of, tail_p
 
 SCHEMA = {"kind": pl.Utf8, "severity": pl.Utf8, "pos": pl.Int32, "layer": pl.Int32, "head": pl.Int32,
           "expert": pl.Int32, "score": pl.Float64, "threshold": pl.Float64, "explanation": pl.Utf8}
@@ -411,7 +411,7 @@ def detect(store, run_id: str, recompute: bool = False, reference: str | None = 
 
     Returns: the ``anomalies`` rows of the run (without ``run_id``), most severe first.
     """
-    from .baseline import load_profile
+    from workbench.analysis.baseline import load_profile
 
     if not (recompute or thresholds or reference is not None):
         have = query.anomalies(store, run_id)
@@ -431,7 +431,7 @@ def detect(store, run_id: str, recompute: bool = False, reference: str | None = 
     df = df.with_columns(pl.lit(run_id).alias("run_id"),
                          pl.arange(0, df.height, dtype=pl.Int32).alias("anomaly_id"))
     if getattr(store, "read_only", False):  # a folder of Parquet shards (TraceStore): computed, not stored
-        from .schema import columns
+        from workbench.data.schema import columns
         sev = pl.col("severity").replace_strict({"critical": 0, "warning": 1}, default=2, return_dtype=pl.Int32)
         return df.select([c for c in columns("anomalies") if c in df.columns and c != "run_id"]).sort(
             [sev, pl.col("score"), pl.col("anomaly_id")], descending=[False, True, False], nulls_last=True)

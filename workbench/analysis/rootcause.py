@@ -54,8 +54,8 @@ import numpy as np
 import polars as pl
 import torch
 
-from . import query
-from .adapters import Adapter, Route, adapter_for, load_adapter
+from workbench.data import query
+from workbench.capture.adapters import Adapter, Route, adapter_for, load_adapter
 
 MODES = ("auto", "frozen", "plain")
 METHOD = {"frozen": "ig_routing_frozen", "plain": "ig_plain"}
@@ -209,7 +209,7 @@ def reference_adapter(reference, store, info: dict, like: Adapter) -> Adapter:
     Args:
         reference: a run id of ``store``, a module or adapter, or a checkpoint folder.
     """
-    from .resolve import load_for_run
+    from workbench.capture.resolve import load_for_run
 
     same = (f"would be the same model on the same tokens as run {info['run_id']} (same weights, dtype and "
             "tokens): every score would be 0; pick a run or checkpoint of a different model, dtype or prompt")
@@ -311,7 +311,7 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
     Returns: columns target_pos, kind (token|head|expert|shared_expert|router), layer, head, expert,
         source_pos, score (nats of the target logprob), rank (1 = most responsible), method, delta.
     """
-    from .resolve import load_for_run
+    from workbench.capture.resolve import load_for_run
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

@@ -7,10 +7,10 @@ the batch: prompts that already have a ``complete`` run in it are skipped. A pro
 ``failed`` run (its error in ``runs.error``) and the batch goes on.
 
 With ``out=DIR`` the runs are written as Parquet shards in the export's Hive layout instead of into a database:
-each run is recorded into a temporary DuckDB file and, once finished, written with ``workbench.export.write_run``
+each run is recorded into a temporary DuckDB file and, once finished, written with ``workbench.data.export.write_run``
 (every file under a temporary name moved into place, then the run's completion marker), so a killed process
 leaves only whole runs; ``workbench.open(DIR)`` reads the folder. ``ray=`` runs the set on a Ray Data actor pool
-(``workbench.raybatch``) that writes the same layout.
+(``workbench.capture.ray_actors``) that writes the same layout.
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import polars as pl
 
-from . import query
-from .signals import PROBES
-from .store import Store
+from workbench.data import query
+from workbench.data.signals import PROBES
+from workbench.data.store import Store
 
 PER_PROMPT = ("max_new_tokens", "temperature", "seed")
 BATCH_SIZE = 8  # prompts per batched generation (record_many's default)
@@ -38,9 +38,9 @@ MAX_BATCH_TOKENS = 8192  # rows x longest prompt of one batched generation
 
 def prompt_items(prompts) -> list[dict]:
     """A prompt set as dicts with ``prompt``, ``key`` and per-prompt settings: a path (``.jsonl``, ``.txt`` or a
-    folder: ``workbench.prompts.load_prompt_set``), a list of strings, or a list of dicts (``prompt`` and optional
+    folder: ``workbench.capture.prompts.load_prompt_set``), a list of strings, or a list of dicts (``prompt`` and optional
     ``id``, ``max_new_tokens``, ``temperature``, ``seed``)."""
-    from .prompts import FIELDS, load_prompt_set, prompt_key
+    from workbench.capture.prompts import FIELDS, load_prompt_set, prompt_key
 
     if isinstance(prompts, (str, Path)):
         return load_prompt_set(prompts)
@@ -71,7 +71,7 @@ def batch_id_for(items: list[dict], settings: dict) -> str:
 def completed(store: Store | None, out: str | Path | None, batch_id: str) -> set[str]:
     """Keys of the batch's prompts that already have a ``complete`` run (in the database, or in ``out``)."""
     if out is not None:
-        from .store import complete_runs
+        from workbench.data.store import complete_runs
         return {m.get("batch_item") for m in complete_runs(out).values()
                 if m.get("batch_id") == batch_id and m.get("status") == "complete"}
     df = store.sql("SELECT DISTINCT batch_item FROM runs WHERE batch_id = ? AND status = 'complete'", [batch_id])
@@ -94,7 +94,7 @@ def record_one(item: dict, *, store: Store, batch_id: str, adapter, tokenizer, l
                detect: bool = True) -> dict:
     """Record one prompt of a batch into ``store`` (never raises for the prompt's own failure); returns
     ``{run_id, key, status, n_tokens, error}``."""
-    from .recorder import new_run_id, record_run
+    from workbench.capture.recorder import new_run_id, record_run
 
     kw = {**settings, **{k: item[k] for k in PER_PROMPT if k in item}}
     run_id = new_run_id()
@@ -109,9 +109,9 @@ def record_one(item: dict, *, store: Store, batch_id: str, adapter, tokenizer, l
 
 def record_group(items: list[dict], *, store: Store, batch_id: str, adapter, tokenizer, label: str, settings: dict,
                  detect: bool = True) -> list[dict]:
-    """Record prompts of a batch together, in one batched generation (``workbench.recorder.record_batch``) when
+    """Record prompts of a batch together, in one batched generation (``workbench.capture.recorder.record_batch``) when
     the model's adapter has one, else one by one (``record_one``); one row per prompt, as ``record_one``'s."""
-    from .recorder import new_run_id, record_batch, record_run
+    from workbench.capture.recorder import new_run_id, record_batch, record_run
 
     if len(items) == 1 or not adapter.supports_batch:
         return [record_one(item, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tokenizer, label=label,
@@ -136,7 +136,7 @@ def _finished(store: Store, run_id: str, item: dict, error: str | None, label: s
               detect: bool) -> dict:
     """A recorded prompt's row: its anomalies detected (if it completed), a ``failed`` run made for a prompt
     refused before it had one."""
-    from .anomalies import detect as detect_anomalies
+    from workbench.analysis.anomalies import detect as detect_anomalies
 
     if error is None and detect:
         try:  # as workbench.record: a detector bug must not lose the recording
@@ -170,8 +170,8 @@ def groups(items: list[dict], tokenizer, batch_size: int, max_batch_tokens: int 
 
 def load_model(model=None, tokenizer=None, dtype: str | None = None, backend: str = "auto"):
     """(adapter, tokenizer, label) for a batch: the model loaded once, its tokenizer resolved once."""
-    from .adapters import load_adapter
-    from .recorder import DTYPES, resolve_tokenizer
+    from workbench.capture.adapters import load_adapter
+    from workbench.capture.recorder import DTYPES, resolve_tokenizer
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(k for k in DTYPES if k)}, got {dtype!r}")
@@ -229,7 +229,7 @@ def record_many(prompts, *, model=None, tokenizer=None, db=None, out: str | Path
     """Record every prompt of a set as its own run, all with one ``batch_id``; returns the ``Batch``.
 
     Args:
-        prompts: a ``.jsonl`` / ``.txt`` file or a folder of them (``workbench.prompts.load_prompt_set``), a list
+        prompts: a ``.jsonl`` / ``.txt`` file or a folder of them (``workbench.capture.prompts.load_prompt_set``), a list
             of strings, or a list of dicts (``prompt``; optional ``id``, ``max_new_tokens``, ``temperature``,
             ``seed``, which override the arguments of the same name for that prompt).
         db: database path or ``Store`` (ignored with ``out``).
@@ -286,7 +286,7 @@ def record_many(prompts, *, model=None, tokenizer=None, db=None, out: str | Path
 
 def flush_run(store: Store, out: str | Path, run_id: str) -> None:
     """Write a finished run from a worker's temporary store into the shard folder, then drop it there."""
-    from .export import write_run
+    from workbench.data.export import write_run
 
     write_run(store, out, run_id)
     store.delete_run(run_id)
@@ -336,19 +336,19 @@ class BatchRuns:
         return query.batch_low_confidence(self.store, self.batch_id, n)
 
     def search(self, text: str, **kw) -> pl.DataFrame:
-        """``workbench.query.search`` within this batch's runs."""
+        """``workbench.data.query.search`` within this batch's runs."""
         return query.search(self.store, text, batch_id=self.batch_id, **kw)
 
     def fig_expert_load(self):
-        from .figures import batch_load_figure
+        from workbench.views.figures import batch_load_figure
         return batch_load_figure(self.expert_load(), self.batch_id)
 
     def fig_head_entropy(self):
-        from .figures import batch_entropy_figure
+        from workbench.views.figures import batch_entropy_figure
         return batch_entropy_figure(self.head_entropy(), self.batch_id)
 
     def fig_low_confidence(self, n: int = 20):
-        from .figures import batch_confidence_figure
+        from workbench.views.figures import batch_confidence_figure
         return batch_confidence_figure(self.low_confidence(n), self.batch_id)
 
     def __repr__(self) -> str:

@@ -15,9 +15,9 @@ import polars as pl
 
 from typing import Any
 
-from . import query
-from .signals import TABLES as SIGNAL_TABLES
-from .store import Store
+from workbench.data import query
+from workbench.data.signals import TABLES as SIGNAL_TABLES
+from workbench.data.store import Store
 
 
 def _f(x) -> float | None:

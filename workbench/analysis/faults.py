@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from .adapters import Adapter, Route, adapter_for
+from workbench.capture.adapters import Adapter, Route, adapter_for
 
 
 def _check_layer(a: Adapter, layer: int) -> None:

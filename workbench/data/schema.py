@@ -6,7 +6,7 @@ Conventions: ``pos`` is the 0-based position in the sequence, ``layer`` the 0-ba
 """
 from __future__ import annotations
 
-from .signals import TABLES as SIGNAL_TABLES
+from workbench.data.signals import TABLES as SIGNAL_TABLES
 
 SCHEMA_VERSION = 1
 
@@ -69,16 +69,16 @@ TABLES: dict[str, str] = {
         layer INTEGER,
         head INTEGER,
         expert INTEGER,
-        bucket INTEGER,            -- context-length bucket (workbench.baseline.BUCKETS); NULL where not bucketed
+        bucket INTEGER,            -- context-length bucket (workbench.analysis.baseline.BUCKETS); NULL where not bucketed
         n BIGINT,                  -- values (or, for expert_share, routed slots) the cell was made from
         mean DOUBLE,               -- for expert_share: the expert's share of the layer's slots
         std DOUBLE,
-        quantiles DOUBLE[],        -- empirical quantiles at workbench.baseline.PROBS
+        quantiles DOUBLE[],        -- empirical quantiles at workbench.analysis.baseline.PROBS
         created_at TIMESTAMP,
         source VARCHAR             -- what it was calibrated on (JSON: prompts, runs, max_new_tokens)""",
     "policy_results": """
         run_id VARCHAR,
-        policy VARCHAR,            -- the KV policy's canonical spec (workbench.kvwhatif), e.g. window:sink=4,recent=64
+        policy VARCHAR,            -- the KV policy's canonical spec (workbench.analysis.kv_policies), e.g. window:sink=4,recent=64
         bytes_kept BIGINT,         -- cache bytes at the end of the run under the policy, all layers
         bytes_full BIGINT,         -- the same cache unpruned
         delta_nll DOUBLE,          -- mean change in NLL of the recorded generated tokens vs the full cache (nats)

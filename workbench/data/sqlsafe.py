@@ -62,15 +62,15 @@ from typing import TYPE_CHECKING, Any
 
 import duckdb
 
-if __package__:  # imported as workbench.sqlsafe; run as a script (the worker) it needs only duckdb/pyarrow/polars
+if __package__:  # imported as workbench.data.sqlsafe; run as a script (the worker) it needs only duckdb/pyarrow/polars
     import polars as pl
     import pyarrow as pa
     import pyarrow.ipc
 
-    from .schema import TABLES, columns
-    from .store import StoreError
+    from workbench.data.schema import TABLES, columns
+    from workbench.data.store import StoreError
 if TYPE_CHECKING:
-    from .store import Store
+    from workbench.data.store import Store
 
 MAX_QUERY_CHARS = 100_000   # longer text is refused before anything is parsed
 WORKER_MEMORY_MB = 640      # what one query may allocate in the worker process (RLIMIT_DATA above its start)

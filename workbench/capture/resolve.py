@@ -14,7 +14,7 @@ import torch
 
 from workbench.model import file_sha256
 
-from .adapters import Adapter, adapter_for, load_adapter
+from workbench.capture.adapters import Adapter, adapter_for, load_adapter
 
 
 def run_dtype(info: dict) -> torch.dtype:
