@@ -37,11 +37,18 @@ from pathlib import Path
 
 import gradio as gr
 import polars as pl
+import torch
 
-from workbench.data import query
+from workbench.analysis.anomalies import detect as detect_anomalies
 from workbench.analysis.anomalies import select as select_anomalies
-from workbench.run import Run
+from workbench.analysis.rootcause import ig_check
+from workbench.capture import background
+from workbench.data import query
+from workbench.data.sqlsafe import SqlError, run_readonly
 from workbench.data.store import Store
+from workbench.model import load_checkpoint, state_sha256
+from workbench.run import Batch, Run, record
+from workbench.views.figures import batch_entropy_figure, batch_load_figure, fig_kv_pareto
 
 # confidence buckets of the token strip (label -> colour); the legend explains them
 BUCKETS = [("< 0.2", "#e63946", 0.2), ("0.2-0.5", "#f4a261", 0.5), ("0.5-0.8", "#e9c46a", 0.8),
@@ -194,7 +201,6 @@ def record_threads():
     thread; torch also makes the number the default of threads started meanwhile, and it is put back
     afterwards. ``$WORKBENCH_RECORD_THREADS`` sets the number (0: leave torch's setting).
     """
-    import torch
 
     n = record_thread_count()
     before = torch.get_num_threads()
@@ -233,7 +239,6 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
             raise gr.Error(error_text(e)) from None
         if model is not None and not isinstance(model, (str, Path)):
             if not model_sha:
-                from workbench.model import state_sha256
                 model_sha.append(state_sha256(model))
             if run.info["checkpoint_sha256"] == model_sha[0]:
                 run = Run(store, run_id, model=model, tokenizer=tokenizer)
@@ -246,7 +251,6 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         if model is not None:
             return model
         if not loaded:
-            from workbench.model import load_checkpoint
             loaded.append(load_checkpoint())  # FileNotFoundError if not bundled: shown by the Record tab
         return loaded[0]
 
@@ -335,7 +339,6 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
             return _fail("Root cause", e), None, None, None
         progress(1.0, desc="done")
         methods = ", ".join(sorted(set(ranked["method"].drop_nulls().to_list()))) if ranked.height else ""
-        from workbench.analysis.rootcause import ig_check
         warn = ig_check(ranked, int(steps))
         return (f"Root cause of pos {pos}: {ranked.height} ranked causes ({md_text(methods)})."
                 + (f"  \n⚠️ {md_text(warn)}" if warn else ""), run.fig_attribution(pos),
@@ -443,7 +446,6 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         return gr.Slider(value=nxt), gr.Timer()
 
     def sql(text: str):
-        from workbench.data.sqlsafe import SqlError, run_readonly
         try:
             r = run_readonly(store, text)
         except SqlError as e:  # DuckDB's message quotes the data (a token's text, say): text only
@@ -453,7 +455,6 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
 
     def kv_whatif_stored(run_id: str | None):
         """The KV what-if rows stored for the run (``policy_results``) and their Pareto figure."""
-        from workbench.views.figures import fig_kv_pareto
         if not run_id:
             return "Choose a run.", None, None
         df = query.policy_results(store, run_id)
@@ -463,7 +464,6 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
 
     def kv_whatif_run(run_id: str | None, picked: list[str] | None, extra: str, progress=gr.Progress()):
         """Re-run the run's tokens with each chosen policy (``Run.kv_whatif``); the table and the figure."""
-        from workbench.views.figures import fig_kv_pareto
         if not run_id:
             return "Choose a run first.", None, None
         specs = list(picked or []) + [x.strip() for x in re.split(r"[;\n]", extra or "") if x.strip()]
@@ -513,17 +513,15 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
     def start_recording(rid: str, prompt: str, checkpoint: str, settings: dict) -> queue.Queue:
         """Record in the worker process (or, where it cannot run, in a thread); returns the events queue:
         ``("token", (pos, text))`` per token, then ``("done", error or None)``."""
-        from workbench.capture import background
         if background.enabled() and not store.read_only and not worker:
             worker.append(background.RecordingProcess(store, model, tokenizer, threads=record_thread_count()))
         if worker and worker[0] is not None:
             try:
-                return worker[0].record(rid, prompt, checkpoint.strip() or None, **settings)
+                return worker[0].record(rid, prompt, checkpoint.strip() or None, after_run=detect_anomalies, **settings)
             except Exception as e:  # e.g. a model that cannot be pickled: record in a thread from now on
                 import warnings
                 warnings.warn(f"recording in a worker process failed to start ({e}); recording in a thread")
                 worker[0] = None
-        from workbench.run import record
         events: queue.Queue = queue.Queue()
 
         def work() -> None:
@@ -603,8 +601,6 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
 
     def batch_views(batch_id: str | None):
         """A batch's runs, its least confident tokens, expert load and per-head entropy over all its runs."""
-        from workbench.run import Batch
-        from workbench.views.figures import batch_confidence_figure, batch_entropy_figure, batch_load_figure
         if not batch_id:
             return None, None, None, None, "No batch yet: `workbench record --prompts FILE` records one."
         b = Batch(store, batch_id)

@@ -32,12 +32,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import polars as pl  # noqa: E402
 import torch  # noqa: E402
+from root_cause_eval import teacher_forced_logprobs, write_section  # noqa: E402
 
 import workbench  # noqa: E402
-from root_cause_eval import teacher_forced_logprobs, write_section  # noqa: E402
-from workbench.analysis import faults# noqa: E402
-from workbench.capture.adapters import load_adapter  # noqa: E402
+from workbench.analysis import faults  # noqa: E402
 from workbench.analysis.baseline import BUNDLED, export_profile, profile  # noqa: E402
+from workbench.capture.adapters import load_adapter  # noqa: E402
 from workbench.capture.prompts import load_prompts  # noqa: E402
 
 SECTION = "## Anomaly detectors (calibrated)"

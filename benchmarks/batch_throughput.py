@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import platform
-import sysconfig
 import statistics
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -30,10 +30,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
 from probe_overhead import load_demo, publish  # noqa: E402
+
 from workbench import record_many  # noqa: E402
+from workbench.data.store import Store  # noqa: E402
 from workbench.model import generate, load_tokenizer  # noqa: E402
 from workbench.model.generate import stream_batch  # noqa: E402
-from workbench.data.store import Store  # noqa: E402
 
 MODULES = ("textwrap", "json/encoder", "argparse", "csv")
 

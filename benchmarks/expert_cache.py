@@ -33,10 +33,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from workbench import record  # noqa: E402
 from workbench.analysis.codeview import class_summary, run_compile_check, token_classes  # noqa: E402
-from workbench.model import DEFAULT_CHECKPOINT, load_checkpoint, load_tokenizer  # noqa: E402
+from workbench.analysis.whatif import PREDICTORS, SEED_HIT_RATES, expert_cache_sweep  # noqa: E402
 from workbench.capture.prompts import load_prompts  # noqa: E402
 from workbench.data.store import Store  # noqa: E402
-from workbench.analysis.whatif import PREDICTORS, SEED_HIT_RATES, expert_cache_sweep  # noqa: E402
+from workbench.model import DEFAULT_CHECKPOINT, load_checkpoint, load_tokenizer  # noqa: E402
 
 PROMPTS = ROOT / "data" / "prompts" / "clean_eval.jsonl"
 NAMES = {"none": "LRU only", "prev3": "LRU + prefetch last 3 tokens' experts (`prev3`)",

@@ -29,11 +29,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from probe_overhead import load_demo, write_section  # noqa: E402
+
 from workbench import record  # noqa: E402
 from workbench.analysis.kv_policies import Full, parse_policy, run_tokens, trace  # noqa: E402
 from workbench.data.store import Store  # noqa: E402
-
-from probe_overhead import load_demo, write_section  # noqa: E402
 
 POLICIES = [
     "full",

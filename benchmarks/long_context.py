@@ -116,8 +116,8 @@ def latency_main(args) -> int:
     import polars as pl
 
     from workbench import record
-    from workbench.data.store import Store
     from workbench.analysis.whatif import L0, SEED_LATENCY, fit_latency
+    from workbench.data.store import Store
 
     t0 = time.perf_counter()
     # each in a fresh process: glibc reads its malloc settings at start. "default": as a user runs it;

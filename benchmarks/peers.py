@@ -64,6 +64,7 @@ def make_folder(folder: Path, context: int, seed: int = 0) -> Path:
     """A random transformers DeepseekV3 folder (weights scaled like ``workbench.capture.tiny``) with the bundled tokenizer."""
     import torch
     import transformers
+
     from workbench.model.tokenizer import DEFAULT_TOKENIZER
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -189,8 +190,8 @@ def child(tool: str, folder: str, length: int, reps: int) -> dict:
                 hf(ids)
     elif tool in ("workbench_hf", "workbench_native"):
         import workbench
-        from workbench.model import load_checkpoint, load_tokenizer
         from workbench.data.store import Store
+        from workbench.model import load_checkpoint, load_tokenizer
 
         tok = load_tokenizer(Path(folder) / "tokenizer.json")
         if tool == "workbench_hf":

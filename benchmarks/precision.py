@@ -26,8 +26,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from expert_cache import record_runs  # noqa: E402
+
+from workbench.analysis.precision import PARTS, precision_probe  # noqa: E402
 from workbench.data.store import Store  # noqa: E402
-from workbench.analysis.whatif import PARTS, precision_probe  # noqa: E402
 
 FORMATS = ["fp8_e4m3", "int8", "bf16"]
 

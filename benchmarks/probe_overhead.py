@@ -27,9 +27,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from workbench.model import DEFAULT_CHECKPOINT, ModelArgs, Transformer, generate, load_checkpoint, load_tokenizer  # noqa: E402
 from workbench import PROBES, record  # noqa: E402
 from workbench.data.store import Store  # noqa: E402
+from workbench.model import DEFAULT_CHECKPOINT, ModelArgs, Transformer, generate, load_checkpoint, load_tokenizer  # noqa: E402
 
 PROMPT = '''def fibonacci(n):
     """Return the n-th Fibonacci number."""

@@ -45,10 +45,10 @@ import polars as pl  # noqa: E402
 import torch  # noqa: E402
 
 import workbench  # noqa: E402
-from workbench.analysis import faults# noqa: E402
+from workbench.analysis import faults  # noqa: E402
+from workbench.analysis.rootcause import suspects  # noqa: E402
 from workbench.capture.adapters import Adapter, adapter_for, load_adapter  # noqa: E402
 from workbench.model import load_tokenizer  # noqa: E402
-from workbench.analysis.rootcause import suspects  # noqa: E402
 
 SECTION = "## Root cause (fault injection)"
 PROMPTS = [

@@ -74,6 +74,7 @@ class Shape:
     @classmethod
     def demo(cls) -> "Shape":
         from dataclasses import asdict
+
         from workbench.model import ModelArgs
 
         a = ModelArgs.preset("demo")
@@ -314,11 +315,11 @@ def recorder_pattern(store: Store, shape: Shape, n_tokens: int = 500, n_prompt: 
 def views(store: Store) -> dict[str, object]:
     """name -> fn(run_id, other_run_id): what the app computes (call for call, see apps/app.py) and the
     query-layer / Run calls alone."""
-    from workbench.data import query
     from workbench.analysis.anomalies import select as select_anomalies
-    from workbench.apps.app import run_choices, runs_table, strip_value
     from workbench.analysis.diff import diff_runs
     from workbench.analysis.replay import step_range
+    from workbench.apps.app import run_choices, runs_table, strip_value
+    from workbench.data import query
     from workbench.run import Run
 
     def load_run(rid, _):

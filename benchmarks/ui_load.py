@@ -92,8 +92,9 @@ def _calls(run_id: str, endpoints: list[str]) -> list[tuple[str, list]]:
 
 def _client_loop(base: str, run_id: str, endpoints: list[str], go, stop, out: list, lock: threading.Lock,
                  k: int, sessions: bool = True) -> None:
-    import httpx
     import uuid
+
+    import httpx
 
     calls = _calls(run_id, endpoints)
     session = f"ui-load-{k}-{uuid.uuid4().hex[:8]}" if sessions else None
@@ -186,9 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import httpx
+    from helpers import free_port
+
     import workbench
     from workbench.data import query
-    from helpers import free_port
 
     if args.sqlsafe:
         import importlib.util
@@ -214,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     env = machine()
     if args.model == "tiny":
         from helpers import tiny_model
+
         from workbench.model import load_tokenizer
         model, tok, what = tiny_model(vocab_size=4096), load_tokenizer(), "tiny random model"
     else:  # loaded once: both paths then time the recording, not the checkpoint's loading

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import re
+import shutil
 from pathlib import Path
 
 import torch

@@ -46,9 +46,9 @@ import torch
 import torch.nn.functional as F
 
 from .checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
+from .corpus import VALIDATION_PACKAGES, corpus, corpus_files
 from .generate import generate
 from .model import MoE, Transformer
-from .corpus import VALIDATION_PACKAGES, corpus, corpus_files
 from .tokenizer import DATA, load_tokenizer
 from .train import EOT, encode_files
 

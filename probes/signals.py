@@ -11,7 +11,6 @@ import math
 import numpy as np
 import torch
 
-
 ROWS = 256  # logits rows per block in token_confidence
 
 

@@ -21,13 +21,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import workbench  # noqa: E402
-from workbench.capture.tiny import DENSE_FAMILIES, FAMILIES, MOE_FAMILIES, make_folder  # noqa: E402
-from workbench import cli# noqa: E402
+from workbench import cli  # noqa: E402
 from workbench.analysis import faults
-from workbench.data import query
+from workbench.analysis.rootcause import integrated_gradients  # noqa: E402
 from workbench.capture.adapters import HFAdapter, adapter_for, load_adapter  # noqa: E402
 from workbench.capture.adapters.hf import load_hf  # noqa: E402
-from workbench.analysis.rootcause import integrated_gradients  # noqa: E402
+from workbench.capture.tiny import DENSE_FAMILIES, FAMILIES, MOE_FAMILIES, make_folder  # noqa: E402
+from workbench.data import query
 
 PROMPT = "def add(a, b):\n    return"
 NEW = 5

@@ -8,12 +8,12 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from helpers import tiny_model
 
 import workbench
-from helpers import tiny_model
-from workbench import anomalies as an
-from workbench import findings as fd
-from workbench import baseline as pr
+from workbench.analysis import anomalies as an
+from workbench.analysis import baseline as pr
+from workbench.analysis import findings as fd
 from workbench.cli import main as cli_main
 from workbench.probes import attach
 

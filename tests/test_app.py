@@ -10,13 +10,13 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import polars as pl
 import pytest
+from helpers import free_port, tiny_model
 
 import workbench
-from workbench.model.tokenizer import DEFAULT_TOKENIZER
-from workbench.model import load_tokenizer, save_checkpoint
 from workbench.data import query
 from workbench.data.sqlsafe import SqlError, readonly_sql, run_readonly
-from helpers import tiny_model, free_port
+from workbench.model import load_tokenizer, save_checkpoint
+from workbench.model.tokenizer import DEFAULT_TOKENIZER
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,7 @@ def test_demo_records_each_prompt_once(tmp_path, monkeypatch, capsys):
 
     ckpt = tmp_path / "ckpt"
     save_checkpoint(tiny_model(3, vocab_size=4096), ckpt, tokenizer=DEFAULT_TOKENIZER)
-    monkeypatch.setattr(model_pkg, "load_checkpoint", lambda *a, **k: model_pkg.checkpoint.load_checkpoint(ckpt))
+    monkeypatch.setattr(demo, "load_checkpoint", lambda *a, **k: model_pkg.checkpoint.load_checkpoint(ckpt))
     prompts = tmp_path / "prompts"
     prompts.mkdir()
     for i, text in enumerate(["def f(x):\n", "import os\n"]):

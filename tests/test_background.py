@@ -7,14 +7,15 @@ import os
 import signal
 
 import pytest
+from helpers import tiny_model
 
 import workbench
-from workbench.data import query
+from workbench.analysis.anomalies import detect
 from workbench.capture.background import RecordingProcess
+from workbench.data import query
+from workbench.data.store import Store
 from workbench.model import save_checkpoint
 from workbench.model.tokenizer import DEFAULT_TOKENIZER
-from workbench.data.store import Store
-from helpers import tiny_model
 
 
 def events_of(q, timeout: float = 120) -> tuple[list, object]:
@@ -36,7 +37,7 @@ def test_worker_records_the_same_run_into_this_process_store(ckpt, tmp_path):
     store = Store(tmp_path / "wb.duckdb")
     rp = RecordingProcess(store, model=ckpt, threads=1)
     try:
-        tokens, error = events_of(rp.record("rbg1", "def add(a, b):", None, max_new_tokens=6))
+        tokens, error = events_of(rp.record("rbg1", "def add(a, b):", None, after_run=detect, max_new_tokens=6))
         assert error is None and len(tokens) == 6
         info = query.run_row(store, "rbg1")
         assert info["status"] == "complete" and info["pid"] != os.getpid()  # recorded over there, stored here

@@ -12,17 +12,17 @@ from pathlib import Path
 import duckdb
 import polars as pl
 import pytest
+from helpers import kill_when_ready, tiny_model
 
 import workbench
 from workbench import cli
-from workbench.data import query
 from workbench.capture.prompt_sets import prompt_items
+from workbench.capture.prompts import load_prompt_set
+from workbench.data import query
 from workbench.data.export import complete_runs, export_parquet
+from workbench.data.store import Store, StoreError, TraceStore
 from workbench.model import save_checkpoint
 from workbench.model.tokenizer import DEFAULT_TOKENIZER
-from workbench.capture.prompts import load_prompt_set
-from workbench.data.store import Store, StoreError, TraceStore
-from helpers import kill_when_ready, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["def add(a, b):", "for i in range(10):\n", "class Point:", "import os\n", "x = [1, 2, 3]",
@@ -132,7 +132,7 @@ def test_a_batch_whose_forward_fails_fails_each_of_its_runs(tmp_path):
     store = Store(tmp_path / "f.duckdb")
     items = [{"prompt": p, "key": f"k{i}"} for i, p in enumerate(PROMPTS[:3])]
     rows = record_group(items, store=store, batch_id="bfail", adapter=adapter, tokenizer=tok, label=label,
-                        settings={"max_new_tokens": 8}, detect=False)
+                        settings={"max_new_tokens": 8}, after_run=None)
     handle.remove()
     assert [r["status"] for r in rows] == ["failed"] * 3 and all("boom" in r["error"] for r in rows)
     # n_tokens = what was committed: the rows that had decoded keep their steps; a row still being fed its
@@ -424,8 +424,8 @@ def test_ui_serves_a_shard_folder(env, shards):
     import time
     import urllib.request
 
-    from playwright.sync_api import sync_playwright
     from helpers import free_port
+    from playwright.sync_api import sync_playwright
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "ui", "--traces", str(shards), "--port", str(port)],

@@ -11,14 +11,13 @@ from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-import pytest
-
 import polars as pl
+import pytest
+from helpers import free_port, tiny_model
 
 import workbench
 from workbench.data import query
 from workbench.model import load_tokenizer
-from helpers import tiny_model, free_port
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

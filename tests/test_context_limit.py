@@ -5,10 +5,10 @@ from __future__ import annotations
 import polars as pl
 import pytest
 import torch
+from helpers import tiny_model
 
 import workbench
 from workbench.model import generate
-from helpers import tiny_model
 
 
 def _full_argmax(forward, ids: list[int]) -> int:
@@ -49,6 +49,7 @@ def test_native_prompt_filling_the_context(tmp_path):
 def test_transformers_prompt_filling_the_context(tmp_path):
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
+
     from workbench.capture.tiny import make_folder
 
     folder = make_folder("llama", tmp_path / "llama")

@@ -16,13 +16,21 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_model
 
 from workbench.model import MoE, Transformer, load_checkpoint, load_tokenizer
 from workbench.model.checkpoint import DEFAULT_CHECKPOINT
 from workbench.model.corpus import corpus_files
-from workbench.model.evaluate import PROMPTS, Bigram, close_python, evaluate, model_nll_bits, python_measure, token_bytes
+from workbench.model.evaluate import (
+    PROMPTS,
+    Bigram,
+    close_python,
+    evaluate,
+    model_nll_bits,
+    python_measure,
+    token_bytes,
+)
 from workbench.model.train import EOT, read_text
-from helpers import tiny_model
 
 CKPT = DEFAULT_CHECKPOINT / "model.safetensors"
 needs_ckpt = pytest.mark.skipif(not CKPT.exists(), reason=f"no bundled checkpoint at {CKPT} (run `workbench train`)")
@@ -202,7 +210,7 @@ def test_eval_cli_errors_and_escaping(tmp_path, capsys, monkeypatch):
             "completions": [{"file": "a.txt", "prompt": "def f():\n", "continuation": "    y[i]\n", "tokens": 3,
                              "parses": True, "lines": 1, "valid_lines": 1, "error": None}],
             "completions_parsing": 1}
-    monkeypatch.setattr("workbench.model.evaluate.evaluate", lambda *a, **k: fake)
+    monkeypatch.setattr("workbench.commands.eval.evaluate", lambda *a, **k: fake)
     assert cli.main(["eval"]) == 0
     out = capsys.readouterr().out
     assert "x = a[bold]b[/bold]" in out  # token text is shown as text, never as rich markup

@@ -6,15 +6,14 @@ import json
 import plotly.graph_objects as go
 import polars as pl
 import pytest
-
-from workbench.model.tokenizer import DEFAULT_TOKENIZER
-from workbench.model import save_checkpoint
-from workbench import cli
-from workbench.analysis.diff import diff_runs
-from workbench import record
-from workbench.run import Workbench
-from workbench.data.store import Store
 from helpers import tiny_model
+
+from workbench import cli, record
+from workbench.analysis.diff import diff_runs
+from workbench.data.store import Store
+from workbench.model import save_checkpoint
+from workbench.model.tokenizer import DEFAULT_TOKENIZER
+from workbench.run import Workbench
 
 PROMPT = [5, 17, 42, 7, 99, 3, 64, 12]
 EDIT = 4  # position changed in the edited prompt
@@ -124,8 +123,8 @@ def test_figures_and_cli(env, capsys):
 
 def test_table_pair_equals_two_table_reads(env):
     """first_divergence reads both runs of a table in one query: the same frames as one read per run."""
-    from workbench.data import query
     from workbench.analysis.diff import COMPARED
+    from workbench.data import query
 
     a, c = env["fp32"].run_id, env["edited"].run_id
     for table in ("tokens", "attention", "routing", "kv_tokens"):

@@ -13,12 +13,12 @@ from pathlib import Path
 import duckdb
 import polars as pl
 import pytest
+from helpers import kill_when_ready, tiny_model
 
 import workbench
 import workbench.data.store as store_mod
 from workbench.data import query
 from workbench.data.store import Store, process_identity
-from helpers import kill_when_ready, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_PROC = Path("/proc/self/stat").exists()

@@ -4,17 +4,14 @@ from __future__ import annotations
 import duckdb
 import polars as pl
 import pytest
+from helpers import kill_when_ready, tiny_model
 
-from workbench.model.tokenizer import DEFAULT_TOKENIZER
-from workbench.model import save_checkpoint
-from workbench import cli
+from workbench import cli, record
 from workbench.data.export import RUN_TABLES, export_parquet
-from workbench import record
-from helpers import kill_when_ready
-from workbench.data.schema import SCHEMA_VERSION
-from workbench.data.schema import columns
+from workbench.data.schema import SCHEMA_VERSION, columns
 from workbench.data.store import Store
-from helpers import tiny_model
+from workbench.model import save_checkpoint
+from workbench.model.tokenizer import DEFAULT_TOKENIZER
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +91,7 @@ def test_export_marker_and_failure_between_files(env, tmp_path, monkeypatch):
     """A failure between two files leaves whole files only, no temporary file and no _SUCCESS; a rerun
     completes with the marker."""
     import json
+
     import workbench.data.export as export
 
     store = env["store"]

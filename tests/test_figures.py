@@ -10,9 +10,9 @@ import polars as pl
 import pytest
 
 import workbench
+from workbench.data import query
 from workbench.model import ModelArgs, Transformer, load_tokenizer
 from workbench.views import figures
-from workbench.data import query
 
 XSS = "<img src=x onerror=alert(1)>"
 

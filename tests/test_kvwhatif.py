@@ -8,14 +8,14 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from helpers import tiny_model
 
 import workbench
-from workbench.data import query
 from workbench.analysis.kv_policies import COLUMNS, Full, fake_quant, kv_whatif, parse_policy, run_tokens, trace
+from workbench.data import query
+from workbench.data.store import Store
 from workbench.model import save_checkpoint
 from workbench.model.tokenizer import DEFAULT_TOKENIZER
-from workbench.data.store import Store
-from helpers import tiny_model
 
 PROMPT = [5, 17, 3, 99, 42, 7, 250, 11]
 KEEP_ALL = ["window:sink=4,recent=100", "window:sink=100,recent=0", "heavy_hitters:budget=100",

@@ -14,13 +14,13 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from helpers import tiny_model
 
 import workbench
 from workbench.model import MoE, Transformer
 from workbench.model.model import apply_rotary_emb
 from workbench.probes import attach
 from workbench.probes.signals import attention_stats, routing_records, token_confidence
-from helpers import tiny_model
 
 PROMPT = [5, 17, 101, 3, 3, 250, 42, 9, 77, 18, 200, 64]
 NEW = 6

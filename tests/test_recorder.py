@@ -11,15 +11,15 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from helpers import tiny_model
 
 import workbench
-from workbench.model import ModelArgs, Transformer, save_checkpoint
-from workbench.model.tokenizer import DEFAULT_TOKENIZER
 from workbench.capture.recorder import MAX_PROMPT_CHARS
 from workbench.data.signals import PROBES, SIGNALS
 from workbench.data.signals import TABLES as SIGNAL_TABLES
 from workbench.data.store import Store
-from helpers import tiny_model
+from workbench.model import ModelArgs, Transformer, save_checkpoint
+from workbench.model.tokenizer import DEFAULT_TOKENIZER
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,18 +6,17 @@ import shutil
 
 import pytest
 import torch
+from helpers import tiny_model
 
-from workbench.model.tokenizer import DEFAULT_TOKENIZER
+from workbench import cli, record
+from workbench.analysis.diff import first_divergence
+from workbench.analysis.replay import at_step, replay_run, step_range
+from workbench.data.signals import TABLES as SIGNAL_TABLES
+from workbench.data.store import Store
 from workbench.model import ModelArgs, Transformer, load_checkpoint, save_checkpoint, stream
+from workbench.model.tokenizer import DEFAULT_TOKENIZER
 from workbench.probes import attach
 from workbench.probes.signals import attention_stats
-from workbench import cli
-from workbench import record
-from workbench.analysis.diff import first_divergence
-from workbench.data.signals import TABLES as SIGNAL_TABLES
-from workbench.analysis.replay import at_step, replay_run, step_range
-from workbench.data.store import Store
-from helpers import tiny_model
 
 PROMPT = [5, 17, 42, 7, 99, 3]
 NEW = 6

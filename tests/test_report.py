@@ -8,15 +8,14 @@ import re
 from pathlib import Path
 
 import pytest
-
-from workbench.model.tokenizer import DEFAULT_TOKENIZER
-from workbench.model import save_checkpoint
-import workbench
-from workbench import cli
-from workbench import record
-from workbench.views.report import build_report, script_json, write_report
-from workbench.data.store import Store
 from helpers import tiny_model
+
+import workbench
+from workbench import cli, record
+from workbench.data.store import Store
+from workbench.model import save_checkpoint
+from workbench.model.tokenizer import DEFAULT_TOKENIZER
+from workbench.views.report import build_report, script_json, write_report
 
 EVIL = "</script><script>alert(1)</script>"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -182,8 +181,8 @@ def test_cli_report(env, tmp_path, capsys):
 def test_report_leads_with_the_diagnosis(tmp_path):
     """With a baseline profile, a broken head becomes the report's first finding, before any table."""
     import polars as pl
-
     from helpers import tiny_model
+
     from workbench.analysis import faults
 
     model = tiny_model()

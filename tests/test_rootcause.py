@@ -8,17 +8,22 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from helpers import tiny_model
 
 import workbench
-from workbench.model.tokenizer import DEFAULT_TOKENIZER
-from workbench.model import ModelArgs, Transformer
-from workbench.probes import attach
 from workbench.analysis import faults
-from workbench.data import query
+from workbench.analysis.rootcause import (
+    component_ablation,
+    frozen_routing,
+    integrated_gradients,
+    real_routing,
+    target_fn,
+)
 from workbench.cli import main as cli_main
-from workbench.analysis.rootcause import (component_ablation, frozen_routing, integrated_gradients, real_routing,
-                                 target_fn)
-from helpers import tiny_model
+from workbench.data import query
+from workbench.model import ModelArgs, Transformer
+from workbench.model.tokenizer import DEFAULT_TOKENIZER
+from workbench.probes import attach
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,13 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import polars as pl
 import pytest
+from helpers import tiny_model
 
 import workbench
 from workbench.data import sqlsafe
-from workbench.data.sqlsafe import SqlError, readonly_sql, run_readonly
 from workbench.data.schema import columns
+from workbench.data.sqlsafe import SqlError, readonly_sql, run_readonly
 from workbench.data.store import Store, Writer
-from helpers import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 SLACK_S = 1.5  # what a call may take beyond its timeout_s (killing and reaping the worker, a loaded machine)
@@ -452,7 +452,8 @@ def held(tmp_path, monkeypatch):
     """A store whose file a plain DuckDB client in another process holds (it ignores ``.want``)."""
     import subprocess
     import sys
-    from workbench import store as store_mod
+
+    from workbench.data import store as store_mod
     monkeypatch.setattr(store_mod, "LOCK_TIMEOUT_S", 2.0)  # the background wait gives up soon after the test
     s = Store(tmp_path / "held.duckdb")
     s.append({"runs": pl.DataFrame({"run_id": ["r"], "status": ["complete"]})})

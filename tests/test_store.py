@@ -13,12 +13,12 @@ from pathlib import Path
 import duckdb
 import polars as pl
 import pytest
+from helpers import tiny_model
 
 import workbench
 from workbench.data.query import RunNotFound
 from workbench.data.schema import SCHEMA_VERSION, TABLES, columns
 from workbench.data.store import Store, StoreError
-from helpers import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 

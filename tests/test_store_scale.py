@@ -14,9 +14,9 @@ import polars as pl
 import pytest
 
 from workbench.data import query
-from workbench.run import Run
 from workbench.data.signals import TABLES as SIGNAL_TABLES
 from workbench.data.store import Store
+from workbench.run import Run
 
 ROOT = Path(__file__).resolve().parent.parent
 

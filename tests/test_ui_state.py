@@ -11,12 +11,12 @@ import re
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import pytest
+from helpers import free_port, tiny_model
+from test_browser import browser, page, pytestmark  # noqa: F401 - fixtures and the chromium skip
 
 import workbench
 from workbench.data import query
 from workbench.model import load_tokenizer
-from helpers import tiny_model, free_port
-from test_browser import browser, page, pytestmark  # noqa: F401 - fixtures and the chromium skip
 
 IMG = "<img src=x onerror=alert(1)>"
 SCRIPT = "<script>alert(1)</script>"

@@ -11,12 +11,11 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from helpers import tiny_model
 
 import workbench
-from workbench.analysis import codeview
-from workbench.analysis import whatif
+from workbench.analysis import codeview, precision, whatif
 from workbench.model import load_tokenizer
-from helpers import tiny_model
 
 # -- expert cache ------------------------------------------------------------------------------------
 
@@ -111,7 +110,7 @@ INEXACT = {"fp8_e4m3": [448.0, 1.03], "int8": [63.5, 0.3], "bf16": [1.0 + 2.0 **
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8", "bf16"])
 def test_fake_quantization_is_exact_on_representable_values_only(fmt):
-    fq = whatif.FAKE_QUANT[fmt]
+    fq = precision.FAKE_QUANT[fmt]
     x = torch.tensor(EXACT[fmt])
     before = x.clone()
     assert torch.equal(fq(x), x)
@@ -123,7 +122,7 @@ def test_fake_quantization_is_exact_on_representable_values_only(fmt):
     # per-tensor max-abs scaling: the error is relative to the tensor's range
     if fmt != "bf16":
         assert torch.equal(fq(x * 4.0) / 4.0, fq(x))
-    assert torch.equal(whatif.fake_fp32(y), y)
+    assert torch.equal(precision.fake_fp32(y), y)
 
 
 # -- code view ----------------------------------------------------------------------------------------
@@ -242,7 +241,7 @@ def test_precision_probe_on_a_recorded_run(tiny_run):
     model = tiny_run.model()
     sha = state_sha256(model)
     caches = [layer.attn.cache for layer in model.layers]
-    df = tiny_run.precision_probe(formats=["fp32", "int8", whatif.fake_bf16])
+    df = tiny_run.precision_probe(formats=["fp32", "int8", precision.fake_bf16])
     assert df.columns == ["layer", "format", "rel_l2", "delta_nll", "top1_agreement"]
     n_layers = tiny_run.model_summary.n_layers
     assert df.height == 3 * (n_layers + 1) and df["format"].unique(maintain_order=True).to_list() == [

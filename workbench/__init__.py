@@ -6,18 +6,41 @@
     wb = workbench.open()   # the default database
     wb.runs()
 
-Re-exports what a notebook needs from ``model`` and ``probes`` too.
+The rooms (docs/architecture.md): ``workbench.data`` (declarations, schema, store, query: no torch),
+``workbench.capture`` (adapters, probes, recorder), ``workbench.analysis``, ``workbench.views``, and
+``workbench.run`` on top. Re-exports what a notebook needs from ``model`` and ``probes`` too.
 """
-from workbench.model import (ModelArgs, Transformer, generate, load_checkpoint, load_tokenizer)  # noqa: F401
-from workbench.probes import attach, hook_points  # noqa: F401
+from __future__ import annotations
 
-from workbench.capture.adapters import Adapter, ModelSummary, load_adapter
-from workbench.analysis.baseline import profile
+import importlib
+
 from workbench.data.query import RunNotFound
-from workbench.run import Batch, Run, Workbench, open, record, record_many
 from workbench.data.signals import PROBES, REGISTRY
 from workbench.data.store import Store, StoreError, TraceStore, default_db
+from workbench.data.summary import ModelSummary
+from workbench.run import Batch, Run, Workbench, open, record, record_many
+
+# Names whose modules import torch are loaded on first use (PEP 562): reading a stored run needs no torch.
+_LAZY = {
+    "ModelArgs": "workbench.model", "Transformer": "workbench.model", "generate": "workbench.model",
+    "load_checkpoint": "workbench.model", "load_tokenizer": "workbench.model",
+    "attach": "workbench.probes", "hook_points": "workbench.probes",
+    "Adapter": "workbench.capture.adapters", "load_adapter": "workbench.capture.adapters",
+    "profile": "workbench.analysis.baseline",
+}
+_MODULES = {"faults": "workbench.analysis.faults", "tiny": "workbench.capture.tiny"}
 
 __all__ = ["Adapter", "Batch", "ModelArgs", "ModelSummary", "PROBES", "REGISTRY", "Run", "RunNotFound", "Store",
            "StoreError", "Transformer", "Workbench", "attach", "default_db", "generate", "hook_points", "load_adapter",
            "load_checkpoint", "load_tokenizer", "open", "profile", "record", "record_many", "TraceStore"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _MODULES:
+        value = importlib.import_module(_MODULES[name])
+    else:
+        raise AttributeError(f"module 'workbench' has no attribute {name!r}")
+    globals()[name] = value
+    return value

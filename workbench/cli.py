@@ -9,6 +9,9 @@ import argparse
 import importlib
 import sys
 
+from workbench.data.query import RunNotFound
+from workbench.data.store import StoreError
+
 
 def _db(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", default=None, help="DuckDB file (default: $WORKBENCH_DB or data/workbench.duckdb)")
@@ -186,8 +189,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from workbench.data.query import RunNotFound
-    from workbench.data.store import StoreError
 
     name = {"import": "import_traces"}.get(args.command, args.command.replace('-', '_'))  # kv-whatif: kv_whatif.py
     mod = importlib.import_module(f"workbench.commands.{name}")

@@ -9,15 +9,29 @@ from __future__ import annotations
 
 import html
 import json
+import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import polars as pl
 
+from workbench.analysis import anomalies
+from workbench.analysis.anomalies import detect
+from workbench.analysis.codeview import code_view, run_compile_check, token_classes
+from workbench.analysis.diff import diff_runs
+from workbench.analysis.findings import findings
+from workbench.analysis.whatif import expert_cache, fit_latency
 from workbench.data import query
-from workbench.capture.adapters import Adapter, ModelSummary
-from workbench.capture.prompt_sets import BatchRuns
 from workbench.data.signals import PROBES, TABLES
+from workbench.data.sqlsafe import readonly_sql
 from workbench.data.store import Store
+from workbench.data.summary import ModelSummary
+from workbench.views import figures
+from workbench.views.figures import precision_figure
+from workbench.views.report import write_report
+
+if TYPE_CHECKING:  # the adapters import torch; reading a stored run does not need them
+    from workbench.capture.adapters import Adapter
 
 
 class Run:
@@ -29,7 +43,7 @@ class Run:
         self.info = query.run_row(store, run_id)  # raises RunNotFound
         self._adapter: Adapter | None = None
         if model is not None:
-            from workbench.capture.adapters import adapter_for
+            from workbench.capture.adapters import adapter_for  # lazy: imports torch; reading a run needs none
             self._adapter = adapter_for(model)
         self._tokenizer = tokenizer
 
@@ -72,7 +86,7 @@ class Run:
     def adapter(self) -> Adapter:
         """The adapter to re-run this run with: the one it was recorded with, else its checkpoint (hash-checked)."""
         if self._adapter is None:
-            from workbench.capture.resolve import load_for_run
+            from workbench.capture.resolve import load_for_run  # lazy: imports torch; reading a run needs none
             try:
                 self._adapter = load_for_run(self.info)
             except ValueError as e:
@@ -85,7 +99,7 @@ class Run:
 
     def tokenizer(self):
         if self._tokenizer is None:
-            from workbench.model import load_tokenizer
+            from workbench.model import load_tokenizer  # lazy: imports torch; reading a run needs none
             path = Path(self.info["model"]) / "tokenizer.json"
             self._tokenizer = load_tokenizer(path if path.exists() else None)
         return self._tokenizer
@@ -101,20 +115,18 @@ class Run:
     # -- analyses ---------------------------------------------------------------------------------
     def anomalies(self, recompute: bool = False, reference=None, **thresholds) -> pl.DataFrame:
         """Anomalies of this run (detected and stored on first call, or when ``recompute``)."""
-        from workbench.analysis.anomalies import detect
         ref = getattr(reference, "run_id", reference)
         return detect(self.store, self.run_id, recompute=recompute, reference=ref, **thresholds)
 
     def findings(self, **thresholds) -> pl.DataFrame:
         """The run's anomalies grouped into ranked findings: one per component or token span (workbench.analysis.findings)."""
-        from workbench.analysis.findings import findings
         return findings(self.store, self.run_id, **thresholds)
 
     def root_cause(self, pos: int, reference=None, **kw) -> pl.DataFrame:
         """Ranked causes of the token at ``pos``: source tokens (IG), heads, experts, routers (ablation).
 
         ``reference``: a known-good ``Run`` or run id, module, adapter or checkpoint folder (see rootcause)."""
-        from workbench.analysis.rootcause import root_cause
+        from workbench.analysis.rootcause import root_cause  # lazy: imports torch; reading a run needs none
         if isinstance(reference, Run):  # its live adapter, unless the run id's checks (same weights) must speak
             same = reference.info["checkpoint_sha256"] == self.info["checkpoint_sha256"]
             reference = reference.run_id if same or reference._adapter is None else reference._adapter
@@ -124,65 +136,59 @@ class Run:
 
     def suspects(self, pos: int, **kw) -> pl.DataFrame:
         """Components ranked by the findings and the root cause of the token at ``pos`` together."""
-        from workbench.analysis.rootcause import suspects
+        from workbench.analysis.rootcause import suspects  # lazy: imports torch; reading a run needs none
         kw.setdefault("save", False)
         return suspects(self.root_cause(pos, **kw), self.findings())
 
     def at_step(self, t: int):
         """The state of the generation after step ``t``, from the database alone."""
-        from workbench.analysis.replay import at_step
+        from workbench.analysis.replay import at_step  # lazy: imports torch; reading a run needs none
         return at_step(self.store, self.run_id, t)
 
     def replay(self, **kw) -> dict:
         """Re-run this run and compare it with the record (see ``workbench.analysis.replay.replay_run``)."""
-        from workbench.analysis.replay import replay_run
+        from workbench.analysis.replay import replay_run  # lazy: imports torch; reading a run needs none
         return replay_run(self.store, self.run_id, model=kw.pop("model", self._adapter), **kw)
 
     def report(self, out: str | Path | None = None, format: str = "html") -> Path | str:
-        from workbench.views.report import write_report
         return write_report(self, out, format)
 
     # -- what-if on the record (workbench.analysis.whatif, workbench.analysis.codeview) -------------------------------
     def expert_cache(self, slots=(2, 4, 8), predictor: str = "none", decode_only: bool = False) -> pl.DataFrame:
         """Hit rates of a per-layer LRU cache of K expert ``slots`` replayed over this run's routing
         (``predictor``: "none", "prev3" or "lookahead"; ``decode_only``: count generated positions only)."""
-        from workbench.analysis.whatif import expert_cache
         start = int(self.info["n_prompt_tokens"] or 0) if decode_only else 0
         return expert_cache(self.routing(), slots, predictor, count_from=start)
 
     def latency_fit(self, L0: int = 32768):
         """``wall_ms = a * (L / L0)^b + c`` fitted to this run's decode steps (``workbench.analysis.whatif.LatencyFit``)."""
-        from workbench.analysis.whatif import fit_latency
         return fit_latency(self, L0=L0)
 
     def precision_probe(self, formats=("fp8_e4m3", "int8", "bf16"), layers=None,
                         parts=("weights", "activations", "kv"), all_layers: bool = True) -> pl.DataFrame:
         """The recorded tokens re-run teacher-forced with one layer at a time fake-quantized to each format:
-        ``layer, format, rel_l2, delta_nll, top1_agreement`` (``workbench.analysis.whatif.precision_probe``)."""
-        from workbench.analysis.whatif import precision_probe
+        ``layer, format, rel_l2, delta_nll, top1_agreement`` (``workbench.analysis.precision.precision_probe``)."""
+        from workbench.analysis.precision import precision_probe  # lazy: imports torch; reading a run needs none
         return precision_probe(self.adapter(), self.tokens()["token_id"].to_list(), formats, layers, parts,
                                all_layers)
 
     def code_view(self, generated_only: bool = True, per_token: bool = False) -> pl.DataFrame:
         """Confidence and entropy by Python token class (``workbench.analysis.codeview``); ``per_token``: each token's class."""
-        from workbench.analysis.codeview import code_view, token_classes
         return token_classes(self.tokens()) if per_token else code_view(self.tokens(), generated_only)
 
     def compile_check(self) -> dict:
         """``ast.parse`` of the run's text: status, the first syntax error's line, col and token ``pos``."""
-        from workbench.analysis.codeview import run_compile_check
         return run_compile_check(self.tokens())
 
     def fig_precision(self, formats=("fp8_e4m3", "int8", "bf16"), value: str = "delta_nll", **kw):
         """Heat map (layer x format) of ``precision_probe``."""
-        from workbench.views.figures import precision_figure
         return precision_figure(self.precision_probe(formats, **kw), value=value)
 
     def kv_whatif(self, policies, save: bool = True) -> pl.DataFrame:
         """The recorded tokens re-run teacher-forced with each KV-cache policy acting on the cache (spec strings
         such as ``"window:sink=4,recent=64"``): ``policy, bytes_kept, bytes_full, delta_nll, top1_agreement,
         first_divergence, events`` against the full cache (``workbench.analysis.kv_policies``); stored in ``policy_results``."""
-        from workbench.analysis.kv_policies import kv_whatif
+        from workbench.analysis.kv_policies import kv_whatif  # lazy: imports torch; reading a run needs none
         return kv_whatif(self.store, self.run_id, policies, adapter=self.adapter(), save=save)
 
     def policy_results(self) -> pl.DataFrame:
@@ -194,7 +200,6 @@ class Run:
         if name in TABLES:
             return lambda: self.signal(name)
         if name.startswith("fig_"):
-            from workbench.views import figures
             fn = getattr(figures, name, None)
             if fn is not None:
                 return lambda *a, **k: fn(self.store, self.run_id, *a, **k)
@@ -248,12 +253,10 @@ class Workbench:
         return self.run(r["run_id"][0])
 
     def diff(self, a: str, b: str):
-        from workbench.analysis.diff import diff_runs
         return diff_runs(self.store, a, b)
 
     def sql(self, query_text: str, **kw) -> pl.DataFrame:
         """Read-only SQL over the store (row and time limits; see ``workbench.data.sqlsafe``)."""
-        from workbench.data.sqlsafe import readonly_sql
         return readonly_sql(self.store, query_text, **kw)
 
     def record(self, prompt, **kw) -> Run:
@@ -305,7 +308,7 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
         device_map: a transformers folder too large for one device, placed by accelerate ("auto", or
             {module path: device}); recorded through the same adapter and probes.
     """
-    from workbench.capture.recorder import record_run
+    from workbench.capture.recorder import record_run  # lazy: imports torch; reading a run needs none
 
     rid, store, adapter, tok = record_run(
         prompt, model=model, tokenizer=tokenizer, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -316,14 +319,69 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
         try:  # the runs table shows anomaly counts; a detector bug must not lose the recording
             run.anomalies()
         except Exception as e:  # noqa: BLE001
-            import warnings
             warnings.warn(f"anomaly detection failed for run {rid}: {e}")
     return run
 
 
-class Batch(BatchRuns):
-    """The runs of one prompt-set recording (``workbench.capture.prompt_sets.BatchRuns``: frames and figures over all of
-    them), and each of them as a ``Run``."""
+class Batch:
+    """The runs of one prompt-set recording: their list, views over all of them (polars frames, plotly figures),
+    and each of them as a ``Run``.
+
+    ``recorded``: the rows (run_id, key, status, n_tokens, error) of the prompts recorded by the call that
+    returned it; ``skipped``: the keys it skipped as already complete."""
+
+    def __init__(self, store: Store | None, batch_id: str):
+        self.store = store
+        self.batch_id = batch_id
+        self.recorded: list[dict] = []
+        self.skipped: list[str] = []
+
+    def runs(self) -> pl.DataFrame:
+        """run_id, batch_item, status, prompt, n_prompt_tokens, n_tokens, error, created_at (in the set's order
+        of recording)."""
+        return query.batch_runs(self.store, self.batch_id)
+
+    @property
+    def run_ids(self) -> list[str]:
+        return self.runs()["run_id"].to_list()
+
+    def status(self) -> dict[str, int]:
+        """Runs per status."""
+        return dict(self.runs().group_by("status").len().sort("status").iter_rows())
+
+    def expert_load(self) -> pl.DataFrame:
+        """Routed slots per layer x expert summed over the batch's runs, and the share of the layer's slots."""
+        return query.batch_expert_load(self.store, self.batch_id)
+
+    def head_entropy(self) -> pl.DataFrame:
+        """Each run's mean entropy per layer x head (run_id, layer, head, entropy, norm_entropy): the
+        distribution of a head's entropy across the batch."""
+        return query.batch_head_entropy(self.store, self.batch_id)
+
+    def head_entropy_summary(self) -> pl.DataFrame:
+        """Per layer x head over the batch's runs: runs, mean, std, min, p10, median, p90, max of norm_entropy."""
+        return query.batch_head_entropy_summary(self.store, self.batch_id)
+
+    def low_confidence(self, n: int = 20) -> pl.DataFrame:
+        """The ``n`` least confident generated tokens across the batch: run_id, pos, text, confidence, prob, rank."""
+        return query.batch_low_confidence(self.store, self.batch_id, n)
+
+    def search(self, text: str, **kw) -> pl.DataFrame:
+        """``workbench.data.query.search`` within this batch's runs."""
+        return query.search(self.store, text, batch_id=self.batch_id, **kw)
+
+    def fig_expert_load(self):
+        return figures.batch_load_figure(self.expert_load(), self.batch_id)
+
+    def fig_head_entropy(self):
+        return figures.batch_entropy_figure(self.head_entropy(), self.batch_id)
+
+    def fig_low_confidence(self, n: int = 20):
+        return figures.batch_confidence_figure(self.low_confidence(n), self.batch_id)
+
+    def __repr__(self) -> str:
+        st = ", ".join(f"{n} {s}" for s, n in self.status().items()) if self.store is not None else "not opened"
+        return f"Batch({self.batch_id}, {st})"
 
     def run(self, run_id: str) -> Run:
         if run_id not in self.run_ids:
@@ -338,23 +396,25 @@ def record_many(prompts, *, ray: str | bool | None = None, workers: int = 1, **k
     ``ray``: run the set on a Ray Data actor pool instead: True / "auto" (a local cluster, or the one
     ``$RAY_ADDRESS`` names) or a cluster address; needs ``out`` and ``pip install 'moe-workbench[ray]'``;
     ``workers``: actors of the pool (one model each)."""
-    from workbench import batch as _batch
 
+    from workbench.capture import prompt_sets  # lazy: recording imports torch, reading a run does not
+
+    kw["after_run"] = anomalies.detect if kw.pop("detect", True) else None  # capture never imports the analyses
     if ray:
-        from workbench.capture.ray_actors import record_many_ray
+        from workbench.capture.ray_actors import record_many_ray  # lazy: imports torch; reading a run needs none
         if kw.get("out") is None:
             raise ValueError("--ray writes Parquet shards: give --out DIR")
         prep = {k: kw[k] for k in ("model", "batch_id", "max_new_tokens", "temperature", "top_p", "seed", "dtype",
                                     "probes", "topk", "backend") if k in kw}
-        items, settings, batch_id = _batch.prepare(prompts, **prep)
+        items, settings, batch_id = prompt_sets.prepare(prompts, **prep)
         rows = record_many_ray(items, out=kw["out"], batch_id=batch_id, model=kw.get("model"),
-                               tokenizer=kw.get("tokenizer"), settings=settings, detect=kw.get("detect", True),
+                               tokenizer=kw.get("tokenizer"), settings=settings, after_run=kw["after_run"],
                                progress=kw.get("progress", True), address=None if ray in (True, "auto") else str(ray),
-                               workers=workers, batch_size=kw.get("batch_size", _batch.BATCH_SIZE))
-        res = _batch.BatchRuns(Store(kw["out"]), batch_id)
-        res.recorded = rows
-    else:
-        res = _batch.record_many(prompts, **kw)
+                               workers=workers, batch_size=kw.get("batch_size", prompt_sets.BATCH_SIZE))
+        out = Batch(Store(kw["out"]), batch_id)
+        out.recorded = rows
+        return out
+    res = prompt_sets.record_many(prompts, **kw)
     out = Batch(res.store, res.batch_id)
     out.recorded, out.skipped = res.recorded, res.skipped
     return out

@@ -43,9 +43,11 @@ from typing import Any
 
 import numpy as np
 import polars as pl
+from scipy.stats import binom, chi2, false_discovery_control, norm
 
+from workbench.analysis.baseline import bucket_of, load_profile, tail_p
 from workbench.data import query
-from workbench.analysis.baseline import bucket_of, tail_p
+from workbench.data.schema import columns
 
 SCHEMA = {"kind": pl.Utf8, "severity": pl.Utf8, "pos": pl.Int32, "layer": pl.Int32, "head": pl.Int32,
           "expert": pl.Int32, "score": pl.Float64, "threshold": pl.Float64, "explanation": pl.Utf8}
@@ -180,7 +182,6 @@ class Baseline:
 
 
 def _norm_sf(z: np.ndarray) -> np.ndarray:
-    from scipy.stats import norm
     return np.clip(norm.sf(z), 1e-300, 1.0)
 
 
@@ -245,7 +246,6 @@ def kv_tests(kv_tokens: pl.DataFrame, base: Baseline, min_positions: int = 8) ->
 
 def expert_tests(routing: pl.DataFrame, n_experts: int, base: Baseline) -> pl.DataFrame:
     """``overloaded_expert`` / ``dead_expert`` per (layer, expert) and ``routing_collapse`` per layer."""
-    from scipy.stats import binom, chi2
 
     if routing.height == 0 or n_experts < 2:
         return _tests()
@@ -328,7 +328,6 @@ def non_finite(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
 # -- the decision: one correction over every test of the run ---------------------------------------
 def decide(tests: pl.DataFrame, alpha: float = 0.01, critical_q: float = 1e-6) -> pl.DataFrame:
     """Benjamini-Hochberg over all ``tests`` of a run; rows with q <= alpha, in the output schema."""
-    from scipy.stats import false_discovery_control
 
     if tests.height == 0:
         return empty()
@@ -411,7 +410,6 @@ def detect(store, run_id: str, recompute: bool = False, reference: str | None = 
 
     Returns: the ``anomalies`` rows of the run (without ``run_id``), most severe first.
     """
-    from workbench.analysis.baseline import load_profile
 
     if not (recompute or thresholds or reference is not None):
         have = query.anomalies(store, run_id)
@@ -431,7 +429,6 @@ def detect(store, run_id: str, recompute: bool = False, reference: str | None = 
     df = df.with_columns(pl.lit(run_id).alias("run_id"),
                          pl.arange(0, df.height, dtype=pl.Int32).alias("anomaly_id"))
     if getattr(store, "read_only", False):  # a folder of Parquet shards (TraceStore): computed, not stored
-        from workbench.data.schema import columns
         sev = pl.col("severity").replace_strict({"critical": 0, "warning": 1}, default=2, return_dtype=pl.Int32)
         return df.select([c for c in columns("anomalies") if c in df.columns and c != "run_id"]).sort(
             [sev, pl.col("score"), pl.col("anomaly_id")], descending=[False, True, False], nulls_last=True)

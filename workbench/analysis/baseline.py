@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+from tqdm import tqdm
 
 from workbench.data import query
 from workbench.data.store import Store
@@ -212,8 +213,10 @@ def profile(prompts, *, model=None, db=None, max_new_tokens: int = 32, tokenizer
     Args:
         prompts: a prompt-set path (workbench.capture.prompts: JSONL, folder of .txt, or .txt) or a list of strings.
     """
+    # lazy: recording imports torch; reading a profile (the detectors, a stored run's report) must not
     from workbench.capture.prompts import load_prompts
     from workbench.capture.recorder import record_run
+
 
     items = load_prompts(prompts) if isinstance(prompts, (str, Path)) else [{"prompt": p, "id": str(i)}
                                                                            for i, p in enumerate(prompts)]
@@ -221,7 +224,6 @@ def profile(prompts, *, model=None, db=None, max_new_tokens: int = 32, tokenizer
     run_ids, sha, adapter = [], None, model
     bar = None
     if progress:
-        from tqdm import tqdm
         bar = tqdm(total=len(items), desc="profile", unit="prompt")
     for it in items:
         rid, _, adapter, tokenizer = record_run(  # the model is loaded once, then reused for every prompt

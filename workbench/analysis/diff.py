@@ -10,10 +10,10 @@ import html
 import json
 import math
 from dataclasses import dataclass
-
-import polars as pl
-
 from typing import Any
+
+import plotly.graph_objects as go
+import polars as pl
 
 from workbench.data import query
 from workbench.data.signals import TABLES as SIGNAL_TABLES
@@ -56,7 +56,6 @@ class RunDiff:
     def figures(self) -> dict:
         """Plotly figures: ``confidence`` (both runs along positions), ``delta`` (change in logprob and
         confidence), ``heads`` (layer x head change in mean entropy), ``routing`` (share changed per layer)."""
-        import plotly.graph_objects as go
 
         t = self.tokens
         first = self.summary.get("first_divergence_pos")

@@ -16,6 +16,8 @@ from typing import Iterator
 import torch
 
 from workbench.capture.adapters import Adapter, Route, adapter_for
+from workbench.model import Transformer
+from workbench.probes import attach
 
 
 def _check_layer(a: Adapter, layer: int) -> None:
@@ -128,7 +130,6 @@ def break_shared(model, layer: int, scale: float = 30.0) -> Iterator[None]:
 
 
 def _native(model, what: str):
-    from workbench.model import Transformer
 
     a = adapter_for(model)
     if not isinstance(a.module, Transformer):
@@ -139,7 +140,6 @@ def _native(model, what: str):
 @contextlib.contextmanager
 def inject_nan(model, layer: int, pos: int) -> Iterator[None]:
     """Make the residual stream after block ``layer`` NaN at position ``pos`` (our Transformer)."""
-    from workbench.probes import attach
 
     a = _native(model, "inject_nan")
     _check_layer(a, layer)

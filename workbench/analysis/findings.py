@@ -22,7 +22,9 @@ from __future__ import annotations
 import math
 
 import polars as pl
+from scipy.stats import hypergeom
 
+from workbench.analysis.anomalies import detect
 from workbench.data import query
 
 SCHEMA = {"rank": pl.Int32, "component": pl.Utf8, "layer": pl.Int32, "head": pl.Int32, "expert": pl.Int32,
@@ -122,7 +124,6 @@ def group_findings(anomalies: pl.DataFrame, routing: pl.DataFrame | None = None,
 def _concentrated_expert(routing: pl.DataFrame | None, layer: int, positions: list[int]) -> tuple[int, int] | None:
     """(expert, count) if the positions are routed to one expert of ``layer`` far more than the run's other
     positions are (hypergeometric p < 1e-3 and at least 80% of them), else None."""
-    from scipy.stats import hypergeom
 
     if routing is None or routing.height == 0 or len(positions) < 2:
         return None
@@ -144,7 +145,6 @@ def _concentrated_expert(routing: pl.DataFrame | None, layer: int, positions: li
 
 def findings(store, run_id: str, **thresholds) -> pl.DataFrame:
     """The run's findings, ranked (detecting its anomalies first if that never ran)."""
-    from workbench.analysis.anomalies import detect
 
     rows = detect(store, run_id, **thresholds)
     s = query.run_summary(store, run_id)

@@ -63,6 +63,7 @@ import numpy as np
 import polars as pl
 import torch
 
+from workbench.capture.resolve import load_for_run
 from workbench.data import query
 from workbench.data.store import Store
 
@@ -550,7 +551,6 @@ def kv_whatif(store: Store, run_id: str, policies, adapter=None, save: bool = Tr
     pols = list(unique.values())
     ids, n_prompt = run_tokens(store, run_id)
     if adapter is None:
-        from workbench.capture.resolve import load_for_run
         adapter = load_for_run(query.run_row(store, run_id))
     base = trace(adapter, ids, n_prompt, Full())
     rows = []

@@ -14,8 +14,14 @@ from pathlib import Path
 
 import polars as pl
 
+from workbench.analysis.anomalies import detect
+from workbench.analysis.diff import first_divergence
+from workbench.capture.recorder import record_run
+from workbench.capture.resolve import load_for_run
 from workbench.data import query
+from workbench.data.signals import PROBES
 from workbench.data.store import Store
+
 
 @dataclass
 class StepState:
@@ -125,11 +131,6 @@ def replay_run(store: Store, run_id: str, *, model=None, tokenizer=None, tol: fl
     Raises:
         ValueError: checkpoint hash differs, the model is not available, or the run has no prompt ids.
     """
-    from workbench.analysis.anomalies import detect
-    from workbench.analysis.diff import first_divergence
-    from workbench.capture.recorder import record_run
-    from workbench.capture.resolve import load_for_run
-    from workbench.data.signals import PROBES
 
     info = query.run_row(store, run_id)
     params = json.loads(info["params"] or "{}")

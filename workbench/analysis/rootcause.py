@@ -53,9 +53,12 @@ from typing import Callable, Iterator
 import numpy as np
 import polars as pl
 import torch
+from captum.attr import FeatureAblation, LayerIntegratedGradients
 
-from workbench.data import query
 from workbench.capture.adapters import Adapter, Route, adapter_for, load_adapter
+from workbench.capture.resolve import load_for_run
+from workbench.data import query
+from workbench.model import file_sha256
 
 MODES = ("auto", "frozen", "plain")
 METHOD = {"frozen": "ig_routing_frozen", "plain": "ig_plain"}
@@ -111,7 +114,6 @@ def integrated_gradients(model, ids: torch.Tensor, target_id: int, *, steps: int
         mode: "frozen" (routing-frozen) or "plain".
     Returns: (attribution per token [T], captum's convergence delta, f(x) - f(baseline)).
     """
-    from captum.attr import LayerIntegratedGradients
 
     if mode not in ("frozen", "plain"):
         raise ValueError(f"mode must be 'frozen' or 'plain' here, got {mode!r}")
@@ -139,7 +141,6 @@ def component_ablation(model, ids: torch.Tensor, target_id: int,
 
     Returns: (components, effects [C] in nats).
     """
-    from captum.attr import FeatureAblation
 
     adapter = adapter_for(model)
     comps = adapter.components()
@@ -209,7 +210,6 @@ def reference_adapter(reference, store, info: dict, like: Adapter) -> Adapter:
     Args:
         reference: a run id of ``store``, a module or adapter, or a checkpoint folder.
     """
-    from workbench.capture.resolve import load_for_run
 
     same = (f"would be the same model on the same tokens as run {info['run_id']} (same weights, dtype and "
             "tokens): every score would be 0; pick a run or checkpoint of a different model, dtype or prompt")
@@ -228,7 +228,6 @@ def reference_adapter(reference, store, info: dict, like: Adapter) -> Adapter:
             raise ValueError(f"reference run {ref_info['run_id']} {same}")
         ref = load_for_run(ref_info, verify=False)
     elif isinstance(reference, (str, Path)):
-        from workbench.model import file_sha256
         if file_sha256(reference) == info.get("checkpoint_sha256") and info.get("dtype") == "float32":
             raise ValueError(f"reference checkpoint {reference} {same}")
         ref = load_adapter(reference)
@@ -311,7 +310,6 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
     Returns: columns target_pos, kind (token|head|expert|shared_expert|router), layer, head, expert,
         source_pos, score (nats of the target logprob), rank (1 = most responsible), method, delta.
     """
-    from workbench.capture.resolve import load_for_run
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

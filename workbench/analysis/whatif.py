@@ -1,4 +1,4 @@
-"""What-if analyses on recorded runs: an expert cache, latency against context, precision sensitivity.
+"""What-if analyses on recorded runs: an expert cache, latency against context.
 
 Pure functions over polars frames (a run's ``routing`` / ``steps`` tables) or an ``Adapter``; ``Run``'s
 methods (``run.expert_cache``, ``run.latency_fit``, ``run.precision_probe``) are thin wrappers. This
@@ -35,24 +35,18 @@ by ``scipy.optimize.curve_fit`` to decode steps, ``L`` = the cached length the s
 (``n_prompt_tokens + step - 1`` tokens before the fed one). The seed documents' fit: a = 12.4, b = 1.38,
 c = 8.2 (``SEED_LATENCY``).
 
-**Precision sensitivity** (``precision_probe``): the run's recorded tokens re-run teacher-forced with
-one layer's weights, activations and KV cache fake-quantized (per-tensor max-abs scaling), one layer
-at a time (and all layers together), against the unquantized forward. The fake-quantization
-functions are pure and live in ``FAKE_QUANT`` below.
+Precision sensitivity lives in ``workbench.analysis.precision`` (it runs the model; this module needs no torch).
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import weakref
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import polars as pl
-import torch
-from torch import nn
+from scipy.optimize import curve_fit
 
 PREDICTORS = ("none", "prev3", "lookahead")
 PREV_WINDOW = 3
@@ -248,7 +242,6 @@ def fit_latency(*sources, L0: int = L0, p0: tuple[float, float, float] | None = 
     The fit runs on ``x = L / max(L)`` (well scaled whatever L0 is) with a >= 0 and 0 <= b <= 8, and is
     mapped back: ``a = A * (L0 / max L)^b``, its standard error by the delta method.
     """
-    from scipy.optimize import curve_fit
 
     if not sources:
         raise ValueError("give at least one run or frame to fit")
@@ -281,251 +274,3 @@ def fit_latency(*sources, L0: int = L0, p0: tuple[float, float, float] | None = 
     res = pl.DataFrame({"L": L, "wall_ms": y, "fitted": fitted, "residual": y - fitted}).sort("L")
     return LatencyFit(a=a, b=b, c=c, a_se=se(var_a), b_se=se(pcov[1, 1]), c_se=se(pcov[2, 2]), L0=int(L0),
                       residuals=res)
-
-
-# -- precision sensitivity: fake quantization (pure) -----------------------------------------------
-
-FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448 (the seeds round it to 440)
-INT8_MAX = 127
-
-
-def _amax(x: torch.Tensor) -> torch.Tensor:
-    """Largest finite |x| (0 when there is none)."""
-    a = x.abs()
-    return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax() if a.numel() else torch.zeros(())
-
-
-def fake_fp8_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """FP8 E4M3 round trip with a per-tensor max-abs scale: ``x * s`` -> float8_e4m3fn -> ``/ s``,
-    ``s = 448 / max|x|`` (the largest |x| maps to the format's largest value). Exact for tensors whose
-    scaled values are E4M3 numbers (3 mantissa bits), e.g. ones whose max-abs is 448."""
-    xf = x.float()
-    amax = _amax(xf)
-    if amax == 0:
-        return x.clone()
-    s = FP8_E4M3_MAX / amax
-    q = (xf * s).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
-    return (q / s).to(x.dtype)
-
-
-def fake_int8(x: torch.Tensor) -> torch.Tensor:
-    """Symmetric int8 round trip with a per-tensor max-abs scale: ``q = clamp(round(x / s), -127, 127)``,
-    ``s = max|x| / 127``, back to ``q * s``. Exact for integer multiples of ``max|x| / 127``."""
-    xf = x.float()
-    amax = _amax(xf)
-    if amax == 0:
-        return x.clone()
-    s = amax / INT8_MAX
-    q = torch.clamp(torch.round(xf / s), -INT8_MAX, INT8_MAX)
-    return (q * s).to(x.dtype)
-
-
-def fake_bf16(x: torch.Tensor) -> torch.Tensor:
-    """bfloat16 round trip (round to nearest even; 8 bits of mantissa, fp32's range: no scale needed)."""
-    return x.to(torch.bfloat16).to(x.dtype)
-
-
-def fake_fp32(x: torch.Tensor) -> torch.Tensor:
-    """float32 round trip: exact for fp32, bf16 and fp16 models (the control: changes nothing)."""
-    return x.to(torch.float32).to(x.dtype)
-
-
-FAKE_QUANT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "fp8_e4m3": fake_fp8_e4m3, "int8": fake_int8, "bf16": fake_bf16, "fp32": fake_fp32}
-PARTS = ("weights", "activations", "kv")
-PRECISION_COLUMNS = {"layer": pl.Int64, "format": pl.String, "rel_l2": pl.Float64, "delta_nll": pl.Float64,
-                     "top1_agreement": pl.Float64}
-
-
-def _blocks(adapter) -> nn.ModuleList:
-    layers = getattr(adapter, "layers", None)  # HFAdapter keeps its decoder layers
-    return layers if layers is not None else adapter.module.layers
-
-
-def _routers(adapter, i: int) -> list[nn.Module]:
-    """The router modules of block ``i`` (kept in full precision, as DeepSeek-V3's FP8 recipe keeps its gate)."""
-    moe = getattr(adapter, "moe", None)
-    if isinstance(moe, dict):  # HFAdapter: layer -> (block, router, experts, math)
-        return [moe[i][1]] if i in moe else []
-    gate = getattr(getattr(_blocks(adapter)[i], "ffn", None), "gate", None)
-    return [gate] if gate is not None else []
-
-
-def _fused_experts(adapter, i: int) -> list[nn.Module]:
-    """HF expert modules that hold their weights as stacked tensors (no nn.Linear inside)."""
-    moe = getattr(adapter, "moe", None)
-    if not isinstance(moe, dict) or i not in moe:
-        return []
-    experts = moe[i][2]
-    return [] if any(isinstance(m, nn.Linear) for m in experts.modules()) else [experts]
-
-
-# transformers models: module -> {layer: fake quantizer} for the keys and values their cache receives
-_HF_KV: "weakref.WeakKeyDictionary[nn.Module, dict[int, Callable]]" = weakref.WeakKeyDictionary()
-
-
-def _kv_points(block: nn.Module) -> list[nn.Module]:
-    """Our MLA's cache hook points, whose output is what the layer caches (the latent and the rope key)."""
-    cache = getattr(getattr(block, "attn", None), "cache", None)
-    return [cache.hook_latent, cache.hook_rope] if cache is not None else []
-
-
-@contextlib.contextmanager
-def quantized(adapter, layer: int, fq: Callable[[torch.Tensor], torch.Tensor],
-              parts: Sequence[str] = PARTS) -> Iterator[None]:
-    """Fake-quantize block ``layer`` for the duration: its weights (every >= 2-D parameter but the router's;
-    stacked 3-D expert weights per expert), the inputs of its linear layers (and of fused expert modules),
-    and what it caches (our MLA: the latent and rope key written to its cache; transformers models: the
-    keys and values handed to the cache, as the attention reads them back). Weights are restored on exit.
-    The KV part needs the forwards of ``precision_probe`` (a cache in use)."""
-    bad = set(parts) - set(PARTS)
-    if bad:
-        raise ValueError(f"unknown parts {sorted(bad)}; choose from {PARTS}")
-    block = _blocks(adapter)[layer]
-    skip = {id(p) for r in _routers(adapter, layer) for p in r.parameters()}
-    skip_mods = {id(m) for r in _routers(adapter, layer) for m in r.modules()}
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-    handles = []
-    try:
-        if "weights" in parts:
-            with torch.no_grad():
-                for p in block.parameters():
-                    if p.ndim < 2 or id(p) in skip:
-                        continue
-                    saved.append((p, p.detach().clone()))
-                    q = torch.stack([fq(w) for w in p.detach()]) if p.ndim == 3 else fq(p.detach())
-                    p.copy_(q)
-        if "activations" in parts:
-            def pre(_m, args, kwargs):
-                if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
-                    return (fq(args[0]), *args[1:]), kwargs
-                if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-                    return args, {**kwargs, "hidden_states": fq(kwargs["hidden_states"])}
-                return None
-            mods = [m for m in block.modules() if isinstance(m, nn.Linear) and id(m) not in skip_mods]
-            mods += _fused_experts(adapter, layer)
-            handles += [m.register_forward_pre_hook(pre, with_kwargs=True) for m in mods]
-        if "kv" in parts:
-            points = _kv_points(block)
-            handles += [m.register_forward_hook(lambda _m, _a, out: fq(out) if isinstance(out, torch.Tensor) else None)
-                        for m in points]
-            if not points:
-                hf_kv = _HF_KV.setdefault(adapter.module, {})
-                hf_kv[layer] = fq
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-        if "kv" in parts and layer in _HF_KV.get(adapter.module, {}):
-            del _HF_KV[adapter.module][layer]
-        with torch.no_grad():
-            for p, old in saved:
-                p.copy_(old)
-
-
-@contextlib.contextmanager
-def _teacher_forcing(adapter, length: int) -> Iterator[None]:
-    """Full forwards without gradients; our Transformer with a fresh latent cache (so its cache, the
-    thing to quantize, exists), the generation's own cache put back afterwards."""
-    from workbench.model import Transformer
-
-    m = adapter.module
-    native = isinstance(m, Transformer)
-    caches = [layer.attn.cache for layer in m.layers] if native else None
-    try:
-        with torch.no_grad():
-            if native:
-                m.setup_cache(batch=1, max_len=length)
-            yield
-    finally:
-        if native:
-            for layer, c in zip(m.layers, caches):
-                layer.attn.cache = c
-
-
-def _forward(adapter, ids: torch.Tensor) -> torch.Tensor:
-    """Logits of one full forward through a cache: our latent cache (set up by ``_teacher_forcing``), or a
-    fresh ``transformers`` cache whose ``update`` quantizes the layers ``quantized`` names."""
-    from workbench.model import Transformer
-
-    m = adapter.module
-    if isinstance(m, Transformer):
-        return m(ids, start_pos=0).float()
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=m.config)
-    update = cache.update
-    kv = _HF_KV.get(m, {})
-
-    def quantized_update(key, value, layer_idx, *args, **kwargs):
-        fq = kv.get(layer_idx)
-        if fq is not None:
-            key, value = fq(key), fq(value)
-        return update(key, value, layer_idx, *args, **kwargs)
-
-    cache.update = quantized_update
-    adapter._pos = 0  # the HF adapter's position counter (its attention probe reads it)
-    return m(ids, cache=cache, use_cache=True).logits.float()
-
-
-def _compare(ref: torch.Tensor, got: torch.Tensor, targets: torch.Tensor, ref_nll: torch.Tensor) -> tuple:
-    """(relative L2 of the logits, mean NLL change, top-1 agreement) over the predicting positions."""
-    rel = float(torch.linalg.vector_norm(got - ref) / torch.linalg.vector_norm(ref).clamp(min=1e-30))
-    nll = -torch.log_softmax(got, -1).gather(-1, targets[:, None])[:, 0]
-    return rel, float((nll - ref_nll).mean()), float((got.argmax(-1) == ref.argmax(-1)).double().mean())
-
-
-def precision_probe(adapter, ids: Sequence[int], formats: Sequence = ("fp8_e4m3", "int8", "bf16"),
-                    layers: Sequence[int] | None = None, parts: Sequence[str] = PARTS,
-                    all_layers: bool = True) -> pl.DataFrame:
-    """How much each layer's output suffers when it runs in a lower precision, on the recorded tokens.
-
-    Teacher-forced: one forward over ``ids`` (the run's tokens, prompt and generated) as the reference,
-    then per format and per layer the same forward with that layer fake-quantized (``quantized``), and,
-    with ``all_layers``, every layer at once (``layer`` null).
-
-    Args:
-        adapter: the model (``run.adapter()``).
-        formats: names in ``FAKE_QUANT`` or callables ``tensor -> tensor`` (named by ``__name__``).
-        layers: blocks to probe (default all).
-        parts: any of ``"weights"``, ``"activations"``, ``"kv"``.
-
-    Returns ``layer, format, rel_l2, delta_nll, top1_agreement``: the relative L2 distance of the final
-    logits from the reference's (all predicting positions 0..T-2), the mean change of the recorded tokens'
-    negative log-likelihood in nats (positive: the format hurts), and the share of positions whose argmax
-    stays the reference's.
-    """
-    ids = [int(i) for i in ids]
-    if len(ids) < 2:
-        raise ValueError("the precision probe needs at least 2 tokens (one predicted)")
-    fns: list[tuple[str, Callable]] = []
-    for f in formats:
-        if callable(f):
-            fns.append((getattr(f, "__name__", "custom"), f))
-        elif f in FAKE_QUANT:
-            fns.append((f, FAKE_QUANT[f]))
-        else:
-            raise ValueError(f"unknown format {f!r}; choose from {', '.join(FAKE_QUANT)} or pass a function")
-    n_layers = len(_blocks(adapter))
-    layers = list(range(n_layers)) if layers is None else [int(i) for i in layers]
-    for i in layers:
-        if not 0 <= i < n_layers:
-            raise ValueError(f"layer {i} out of range: the model has layers 0..{n_layers - 1}")
-    x = torch.tensor([ids], device=adapter.device)
-    targets = x[0, 1:]
-    rows = []
-    with _teacher_forcing(adapter, len(ids)):
-        ref = _forward(adapter, x)[0, :-1]
-        ref_nll = -torch.log_softmax(ref, -1).gather(-1, targets[:, None])[:, 0]
-        for name, fq in fns:
-            for i in layers:
-                with quantized(adapter, i, fq, parts):
-                    got = _forward(adapter, x)[0, :-1]
-                rows.append((i, name, *_compare(ref, got, targets, ref_nll)))
-            if all_layers:
-                with contextlib.ExitStack() as stack:
-                    for i in layers:
-                        stack.enter_context(quantized(adapter, i, fq, parts))
-                    got = _forward(adapter, x)[0, :-1]
-                rows.append((None, name, *_compare(ref, got, targets, ref_nll)))
-    return pl.DataFrame(rows, schema=PRECISION_COLUMNS, orient="row")

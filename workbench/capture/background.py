@@ -6,7 +6,7 @@ made a Record-tab recording 4-5x slower: benchmarks/RESULTS.md "UI under load").
 recordings in one long-lived worker process instead (started on the first recording, the default model
 loaded there once): the worker has an interpreter of its own and does all the model's and the probes' work.
 
-The database file stays with the app's process: the worker's ``record_run`` (and then the anomaly detectors)
+The database file stays with the app's process: the worker's ``record_run`` (and then ``after_run``, e.g. the detectors)
 write through a tee that keeps the run in a private DuckDB file of the worker (the detectors read it back
 there) and sends each committed batch, replaced rows and run update over a connection, and a thread of the
 app applies them to the app's ``Store`` in order (a DuckDB file can be held by one process at a time; handing
@@ -21,11 +21,16 @@ import pickle
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from multiprocessing.connection import Client, Listener
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from workbench.capture.recorder import record_run
 from workbench.data.store import FINAL_STATUSES, Store
 
 START_TIMEOUT_S = 120.0  # for the worker to import torch and connect back
@@ -84,16 +89,10 @@ def _serve(address: str, authkey: bytes) -> None:
     told to stop (None) or the app goes away."""
     conn = Client(address, authkey=authkey)
     model, tokenizer, threads, path = conn.recv()
-    import torch
 
     if threads > 0:
         torch.set_num_threads(threads)
-    from workbench.capture.recorder import record_run
 
-    import tempfile
-    from pathlib import Path
-
-    from workbench.analysis.anomalies import detect as detect_anomalies
 
     events = _Events(conn)
     tmp = Path(tempfile.mkdtemp(prefix="workbench-recorder-"))
@@ -107,7 +106,7 @@ def _serve(address: str, authkey: bytes) -> None:
                 return
             if job is None:
                 return
-            rid, prompt, checkpoint, kw, profiles, detect = job
+            rid, prompt, checkpoint, kw, profiles, after_run = job
             try:
                 chosen = checkpoint or model
                 if chosen is None:  # the bundled demo, loaded once
@@ -124,12 +123,12 @@ def _serve(address: str, authkey: bytes) -> None:
                 finally:
                     events.put(("done", rid, _portable(e)))
                 continue
-            if detect:
+            if after_run is not None:
                 try:  # as workbench.record: a detector bug must not lose the recording
-                    detect_anomalies(tee, rid)
+                    after_run(tee, rid)
                 except Exception as e:  # noqa: BLE001
                     import warnings
-                    warnings.warn(f"anomaly detection failed for run {rid}: {e}")
+                    warnings.warn(f"{getattr(after_run, '__name__', 'after_run')} failed for run {rid}: {e}")
             try:
                 tee.mirror.delete_run(rid)  # the app's store has it now
             finally:
@@ -187,18 +186,18 @@ class RecordingProcess:
         self._proc, self._conn = proc, conn
         threading.Thread(target=self._pump, args=(proc, conn), name="workbench-recorder-pump", daemon=True).start()
 
-    def record(self, run_id: str, prompt: str, checkpoint: str | None = None, detect: bool = True,
+    def record(self, run_id: str, prompt: str, checkpoint: str | None = None, after_run=None,
                **kw) -> queue.Queue:
-        """Queue one recording (``record_run``'s keyword arguments; ``detect``: then run the anomaly detectors
-        there, against this store's profiles, as ``workbench.record`` does); its events come on the returned
-        queue."""
+        """Queue one recording (``record_run``'s keyword arguments; ``after_run(store, run_id)``: a module-level
+        function (it is pickled by name) run there once the run is recorded, against this store's profiles,
+        e.g. the anomaly detectors as ``workbench.record`` does); its events come on the returned queue."""
         profiles = self.store.sql("SELECT * FROM profiles")
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._start()
             q: queue.Queue = queue.Queue()
             self._waiting[run_id] = q
-            self._conn.send((run_id, prompt, checkpoint, kw, profiles, detect))
+            self._conn.send((run_id, prompt, checkpoint, kw, profiles, after_run))
         return q
 
     def _pump(self, proc, conn) -> None:

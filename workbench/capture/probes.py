@@ -17,8 +17,15 @@ from workbench.capture.adapters.base import Adapter, Route
 from workbench.capture.rows import add_received, attention_rows, kv_rows, kv_token_cols, steps_rows, token_frame
 from workbench.data.rows import Rows
 from workbench.data.signals import SIGNALS
-from workbench.probes.signals import (attention_received, attention_row_stats, attention_stats, kv_token_norms,
-                                      reduced_row_stats, reduced_stats, routing_records)
+from workbench.probes.signals import (
+    attention_received,
+    attention_row_stats,
+    attention_stats,
+    kv_token_norms,
+    reduced_row_stats,
+    reduced_stats,
+    routing_records,
+)
 
 
 @dataclass

@@ -22,14 +22,21 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 import polars as pl
+from tqdm import tqdm
 
+from workbench.capture.adapters import load_adapter
+from workbench.capture.prompts import FIELDS, load_prompt_set, prompt_key
+from workbench.capture.recorder import DTYPES, new_run_id, record_batch, record_run, resolve_tokenizer
 from workbench.data import query
+from workbench.data.export import write_run
 from workbench.data.signals import PROBES
-from workbench.data.store import Store
+from workbench.data.store import Store, complete_runs
 
 PER_PROMPT = ("max_new_tokens", "temperature", "seed")
 BATCH_SIZE = 8  # prompts per batched generation (record_many's default)
@@ -40,7 +47,6 @@ def prompt_items(prompts) -> list[dict]:
     """A prompt set as dicts with ``prompt``, ``key`` and per-prompt settings: a path (``.jsonl``, ``.txt`` or a
     folder: ``workbench.capture.prompts.load_prompt_set``), a list of strings, or a list of dicts (``prompt`` and optional
     ``id``, ``max_new_tokens``, ``temperature``, ``seed``)."""
-    from workbench.capture.prompts import FIELDS, load_prompt_set, prompt_key
 
     if isinstance(prompts, (str, Path)):
         return load_prompt_set(prompts)
@@ -71,7 +77,6 @@ def batch_id_for(items: list[dict], settings: dict) -> str:
 def completed(store: Store | None, out: str | Path | None, batch_id: str) -> set[str]:
     """Keys of the batch's prompts that already have a ``complete`` run (in the database, or in ``out``)."""
     if out is not None:
-        from workbench.data.store import complete_runs
         return {m.get("batch_item") for m in complete_runs(out).values()
                 if m.get("batch_id") == batch_id and m.get("status") == "complete"}
     df = store.sql("SELECT DISTINCT batch_item FROM runs WHERE batch_id = ? AND status = 'complete'", [batch_id])
@@ -91,10 +96,9 @@ def _failed_row(store: Store, run_id: str, item: dict, label: str, error: str, s
 
 
 def record_one(item: dict, *, store: Store, batch_id: str, adapter, tokenizer, label: str, settings: dict,
-               detect: bool = True) -> dict:
+               after_run=None) -> dict:
     """Record one prompt of a batch into ``store`` (never raises for the prompt's own failure); returns
     ``{run_id, key, status, n_tokens, error}``."""
-    from workbench.capture.recorder import new_run_id, record_run
 
     kw = {**settings, **{k: item[k] for k in PER_PROMPT if k in item}}
     run_id = new_run_id()
@@ -104,18 +108,17 @@ def record_one(item: dict, *, store: Store, batch_id: str, adapter, tokenizer, l
                    run_fields={"batch_id": batch_id, "batch_item": item["key"]}, **kw)
     except Exception as e:  # noqa: BLE001 - one prompt's failure is that run's, not the batch's
         error = f"{type(e).__name__}: {e}"
-    return _finished(store, run_id, item, error, label, kw.get("seed"), batch_id, detect)
+    return _finished(store, run_id, item, error, label, kw.get("seed"), batch_id, after_run)
 
 
 def record_group(items: list[dict], *, store: Store, batch_id: str, adapter, tokenizer, label: str, settings: dict,
-                 detect: bool = True) -> list[dict]:
+                 after_run=None) -> list[dict]:
     """Record prompts of a batch together, in one batched generation (``workbench.capture.recorder.record_batch``) when
     the model's adapter has one, else one by one (``record_one``); one row per prompt, as ``record_one``'s."""
-    from workbench.capture.recorder import new_run_id, record_batch, record_run
 
     if len(items) == 1 or not adapter.supports_batch:
         return [record_one(item, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tokenizer, label=label,
-                           settings=settings, detect=detect) for item in items]
+                           settings=settings, after_run=after_run) for item in items]
     params = inspect.signature(record_run).parameters  # the settings an item leaves out: record_run's defaults
     defaults = {k: params[k].default for k in ("max_new_tokens", "temperature", "top_p", "seed")}
     kws = [{**defaults, **settings, **{k: item[k] for k in PER_PROMPT if k in item}} for item in items]
@@ -128,22 +131,19 @@ def record_group(items: list[dict], *, store: Store, batch_id: str, adapter, tok
                               **{k: [kw[k] for kw in kws] for k in ("max_new_tokens", "temperature", "top_p", "seed")})
     except Exception as e:  # noqa: BLE001 - the group's failure is its runs', not the batch's
         errors = [f"{type(e).__name__}: {e}"] * len(items)
-    return [_finished(store, run_id, item, err, label, kw.get("seed"), batch_id, detect)
+    return [_finished(store, run_id, item, err, label, kw.get("seed"), batch_id, after_run)
             for run_id, item, err, kw in zip(run_ids, items, errors, kws)]
 
 
 def _finished(store: Store, run_id: str, item: dict, error: str | None, label: str, seed, batch_id: str,
-              detect: bool) -> dict:
-    """A recorded prompt's row: its anomalies detected (if it completed), a ``failed`` run made for a prompt
+              after_run) -> dict:
+    """A recorded prompt's row: ``after_run`` run on it (if it completed), a ``failed`` run made for a prompt
     refused before it had one."""
-    from workbench.analysis.anomalies import detect as detect_anomalies
-
-    if error is None and detect:
+    if error is None and after_run is not None:
         try:  # as workbench.record: a detector bug must not lose the recording
-            detect_anomalies(store, run_id)
+            after_run(store, run_id)
         except Exception as e:  # noqa: BLE001
-            import warnings
-            warnings.warn(f"anomaly detection failed for run {run_id}: {e}")
+            warnings.warn(f"{getattr(after_run, '__name__', 'after_run')} failed for run {run_id}: {e}")
     try:
         query.run_row(store, run_id)
     except query.RunNotFound:  # it failed before the recorder made its row
@@ -170,8 +170,6 @@ def groups(items: list[dict], tokenizer, batch_size: int, max_batch_tokens: int 
 
 def load_model(model=None, tokenizer=None, dtype: str | None = None, backend: str = "auto"):
     """(adapter, tokenizer, label) for a batch: the model loaded once, its tokenizer resolved once."""
-    from workbench.capture.adapters import load_adapter
-    from workbench.capture.recorder import DTYPES, resolve_tokenizer
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(k for k in DTYPES if k)}, got {dtype!r}")
@@ -185,7 +183,6 @@ class Bars:
     """Two tqdm bars on stderr: prompts, and tokens generated (updated per finished prompt)."""
 
     def __init__(self, n_prompts: int, n_tokens: int, desc: str, enabled: bool = True):
-        from tqdm import tqdm
 
         self.t0 = time.monotonic()
         self.prompts = tqdm(total=n_prompts, desc=f"{desc} prompts", unit="prompt", file=sys.stderr,
@@ -224,9 +221,9 @@ def prepare(prompts, *, model=None, batch_id: str | None = None, max_new_tokens:
 def record_many(prompts, *, model=None, tokenizer=None, db=None, out: str | Path | None = None,
                 batch_id: str | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
                 top_p: float = 1.0, seed: int = 0, dtype: str | None = None, probes=PROBES, topk: int = 5,
-                backend: str = "auto", detect: bool = True, progress: bool = True,
-                batch_size: int = BATCH_SIZE) -> "BatchRuns":
-    """Record every prompt of a set as its own run, all with one ``batch_id``; returns the ``Batch``.
+                backend: str = "auto", after_run=None, progress: bool = True,
+                batch_size: int = BATCH_SIZE) -> Recorded:
+    """Record every prompt of a set as its own run, all with one ``batch_id``; returns what it recorded.
 
     Args:
         prompts: a ``.jsonl`` / ``.txt`` file or a folder of them (``workbench.capture.prompts.load_prompt_set``), a list
@@ -249,7 +246,7 @@ def record_many(prompts, *, model=None, tokenizer=None, db=None, out: str | Path
                                         topk=topk, backend=backend)
     skip = completed(Store(db) if out is None and not isinstance(db, Store) else db, out, batch_id)
     todo = [d for d in items if d["key"] not in skip]
-    batch = BatchRuns(None, batch_id)
+    batch = Recorded(None, batch_id)
     batch.skipped = [d["key"] for d in items if d["key"] in skip]
     if not todo:
         batch.store = Store(out) if out is not None else (db if isinstance(db, Store) else Store(db))
@@ -268,7 +265,7 @@ def record_many(prompts, *, model=None, tokenizer=None, db=None, out: str | Path
             store = db if isinstance(db, Store) else Store(db)
         for group in groups(todo, tok, batch_size):
             for row in record_group(group, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tok,
-                                    label=label, settings=gen, detect=detect):
+                                    label=label, settings=gen, after_run=after_run):
                 n = _generated(row, store)
                 if out is not None:
                     flush_run(store, out, row["run_id"])
@@ -286,71 +283,17 @@ def record_many(prompts, *, model=None, tokenizer=None, db=None, out: str | Path
 
 def flush_run(store: Store, out: str | Path, run_id: str) -> None:
     """Write a finished run from a worker's temporary store into the shard folder, then drop it there."""
-    from workbench.data.export import write_run
 
     write_run(store, out, run_id)
     store.delete_run(run_id)
 
 
-class BatchRuns:
-    """The runs of one prompt-set recording: their list and views over all of them (polars frames, plotly figures);
-    ``workbench.Batch`` (workbench/run.py) adds ``run(run_id)``.
+@dataclass
+class Recorded:
+    """What one ``record_many`` call did: the store holding the batch, its id, the rows (run_id, key, status,
+    n_tokens, error) of the prompts it recorded, and the keys it skipped as already complete."""
 
-    ``recorded``: the rows (run_id, key, status, n_tokens, error) of the prompts recorded by the call that
-    returned it; ``skipped``: the keys it skipped as already complete."""
-
-    def __init__(self, store: Store | None, batch_id: str):
-        self.store = store
-        self.batch_id = batch_id
-        self.recorded: list[dict] = []
-        self.skipped: list[str] = []
-
-    def runs(self) -> pl.DataFrame:
-        """run_id, batch_item, status, prompt, n_prompt_tokens, n_tokens, error, created_at (in the set's order
-        of recording)."""
-        return query.batch_runs(self.store, self.batch_id)
-
-    @property
-    def run_ids(self) -> list[str]:
-        return self.runs()["run_id"].to_list()
-
-    def status(self) -> dict[str, int]:
-        """Runs per status."""
-        return dict(self.runs().group_by("status").len().sort("status").iter_rows())
-
-    def expert_load(self) -> pl.DataFrame:
-        """Routed slots per layer x expert summed over the batch's runs, and the share of the layer's slots."""
-        return query.batch_expert_load(self.store, self.batch_id)
-
-    def head_entropy(self) -> pl.DataFrame:
-        """Each run's mean entropy per layer x head (run_id, layer, head, entropy, norm_entropy): the
-        distribution of a head's entropy across the batch."""
-        return query.batch_head_entropy(self.store, self.batch_id)
-
-    def head_entropy_summary(self) -> pl.DataFrame:
-        """Per layer x head over the batch's runs: runs, mean, std, min, p10, median, p90, max of norm_entropy."""
-        return query.batch_head_entropy_summary(self.store, self.batch_id)
-
-    def low_confidence(self, n: int = 20) -> pl.DataFrame:
-        """The ``n`` least confident generated tokens across the batch: run_id, pos, text, confidence, prob, rank."""
-        return query.batch_low_confidence(self.store, self.batch_id, n)
-
-    def search(self, text: str, **kw) -> pl.DataFrame:
-        """``workbench.data.query.search`` within this batch's runs."""
-        return query.search(self.store, text, batch_id=self.batch_id, **kw)
-
-    def fig_expert_load(self):
-        from workbench.views.figures import batch_load_figure
-        return batch_load_figure(self.expert_load(), self.batch_id)
-
-    def fig_head_entropy(self):
-        from workbench.views.figures import batch_entropy_figure
-        return batch_entropy_figure(self.head_entropy(), self.batch_id)
-
-    def fig_low_confidence(self, n: int = 20):
-        from workbench.views.figures import batch_confidence_figure
-        return batch_confidence_figure(self.low_confidence(n), self.batch_id)
-
-    def __repr__(self) -> str:
-        st = ", ".join(f"{n} {s}" for s, n in self.status().items()) if self.store is not None else "not opened"
-        return f"Batch({self.batch_id}, {st})"
+    store: Store | None
+    batch_id: str
+    recorded: list[dict] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)

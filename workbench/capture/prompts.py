@@ -4,6 +4,7 @@ file (one prompt per line). Used by ``workbench profile`` and anything else that
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -51,7 +52,6 @@ def _file_lines(path: Path) -> list[tuple[int, dict]]:
 
 def prompt_key(item: dict, index: int) -> str:
     """A prompt's key within a batch: its explicit ``id``, else ``<index>:<12 hex of its SHA-256>``."""
-    import hashlib
 
     if item.get("id") is not None:
         return str(item["id"])

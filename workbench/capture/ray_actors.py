@@ -17,19 +17,21 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+
+from workbench.capture.prompt_sets import Bars, _generated, completed, flush_run, groups, load_model, record_group
+from workbench.data.store import Store
+
 
 class ShardWorker:
     """One Ray actor: the model loaded once, a temporary store; ``__call__`` records a batch of prompts."""
 
-    def __init__(self, out: str, batch_id: str, model, tokenizer, settings: dict, detect: bool, threads: int):
-        import torch
+    def __init__(self, out: str, batch_id: str, model, tokenizer, settings: dict, after_run, threads: int):
 
-        from workbench.capture.prompt_sets import load_model
-        from workbench.data.store import Store
 
         if threads > 0:
             torch.set_num_threads(threads)
-        self.out, self.batch_id, self.detect = out, batch_id, detect
+        self.out, self.batch_id, self.after_run = out, batch_id, after_run
         self.settings = {k: v for k, v in settings.items() if k != "backend"}
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.adapter, self.tokenizer, self.label = load_model(model, tokenizer, settings.get("dtype"),
@@ -40,14 +42,13 @@ class ShardWorker:
         self.store = Store(self.tmp / "shard.duckdb")
 
     def __call__(self, batch: dict) -> dict:
-        from workbench.capture.prompt_sets import _generated, flush_run, groups, record_group
 
         rows: dict[str, list] = {"run_id": [], "key": [], "status": [], "n_tokens": [], "generated": [], "error": []}
         items = [json.loads(str(text)) for text in list(batch["item"])]
         for group in groups(items, self.tokenizer, len(items)):
             for row in record_group(group, store=self.store, batch_id=self.batch_id, adapter=self.adapter,
                                     tokenizer=self.tokenizer, label=self.label, settings=self.settings,
-                                    detect=self.detect):
+                                    after_run=self.after_run):
                 row["generated"] = _generated(row, self.store)
                 flush_run(self.store, self.out, row["run_id"])
                 for k in rows:
@@ -63,7 +64,7 @@ class ShardWorker:
 
 
 def record_many_ray(items: list[dict], *, out, batch_id: str, model=None, tokenizer=None, settings: dict,
-                    detect: bool = True, progress: bool = True, address: str | None = None,
+                    after_run=None, progress: bool = True, address: str | None = None,
                     workers: int = 1, batch_size: int = 8) -> list[dict]:
     """Record the prompts of ``items`` not yet complete in ``out`` on a Ray Data actor pool; returns the rows
     (run_id, key, status, n_tokens, generated, error) of the prompts recorded."""
@@ -72,7 +73,6 @@ def record_many_ray(items: list[dict], *, out, batch_id: str, model=None, tokeni
         import ray.data
     except ImportError:
         raise ValueError("--ray needs Ray: pip install 'moe-workbench[ray]' (ray[data])") from None
-    from workbench.capture.prompt_sets import Bars, completed
 
     out = str(Path(out).resolve())
     Path(out).mkdir(parents=True, exist_ok=True)
@@ -103,7 +103,7 @@ def record_many_ray(items: list[dict], *, out, batch_id: str, model=None, tokeni
                                  override_num_blocks=-(-len(ordered) // block))
         res = ds.map_batches(ShardWorker, batch_size=block, compute=ray.data.ActorPoolStrategy(size=workers),
                              fn_constructor_kwargs={"out": out, "batch_id": batch_id, "model": model,
-                                                    "tokenizer": tokenizer, "settings": settings, "detect": detect,
+                                                    "tokenizer": tokenizer, "settings": settings, "after_run": after_run,
                                                     "threads": 1 if not gpus else 0},
                              batch_format="numpy", **per)
         bars = Bars(len(todo), sum(int(d.get("max_new_tokens", settings["max_new_tokens"])) for d in todo),

@@ -22,14 +22,15 @@ from typing import Callable, Iterable, Iterator
 
 import polars as pl
 import torch
-
-from workbench.model import file_sha256, load_tokenizer, state_sha256
+from tqdm import tqdm
 
 from workbench.capture.adapters import Adapter, load_adapter
 from workbench.capture.adapters.base import Route
+from workbench.capture.probes import PROBE_CLASSES, Probe, StepInfo
 from workbench.data.schema import columns
-from workbench.data.signals import PROBES, SIGNALS, Probe, StepInfo
+from workbench.data.signals import PROBES, RECORDED_SEAMS
 from workbench.data.store import Store, Writer, merge_batches
+from workbench.model import file_sha256, load_tokenizer, state_sha256
 
 MAX_PROMPT_CHARS = 200_000
 DTYPES = {None: None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -41,11 +42,11 @@ class Recorder:
 
     def __init__(self, adapter: Adapter, run_id: str, probes: Iterable[str] = PROBES):
         names = list(dict.fromkeys(probes))
-        unknown = set(names) - set(SIGNALS)
+        unknown = set(names) - set(PROBES)
         if unknown:
             raise ValueError(f"unknown probes {sorted(unknown)}; choose from {PROBES}")
         self.names = names
-        self.probes: list[Probe] = [SIGNALS[n].probe(adapter, run_id) for n in names]
+        self.probes: list[Probe] = [PROBE_CLASSES[n](adapter, run_id) for n in names]
 
     def listeners(self) -> dict[str, Callable]:
         """One dispatching listener per seam, calling every probe that listens there."""
@@ -188,7 +189,7 @@ def _check_request(prompt, dtype, max_new_tokens, temperature, top_p, seed, topk
     if bad:
         raise ValueError(f"run_fields may set only other columns of runs, not {sorted(bad)}")
     probes = list(dict.fromkeys(probes))
-    unknown = set(probes) - set(SIGNALS)
+    unknown = set(probes) - set(PROBES)
     if unknown:
         raise ValueError(f"unknown probes {sorted(unknown)}; choose from {PROBES}")
     return probes
@@ -309,7 +310,6 @@ def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_t
     run_id = run_id or new_run_id()
     bar = None
     if progress:
-        from tqdm import tqdm
         bar = tqdm(total=max_new_tokens, desc=f"record {run_id}", unit="tok", file=sys.stderr)
     run = _Recording(run_id, adapter, probes, ids, tokenizer, max_new_tokens, eos_of(tokenizer, adapter), topk,
                      on_token, bar)  # the probes are made before the run row exists
@@ -374,7 +374,7 @@ def fan_out(rows: list[dict[str, Callable] | None]) -> dict[str, Callable]:
     """Batch-level seam listeners that hand each row's listeners that row's slice: ``[B, ...]`` tensors by
     row, a route's ``N = B * T`` rows (batch-major) by row. ``rows[b]`` set to None stops row b's listeners."""
     seams = set().union(*(d.keys() for d in rows if d))
-    unknown = seams - {"attn_probs", "attn_stats", "head_out", "resid_post", "routed"}
+    unknown = seams - RECORDED_SEAMS  # the recorded signals' seams; interventions' seams are per row
     if unknown:
         raise ValueError(f"batched recording cannot split the seams {sorted(unknown)}")
 

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import torch
 
-from workbench.model import file_sha256
-
 from workbench.capture.adapters import Adapter, adapter_for, load_adapter
+from workbench.model import file_sha256
 
 
 def run_dtype(info: dict) -> torch.dtype:

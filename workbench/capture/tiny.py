@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-
 from pathlib import Path
 
 import torch
+
+from workbench.model.tokenizer import train_tokenizer
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n",
          "class Point:\n    def __init__(self, x, y):\n        self.x = x\n"] * 20
@@ -53,7 +54,6 @@ DENSE_FAMILIES = [f for f in FAMILIES if f not in MOE_FAMILIES]
 
 
 def save_tokenizer(folder: Path) -> int:
-    from workbench.model.tokenizer import train_tokenizer
 
     tok = train_tokenizer(TEXTS, vocab_size=300)
     tok.save(str(folder / "tokenizer.json"))

@@ -4,13 +4,19 @@ from __future__ import annotations
 import json
 import math
 
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from workbench.analysis.anomalies import select
+from workbench.run import Workbench
+
+
 def _num(v):
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
 def main(args) -> int:
-    from workbench.analysis.anomalies import select
-    from workbench.run import Workbench
 
     run = Workbench(args.db).run(args.run_id)
     df = run.anomalies(recompute=args.recompute)
@@ -20,9 +26,6 @@ def main(args) -> int:
         rows = [{k: _num(v) for k, v in r.items()} for r in df.iter_rows(named=True)]
         print(json.dumps({"run_id": run.run_id, "total": total, "anomalies": rows}))
         return 0
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
 
     colour = {"critical": "bold red", "warning": "yellow", "info": "dim"}
     t = Table(title=escape(f"anomalies of run {run.run_id}: {df.height} shown of {total}"))

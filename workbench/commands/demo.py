@@ -9,6 +9,12 @@ import json
 import sys
 from pathlib import Path
 
+import polars as pl
+
+from workbench.apps.app import launch
+from workbench.model import file_sha256, load_checkpoint
+from workbench.run import Workbench, record
+
 PROMPTS = Path(__file__).resolve().parents[2] / "data" / "prompts"
 
 
@@ -23,7 +29,6 @@ def prompt_files(folder: Path | None = None) -> list[Path]:
 
 def already_recorded(wb, prompt: str, sha: str, max_new_tokens: int) -> str | None:
     """run_id of a complete run of ``prompt`` with this checkpoint and settings, if any."""
-    import polars as pl
 
     runs = wb.runs().filter((pl.col("prompt") == prompt) & (pl.col("status") == "complete"))
     for r in runs.iter_rows(named=True):
@@ -36,9 +41,6 @@ def already_recorded(wb, prompt: str, sha: str, max_new_tokens: int) -> str | No
 
 
 def main(args) -> int:
-    from workbench.model import file_sha256, load_checkpoint
-    from workbench.run import record
-    from workbench.run import Workbench
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -56,6 +58,5 @@ def main(args) -> int:
     print(json.dumps({"db": str(wb.path), "runs": wb.runs().height}))
     if args.no_ui:
         return 0
-    from workbench.apps.app import launch
     launch(wb.store, args.host, args.port)
     return 0

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import json
 
+from workbench.analysis.diff import diff_runs
+from workbench.data.store import Store
+
 
 def main(args) -> int:
-    from workbench.analysis.diff import diff_runs
-    from workbench.data.store import Store
 
     d = diff_runs(Store(args.db), args.run_a, args.run_b)
     s = d.summary

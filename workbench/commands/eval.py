@@ -3,17 +3,19 @@ from __future__ import annotations
 
 import json
 
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from workbench.model.evaluate import evaluate
+
 
 def main(args) -> int:
-    from workbench.model.evaluate import evaluate
 
     r = evaluate(args.model, max_tokens=args.max_tokens)
     if args.json:
         print(json.dumps(r))
         return 0
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
 
     console = Console()
     cap = f", capped at {r['max_tokens']}" if r["capped"] else ""

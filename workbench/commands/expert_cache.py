@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import json
 
+from rich.console import Console
+from rich.table import Table
+
+from workbench.analysis.whatif import PREDICTORS
+from workbench.data.query import no_routing_reason
+from workbench.run import Workbench
+
 
 def parse_slots(text: str) -> list[int]:
     try:
@@ -16,14 +23,11 @@ def parse_slots(text: str) -> list[int]:
 
 
 def main(args) -> int:
-    from workbench.run import Workbench
-    from workbench.analysis.whatif import PREDICTORS
 
     run = Workbench(args.db).run(args.run_id)
     slots = parse_slots(args.slots)
     preds = list(PREDICTORS) if args.predictor == "all" else [args.predictor]
     if run.routing().height == 0:
-        from workbench.data.query import no_routing_reason
         raise ValueError(f"run {run.run_id}: {no_routing_reason(run.store, run.run_id)}")
     frames = {p: run.expert_cache(slots, p, decode_only=args.decode_only) for p in preds}
     if args.json:
@@ -31,8 +35,6 @@ def main(args) -> int:
         print(json.dumps({"run_id": run.run_id, "slots": slots, "decode_only": bool(args.decode_only),
                           "results": rows}))
         return 0
-    from rich.console import Console
-    from rich.table import Table
 
     s = run.model_summary
     where = "generated positions" if args.decode_only else "every position"

@@ -4,13 +4,19 @@ from __future__ import annotations
 import json
 import math
 
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from workbench.analysis.rootcause import ig_check
+from workbench.run import Workbench
+
 
 def _num(v):
     return None if v is None or (isinstance(v, float) and not math.isfinite(v)) else v
 
 
 def main(args) -> int:
-    from workbench.run import Workbench
 
     run = Workbench(args.db).run(args.run_id)
     df = run.root_cause(args.pos, steps=args.steps, mode=args.mode, reference=args.reference)
@@ -20,7 +26,6 @@ def main(args) -> int:
     ig = df.filter(df["kind"] == "token")
     method = ig["method"][0] if ig.height else None
     delta = ig["delta"][0] if ig.height else None
-    from workbench.analysis.rootcause import ig_check
     warning = ig_check(df, args.steps)
     if args.json:
         rows = [{k: _num(v) for k, v in r.items()} | ({"source_text": texts.get(r["source_pos"])}
@@ -31,9 +36,6 @@ def main(args) -> int:
                           "ig_warning": warning,
                           "ig_total": _num(float(ig["score"].sum())) if ig.height else None, "causes": rows}))
         return 0
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
 
     lp = target["logprob"]
     title = (f"why {target['text']!r} at {args.pos} (logprob {lp:.3f})" if lp is not None

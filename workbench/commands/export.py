@@ -5,10 +5,11 @@ so its presence says the export finished (see ``workbench.data.export``).
 """
 from __future__ import annotations
 
+from workbench.data.export import MARKER, export_parquet
+from workbench.data.store import Store
+
 
 def main(args) -> int:
-    from workbench.data.export import MARKER, export_parquet
-    from workbench.data.store import Store
 
     files = export_parquet(Store(args.db), args.parquet, args.run_id)
     print(f"{len(files)} Parquet files written under {args.parquet} (finished: {args.parquet}/{MARKER})")

@@ -3,17 +3,19 @@ from __future__ import annotations
 
 import json
 
+from rich.console import Console
+from rich.markup import escape
+
+from workbench.run import Workbench
+
 
 def main(args) -> int:
-    from workbench.run import Workbench
 
     run = Workbench(args.db).run(args.run_id)
     df = run.findings()
     if args.json:
         print(json.dumps({"run_id": run.run_id, "findings": df.to_dicts()}))
         return 0
-    from rich.console import Console
-    from rich.markup import escape
 
     con = Console()
     if df.height == 0:

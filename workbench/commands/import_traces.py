@@ -1,10 +1,11 @@
 """workbench import DIR: merge a folder of Parquet shards (export / record --out) into a database."""
 from __future__ import annotations
 
+from workbench.data.export import import_traces
+from workbench.data.store import Store, TraceStore
+
 
 def main(args) -> int:
-    from workbench.data.store import Store, TraceStore
-    from workbench.data.export import import_traces
 
     dest = Store(args.db)
     added, present = import_traces(TraceStore(args.traces), dest)

@@ -3,18 +3,20 @@ from __future__ import annotations
 
 import json
 
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from workbench.run import Workbench
+
 
 def main(args) -> int:
-    from workbench.run import Workbench
 
     run = Workbench(args.db).run(args.run_id)
     df = run.kv_whatif(args.policy)
     if args.json:
         print(json.dumps({"run_id": run.run_id, "results": df.to_dicts()}))
         return 0
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
 
     t = Table(title=f"KV-cache policies on run {run.run_id} (vs the full cache; delta_nll in nats per generated token)")
     for c in ("policy", "memory kept", "bytes_kept", "delta_nll", "top1_agreement", "first_divergence", "events"):

@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import json
 
+from workbench.analysis.baseline import export_profile, profile
+from workbench.data.store import Store
+
 
 def main(args) -> int:
-    from workbench.analysis.baseline import profile
 
     res = profile(args.prompts, model=args.model, db=args.db, max_new_tokens=args.max_new_tokens,
                   tokenizer=args.tokenizer, progress=True)
     if args.out:
-        from workbench.analysis.baseline import export_profile
-        from workbench.data.store import Store
         export_profile(Store(args.db), res["sha"], args.out)
     out = {"checkpoint_sha256": res["sha"], "runs": len(res["runs"]), "cells": res["cells"], "source": res["source"]}
     print(json.dumps(out))

@@ -4,13 +4,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from workbench.run import record, record_many
+
 
 def main(args) -> int:
     if getattr(args, "prompts", None) is not None:
         return record_set(args)
     if args.out or args.ray or args.batch_id or args.batch_size != 8:
         raise ValueError("--out, --ray, --batch-id and --batch-size go with --prompts")
-    from workbench.run import record
 
     prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
     run = record(prompt, model=args.model, tokenizer=args.tokenizer, max_new_tokens=args.max_new_tokens,
@@ -39,7 +40,6 @@ def device_map(text: str | None):
 
 def record_set(args) -> int:
     """``--prompts``: every prompt its own run of one batch (``workbench.record_many``)."""
-    from workbench.run import record_many
 
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")

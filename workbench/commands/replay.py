@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import json
 
+from workbench.analysis.replay import replay_run
+from workbench.data.store import Store
+
 
 def main(args) -> int:
-    from workbench.analysis.replay import replay_run
-    from workbench.data.store import Store
 
     res = replay_run(Store(args.db), args.run_id, progress=True)
     if args.json:

@@ -3,17 +3,19 @@ from __future__ import annotations
 
 import json
 
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from workbench.run import Workbench
+
 
 def main(args) -> int:
-    from workbench.run import Workbench
 
     df = Workbench(args.db).runs()
     if args.json:
         print(json.dumps(df.with_columns(df["created_at"].cast(str)).to_dicts()))
         return 0
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
 
     t = Table(title=f"runs in {args.db or 'default database'}")
     for c in ("run_id", "created_at", "status", "model", "dtype", "n_tokens", "n_anomalies", "prompt"):

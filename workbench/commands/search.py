@@ -3,18 +3,20 @@ from __future__ import annotations
 
 import json
 
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from workbench.data.query import search
+from workbench.data.store import Store
+
 
 def main(args) -> int:
-    from workbench.data.query import search
-    from workbench.data.store import Store
 
     df = search(Store(args.db), args.text, batch_id=args.batch, ignore_case=args.ignore_case, limit=args.limit)
     if args.json:
         print(json.dumps(df.to_dicts()))
         return 0
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
 
     t = Table(title=f"{df.height} matches of {args.text!r}")
     for c in ("run_id", "pos", "end_pos", "context"):

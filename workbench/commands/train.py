@@ -1,9 +1,10 @@
 """workbench train: reproduce the bundled demo checkpoint from scratch (resumes if interrupted)."""
 from __future__ import annotations
 
+from workbench.model.train import train
+
 
 def main(args) -> int:
-    from workbench.model.train import train
 
     out = train(args.out, preset=args.preset, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
                 balance_rate=args.balance_rate, seed=args.seed, threads=args.threads, force=args.force)

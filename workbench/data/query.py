@@ -5,14 +5,17 @@ numbers. No front end writes SQL of its own.
 """
 from __future__ import annotations
 
+import bisect
 import json
+import re
 import threading
 
 import polars as pl
 
-from workbench.capture.adapters.base import ModelSummary
+from workbench.data.schema import columns
 from workbench.data.signals import TABLES as SIGNAL_TABLES
 from workbench.data.store import FINAL_STATUSES, Store
+from workbench.data.summary import ModelSummary
 
 
 class RunNotFound(KeyError):
@@ -124,7 +127,6 @@ def _select(name: str, cols: list[str] | None) -> str:
     """The SELECT list of a signal table read: every column but run_id, or ``cols`` (checked against the schema)."""
     if cols is None:
         return "* EXCLUDE (run_id)"
-    from workbench.data.schema import columns
     bad = [c for c in cols if c not in columns(name)]
     if bad:
         raise ValueError(f"{name} has no column(s) {bad}")
@@ -424,8 +426,6 @@ def search(store: Store, text: str, *, batch_id: str | None = None, run_ids: lis
     ``Run.text``), so a match may span several BPE pieces. One row per match: run_id, pos (the token the match
     starts in), end_pos (the token it ends in), offset (its character offset in the run's text), match, and
     context (up to ``context`` characters either side). Newest runs first, at most ``limit`` rows."""
-    import bisect
-    import re
 
     if not isinstance(text, str) or not text:
         raise ValueError("search: give some text to look for")

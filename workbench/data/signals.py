@@ -14,6 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The adapter seams (workbench.capture.adapters.base documents what each hands over), declared once: a
+# signal listens to some of them, interventions edit through the rest.
+SEAMS = ("attn_probs", "attn_stats", "head_out", "route", "routed", "shared_out", "resid_post")
+
+
 @dataclass(frozen=True)
 class Column:
     """A column of a signal table. ``compare``: how replay compares two runs on it: "key" (aligns rows),
@@ -27,14 +32,25 @@ class Column:
 
 @dataclass(frozen=True)
 class Table:
+    """A table of the store. ``keyed``: a ``run_id VARCHAR`` column comes first (every run's table);
+    ``primary_key``: a column that is the table's primary key."""
+
     name: str
     columns: tuple[Column, ...]
-    order: str  # ORDER BY of a run's rows
+    order: str = ""  # ORDER BY of a run's rows
     doc: str = ""
+    keyed: bool = True
+    primary_key: str = ""
 
     def ddl(self) -> str:
-        cols = ["run_id VARCHAR"] + [f"{c.name} {c.sql}" for c in self.columns]
-        return ",\n".join(cols)
+        """The column list of ``CREATE TABLE`` (one column a line)."""
+        cols = (["run_id VARCHAR"] if self.keyed else []) + \
+            [f"{c.name} {c.sql}" + (" PRIMARY KEY" if c.name == self.primary_key else "") for c in self.columns]
+        return "\n" + ",\n".join(cols)
+
+    def column_names(self) -> list[str]:
+        """Every column in order, ``run_id`` included."""
+        return (["run_id"] if self.keyed else []) + [c.name for c in self.columns]
 
     def names(self, compare: str | None = None) -> tuple[str, ...]:
         return tuple(c.name for c in self.columns if compare is None or c.compare == compare)
@@ -50,6 +66,9 @@ class Signal:
 
 def _c(name: str, sql: str, doc: str = "", compare: str = "") -> Column:
     return Column(name, sql, doc, compare)
+
+
+c = _c  # for workbench.data.schema's own tables
 
 
 POS, LAYER = _c("pos", "INTEGER", "", "key"), _c("layer", "INTEGER", "", "key")
@@ -109,5 +128,7 @@ REGISTRY: tuple[Signal, ...] = (
 )
 
 SIGNALS: dict[str, Signal] = {s.name: s for s in REGISTRY}
+RECORDED_SEAMS: frozenset[str] = frozenset(seam for s in REGISTRY for seam in s.seams)
+assert RECORDED_SEAMS <= set(SEAMS)
 TABLES: dict[str, Table] = {t.name: t for s in REGISTRY for t in s.tables}
 PROBES: tuple[str, ...] = tuple(SIGNALS)

@@ -672,7 +672,7 @@ def _quote(name: str) -> str:
 
 
 if __package__:  # what every worker is started with: each table's DDL and columns
-    _DDL = {t: f"CREATE TABLE main.{_quote(t)} ({TABLES[t]}\n)" for t in TABLES}
+    _DDL = {t: f"CREATE TABLE main.{_quote(t)} ({TABLES[t].ddl()}\n)" for t in TABLES}
     _COLUMNS = {t: columns(t) for t in TABLES}
 
 

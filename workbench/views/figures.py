@@ -12,13 +12,24 @@ generation step (0 = the prefill) is drawn.
 from __future__ import annotations
 
 import html
-import json
 from functools import lru_cache
 from pathlib import Path
 
 import plotly.graph_objects as go
+import plotly.io as pio
 import polars as pl
+from plotly.subplots import make_subplots
 
+from workbench.analysis.codeview import code_view
+from workbench.analysis.whatif import (
+    PREDICTORS,
+    SEED_HIT_RATES,
+    SEED_LATENCY,
+    decode_points,
+    expert_cache_sweep,
+    fit_latency,
+    latency_model,
+)
 from workbench.data import query
 from workbench.data.store import Store
 
@@ -51,7 +62,6 @@ def _empty(title: str) -> go.Figure:
 
 @lru_cache(maxsize=1)
 def _template() -> go.layout.Template:
-    import plotly.io as pio
 
     return pio.templates["plotly_white"]
 
@@ -105,7 +115,7 @@ def _check_pos(tokens: pl.DataFrame, pos: int) -> dict:
 @lru_cache(maxsize=8)
 def _tokenizer_for(model_path: str):
     """The checkpoint folder's tokenizer; the bundled one for an in-memory module (not a folder)."""
-    from workbench.model import load_tokenizer
+    from workbench.model import load_tokenizer  # lazy: imports torch; reading a run needs none
     folder = Path(model_path)
     if (folder / "tokenizer.json").exists():
         return load_tokenizer(folder / "tokenizer.json")
@@ -452,7 +462,6 @@ def expert_cache_figure(df: pl.DataFrame, title: str = "Expert cache: hit rate a
     """Hit rate (all MoE layers together: the ``layer`` null rows) against K, one line per predictor
     (``workbench.analysis.whatif.expert_cache_sweep``; a frame without ``predictor`` is one line), with the seed
     documents' 82.4% (last 3 tokens) and 94.1% (next 5 positions) as reference lines."""
-    from workbench.analysis.whatif import SEED_HIT_RATES
 
     tot = df.filter(pl.col("layer").is_null())
     if tot.height == 0:
@@ -480,7 +489,6 @@ def expert_cache_figure(df: pl.DataFrame, title: str = "Expert cache: hit rate a
 def fig_expert_cache(store: Store, run_id: str, slots=(1, 2, 3, 4, 6, 8, 12, 16), predictors=None,
                      decode_only: bool = False) -> go.Figure:
     """The run's expert-cache hit rate against K for each predictor (``workbench.analysis.whatif``)."""
-    from workbench.analysis.whatif import PREDICTORS, expert_cache_sweep
 
     r = query.routing(store, run_id)
     if r.height == 0:
@@ -495,9 +503,7 @@ def fig_expert_cache(store: Store, run_id: str, slots=(1, 2, 3, 4, 6, 8, 12, 16)
 def latency_fit_figure(fit, reference: bool = True) -> go.Figure:
     """Decode-step wall time against context length with the fitted ``a (L/L0)^b + c`` (a
     ``workbench.analysis.whatif.LatencyFit``), the residuals below; ``reference``: the seeds' curve (a=12.4, b=1.38, c=8.2)."""
-    from plotly.subplots import make_subplots
 
-    from workbench.analysis.whatif import SEED_LATENCY, latency_model
 
     r = fit.residuals
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.7, 0.3], vertical_spacing=0.06)
@@ -527,7 +533,6 @@ def latency_fit_figure(fit, reference: bool = True) -> go.Figure:
 
 def fig_latency_fit(store: Store, run_id: str, L0: int = 32768) -> go.Figure:
     """The run's decode-step latency against context with the fit (``workbench.analysis.whatif.fit_latency``)."""
-    from workbench.analysis.whatif import decode_points, fit_latency
 
     info = query.run_row(store, run_id)
     pts = decode_points(query.steps(store, run_id), int(info["n_prompt_tokens"] or 0))
@@ -592,7 +597,6 @@ def code_view_figure(summary: pl.DataFrame, title: str = "Confidence by Python t
 
 def fig_code_view(store: Store, run_id: str, generated_only: bool = True) -> go.Figure:
     """The run's confidence and entropy by Python token class (``workbench.analysis.codeview``)."""
-    from workbench.analysis.codeview import code_view
 
     t = query.tokens(store, run_id)
     if t.height == 0:

@@ -23,7 +23,9 @@ from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import plotly.io as pio
 import polars as pl
+from plotly.offline import get_plotlyjs
 
 from workbench.data import query
 from workbench.data.schema import SCHEMA_VERSION
@@ -208,7 +210,7 @@ def build_report(run, explain: int = 3, root_cause_kw: dict | None = None,
         causes = _explain(run, pos, rep, dict(root_cause_kw or {}))
         if causes is None:
             continue
-        from workbench.analysis.rootcause import ig_check
+        from workbench.analysis.rootcause import ig_check  # lazy: imports torch; reading a run needs none
         warn = ig_check(causes, (root_cause_kw or {}).get("steps", 32))
         if warn:
             rep.notes.append(f"position {pos}: {warn}")
@@ -305,8 +307,6 @@ text-align:left;vertical-align:top} th{background:#f4f4f4}
 
 def render_html(rep: Report) -> str:
     """One self-contained HTML page: plotly's JS inline, figures and facts as escaped JSON."""
-    import plotly.io as pio
-    from plotly.offline import get_plotlyjs
 
     f = rep.facts
     run, summary = f["run"], f["summary"]

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from workbench.model import Transformer, load_checkpoint
+
 from .base import SEAMS, Adapter, ModelSummary, Route
 from .hf import HFAdapter, folder_model_type, load_hf
 from .native import NativeAdapter
@@ -43,7 +45,6 @@ def uses_transformers(path: str | Path, backend: str = "auto") -> bool:
 
 def adapter_for(module) -> Adapter:
     """The adapter of an already loaded model (an ``Adapter`` is returned as it is)."""
-    from workbench.model import Transformer
 
     if isinstance(module, Adapter):
         return module
@@ -70,7 +71,6 @@ def load_adapter(model=None, dtype: torch.dtype | None = None, device: str = "cp
         device_map: a transformers folder placed across devices by accelerate ("auto", or {module: device});
             such a folder always runs through transformers.
     """
-    from workbench.model import load_checkpoint
 
     if device_map is not None and (model is None or not isinstance(model, (str, Path)) or backend == "native"):
         raise ValueError("device_map applies to a transformers checkpoint folder (backend auto or transformers); "

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import tempfile
 import warnings
 from dataclasses import replace
 from itertools import product
@@ -368,7 +369,6 @@ def _placement(device_map) -> dict:
         return {}
     out = {"device_map": device_map}
     if isinstance(device_map, dict) and "disk" in device_map.values():
-        import tempfile
         out["offload_folder"] = tempfile.mkdtemp(prefix="workbench-offload-")
     return out
 
