@@ -89,7 +89,7 @@ def test_head_entropy_and_along(run):
         assert z[r["layer"], r["head"]] == pytest.approx(r["entropy"])
     fig = run.fig_entropy_along(heads=[(0, 1), (1, 3)])
     a = query.attention(run.store, run.run_id)
-    assert [t.name for t in fig.data] == ["L0H1", "L1H3"]
+    assert [t.name for t in fig.data] == ["layer 0, head 1", "layer 1, head 3"]
     ref = a.filter((pl.col("layer") == 1) & (pl.col("head") == 3)).sort("pos")
     np.testing.assert_allclose(fig.data[1].y, ref["entropy"].to_numpy())
     assert len(run.fig_entropy_along().data) == 4  # default: the 4 most diffuse heads
@@ -147,7 +147,7 @@ def test_attribution_from_table(run):
     df = pl.DataFrame({"run_id": run.run_id, "target_pos": pos, "kind": "token", "source_pos": list(range(pos)),
                        "score": scores, "rank": list(range(1, pos + 1)), "method": "ig_routing_frozen",
                        "delta": 1e-5})
-    run.store.replace("attributions", run.run_id, df, "AND target_pos = ?", [pos])
+    run.store.replace_rows("attributions", {"run_id": run.run_id, "target_pos": pos}, df)
     fig = run.fig_attribution(pos)
     assert list(fig.data[0].x) == list(range(pos))
     np.testing.assert_allclose(fig.data[0].z[0], scores)

@@ -227,7 +227,7 @@ def test_policy_results_round_trip_through_the_store(native, tmp_path):
     assert fresh.height == 3
     fig = fig_kv_pareto(df)
     assert {t.name for t in fig.data} >= {"Pareto front", "full", "window", "topk_int8"}
-    assert len(fig_kv_pareto(store, native.run_id).data) == len(fig.data)
+    assert len(native.fig_kv_pareto().data) == len(fig.data)
     rep = build_report(native, explain=0)
     assert [r["policy"] for r in rep.facts["kv_policies"]] == back["policy"].to_list()
     assert "KV-cache policies" in render_md(rep) and "KV-cache policies" in render_html(rep)

@@ -29,6 +29,7 @@ from workbench.data.summary import ModelSummary
 from workbench.views import figures
 from workbench.views.figures import precision_figure
 from workbench.views.report import write_report
+from workbench.views.session import RunFrames
 
 if TYPE_CHECKING:  # the adapters import torch; reading a stored run does not need them
     from workbench.capture.adapters import Adapter
@@ -199,11 +200,14 @@ class Run:
     def __getattr__(self, name: str):
         if name in TABLES:
             return lambda: self.signal(name)
-        if name.startswith("fig_"):
-            fn = getattr(figures, name, None)
-            if fn is not None:
-                return lambda *a, **k: fn(self.store, self.run_id, *a, **k)
+        if name.startswith("fig_") and callable(getattr(RunFrames, name, None)):
+            # the run's frames read now, for this figure (a live run keeps growing); the tokenizer only if loaded
+            return lambda *a, **k: getattr(self.frames(), name)(*a, **k)
         raise AttributeError(name)
+
+    def frames(self) -> RunFrames:
+        """The run's frames (``workbench.views.session.RunFrames``): each table read once, on first use."""
+        return RunFrames(self.store, self.run_id, tokenizer=self._tokenizer, info=self.info)
 
     # -- display ----------------------------------------------------------------------------------
     def summary(self) -> dict:

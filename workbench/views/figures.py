@@ -1,19 +1,19 @@
 """Plotly figures of a run, shared by the Gradio app, the notebook (``Run.fig_*``) and the reports.
 
-Every function is pure: ``fig_<name>(store, run_id, ...) -> go.Figure``, built only from
-``workbench.data.query`` frames. ``Run`` exposes each one as ``run.fig_<name>(...)``.
+Every function is pure and takes frames: ``fig_<name>(<polars frames of the run>, <plain values>) -> go.Figure``.
+No figure reads the store or loads a tokenizer: ``workbench.views.session.RunFrames`` reads a run's frames
+once and offers each figure as ``frames.fig_<name>(...)`` with the arguments ``Run.fig_<name>`` always took.
 
 Token text is untrusted (a model can emit ``<img src=x onerror=...>``) and plotly renders hover text,
 labels and ticks as a subset of HTML, so every piece of token text goes through ``token_label``.
 
-Views that follow the replay slider take ``step``: only what had been recorded by the end of that
-generation step (0 = the prefill) is drawn.
+Views that follow the replay slider take ``step`` (and the run's ``tokens``): only what had been recorded by
+the end of that generation step (0 = the prefill) is drawn.
 """
 from __future__ import annotations
 
 import html
 from functools import lru_cache
-from pathlib import Path
 
 import plotly.graph_objects as go
 import plotly.io as pio
@@ -30,8 +30,7 @@ from workbench.analysis.whatif import (
     fit_latency,
     latency_model,
 )
-from workbench.data import query
-from workbench.data.store import Store
+from workbench.data.summary import ModelSummary
 
 CONFIDENCE_SCALE = "RdYlGn"  # red = unsure, green = confident; also used by the app's token strip
 ENTROPY_SCALE = "Viridis"
@@ -52,7 +51,8 @@ def token_label(text: str | None, limit: int = 24) -> str:
     return html.escape(t, quote=False)  # quotes are harmless outside attributes; plotly shows &quot; raw
 
 
-def _empty(title: str) -> go.Figure:
+def empty_figure(title: str) -> go.Figure:
+    """A figure without data whose title (and the note in its middle) says why."""
     fig = go.Figure()
     fig.update_layout(title=html.escape(title), xaxis={"visible": False}, yaxis={"visible": False},
                       annotations=[{"text": html.escape(title), "showarrow": False, "xref": "paper",
@@ -60,9 +60,11 @@ def _empty(title: str) -> go.Figure:
     return fig
 
 
+_empty = empty_figure
+
+
 @lru_cache(maxsize=1)
 def _template() -> go.layout.Template:
-
     return pio.templates["plotly_white"]
 
 
@@ -79,27 +81,37 @@ def _layout(fig: go.Figure, title: str, height: int = 380, **kw) -> go.Figure:
     return fig
 
 
-def _n_experts(store: Store, run_id: str) -> int:
-    return query.run_summary(store, run_id).n_routed_experts
+def no_routing_reason(summary: ModelSummary | None) -> str:
+    """Why a run has (or may have) no routing rows, in words (never "dense" for a MoE model)."""
+    if summary is not None and summary.unrouted_layers:
+        return (f"routing not recorded: {summary.family} has MoE blocks in layers {summary.unrouted_layers} that "
+                "no adapter recognises")
+    if summary is not None and not summary.moe_layers:
+        return f"no routing: {summary.family} is a dense model (no MoE layers)"
+    return "no routing rows recorded for this run (the routing probe was off)"
 
 
-def _no_routing(store: Store, run_id: str) -> go.Figure:
-    """An empty figure that says why a run has no routing rows (never "dense" for a MoE model)."""
-    return _empty(query.no_routing_reason(store, run_id))
+def _n_experts(summary: ModelSummary | None, rows: pl.DataFrame, *cols: str) -> int:
+    """Experts per MoE layer: the model summary's, else one more than the largest expert id in ``rows``."""
+    if summary is not None and summary.n_routed_experts:
+        return summary.n_routed_experts
+    return int(max(rows[c].max() for c in cols or ("expert",))) + 1
 
 
-def _max_pos_at(store: Store, run_id: str, step: int | None) -> int | None:
+def _max_pos_at(tokens: pl.DataFrame | None, step: int | None) -> int | None:
     """Last position recorded by the end of ``step`` (None: no limit)."""
     if step is None:
         return None
-    t = query.tokens(store, run_id).filter(pl.col("step") <= step)
+    if tokens is None:
+        raise ValueError("a view at a replay step needs the run's tokens")
+    t = tokens.filter(pl.col("step") <= step)
     return int(t["pos"].max()) if t.height else -1
 
 
-def _max_fed_pos_at(store: Store, run_id: str, step: int | None) -> int | None:
+def _max_fed_pos_at(tokens: pl.DataFrame | None, step: int | None) -> int | None:
     """Last position fed to the model by the end of ``step``: attention and routing rows exist up to it
     (the token a step produces is fed, and gets its rows, only at the next step)."""
-    last = _max_pos_at(store, run_id, step)
+    last = _max_pos_at(tokens, step)
     return None if last is None else last - 1
 
 
@@ -112,30 +124,17 @@ def _check_pos(tokens: pl.DataFrame, pos: int) -> dict:
     return row.row(0, named=True)
 
 
-@lru_cache(maxsize=8)
-def _tokenizer_for(model_path: str):
-    """The checkpoint folder's tokenizer; the bundled one for an in-memory module (not a folder)."""
-    from workbench.model import load_tokenizer  # lazy: imports torch; reading a run needs none
-    folder = Path(model_path)
-    if (folder / "tokenizer.json").exists():
-        return load_tokenizer(folder / "tokenizer.json")
-    if folder.is_dir():
-        raise FileNotFoundError(f"no tokenizer.json in {folder}")
-    return load_tokenizer()
+def token_texts(ids: list[int], tokens: pl.DataFrame, tokenizer=None) -> list[str]:
+    """Text of token ids: the ``tokenizer`` the caller passes, else texts the run's tokens table already holds
+    for those ids, else ``#id``. Never loads a tokenizer."""
+    if tokenizer is not None:
+        return [tokenizer.decode([int(i)]) for i in ids]
+    seen = dict(zip(tokens["token_id"].to_list(), tokens["text"].to_list()))
+    return [seen.get(int(i), f"#{int(i)}") for i in ids]
 
 
-def _decode(store: Store, run_id: str, ids: list[int], tokens: pl.DataFrame) -> list[str]:
-    """Text of token ids: the run's tokenizer if it can be found, else texts seen in the run, else ``#id``."""
-    info = query.run_row(store, run_id)
-    try:
-        tok = _tokenizer_for(str(info["model"]))
-        vocab = query.model_summary(info).vocab_size
-        if tok.get_vocab_size() < vocab:  # not this model's tokenizer: its ids would decode wrongly
-            raise LookupError("tokenizer smaller than the model's vocabulary")
-        return [tok.decode([int(i)]) for i in ids]
-    except Exception:  # no tokenizer here (e.g. a run recorded elsewhere): fall back, never fail a figure
-        seen = dict(zip(tokens["token_id"].to_list(), tokens["text"].to_list()))
-        return [seen.get(int(i), f"#{int(i)}") for i in ids]
+def _texts_by_pos(tokens: pl.DataFrame | None) -> dict[int, str]:
+    return {} if tokens is None else dict(zip(tokens["pos"].to_list(), tokens["text"].to_list()))
 
 
 def _tick_axis(positions: list[int], texts: list[str], max_ticks: int = 60) -> dict:
@@ -147,9 +146,9 @@ def _tick_axis(positions: list[int], texts: list[str], max_ticks: int = 60) -> d
 
 # -- tokens --------------------------------------------------------------------------------------
 
-def fig_tokens(store: Store, run_id: str, step: int | None = None) -> go.Figure:
+def fig_tokens(tokens: pl.DataFrame, step: int | None = None) -> go.Figure:
     """Confidence (max prob of the predicting distribution) per position; prompt tokens faded."""
-    t = query.tokens(store, run_id)
+    t = tokens
     if step is not None:
         t = t.filter(pl.col("step") <= step)
     t = t.filter(pl.col("pos") > 0)
@@ -162,22 +161,24 @@ def fig_tokens(store: Store, run_id: str, step: int | None = None) -> go.Figure:
         x=t["pos"].to_list(), y=t["confidence"].to_list(), hovertext=hover, hoverinfo="text",
         marker={"color": t["confidence"].to_list(), "colorscale": CONFIDENCE_SCALE, "cmin": 0, "cmax": 1,
                 "opacity": [0.45 if p else 1.0 for p in t["is_prompt"]],
-                "colorbar": {"title": "conf."}}, name="confidence"))
-    fig.add_trace(go.Scatter(x=t["pos"].to_list(), y=t["prob"].to_list(), mode="markers", name="p(token)",
-                             marker={"color": "black", "size": 4}, hoverinfo="skip"))
+                "colorbar": {"title": "confidence"}}, name="confidence (top probability)"))
+    fig.add_trace(go.Scatter(x=t["pos"].to_list(), y=t["prob"].to_list(), mode="markers",
+                             name="probability of the token that came", marker={"color": "black", "size": 4},
+                             hoverinfo="skip"))
     _layout(fig, "Token confidence per position (faded: prompt)", yaxis={"range": [0, 1], "title": "probability"},
-            xaxis={"title": "position", **_tick_axis(t["pos"].to_list(), t["text"].to_list())})
+            xaxis={"title": "position", **_tick_axis(t["pos"].to_list(), t["text"].to_list())},
+            legend={"orientation": "h", "y": -0.3})
     return fig
 
 
-def fig_topk(store: Store, run_id: str, pos: int, tokenizer=None) -> go.Figure:
-    """The top-k alternatives at ``pos`` (the distribution that produced its token), produced one marked."""
-    t = query.tokens(store, run_id)
-    row = _check_pos(t, pos)
+def fig_topk(tokens: pl.DataFrame, pos: int, tokenizer=None) -> go.Figure:
+    """The top-k alternatives at ``pos`` (the distribution that produced its token), produced one marked.
+    Their text: ``tokenizer`` if given, else the run's own texts of those ids, else ``#id`` (``token_texts``)."""
+    row = _check_pos(tokens, pos)
     if row["topk_ids"] is None:
         return _empty(f"position {pos} has no prediction (the first token)")
     ids, probs = list(row["topk_ids"]), list(row["topk_probs"])
-    texts = [tokenizer.decode([i]) for i in ids] if tokenizer is not None else _decode(store, run_id, ids, t)
+    texts = token_texts(ids, tokens, tokenizer)
     chosen = [i == row["token_id"] for i in ids]
     labels = [f"{k + 1}. {token_label(x, 20)}" for k, x in enumerate(texts)]
     fig = go.Figure(go.Bar(
@@ -206,9 +207,9 @@ def _heatmap(z: pl.DataFrame, row: str, col: str, val: str, n_rows: int | None =
     return m, rows, cols
 
 
-def fig_token_heads(store: Store, run_id: str, pos: int) -> go.Figure:
+def fig_token_heads(attention: pl.DataFrame, pos: int) -> go.Figure:
     """Attention entropy (nats) per layer x head for the query at ``pos``."""
-    h = query.token_heads(store, run_id, pos)
+    h = attention.filter(pl.col("pos") == pos)
     if h.height == 0:
         return _empty(f"no attention rows at position {pos}")
     z, layers, heads = _heatmap(h, "layer", "head", "entropy")
@@ -221,14 +222,15 @@ def fig_token_heads(store: Store, run_id: str, pos: int) -> go.Figure:
     return fig
 
 
-def fig_head_entropy(store: Store, run_id: str, step: int | None = None) -> go.Figure:
-    """Mean attention entropy per layer x head over the run (or up to ``step``)."""
-    if step is None:
-        h = query.head_entropy(store, run_id)
-    else:
-        last = _max_fed_pos_at(store, run_id, step)
-        h = (query.attention(store, run_id).filter((pl.col("pos") > 0) & (pl.col("pos") <= last))
-             .group_by("layer", "head").agg(pl.col("entropy").mean()).sort("layer", "head"))
+def fig_head_entropy(attention: pl.DataFrame, step: int | None = None, tokens: pl.DataFrame | None = None
+                     ) -> go.Figure:
+    """Mean attention entropy per layer x head over the run's query positions (pos 0 excluded), or up to
+    ``step`` (then ``tokens`` says which positions had been fed by then)."""
+    a = attention.filter(pl.col("pos") > 0)
+    last = _max_fed_pos_at(tokens, step)
+    if last is not None:
+        a = a.filter(pl.col("pos") <= last)
+    h = a.group_by("layer", "head").agg(pl.col("entropy").mean()).sort("layer", "head")
     if h.height == 0:
         return _empty("no attention rows recorded")
     z, layers, heads = _heatmap(h, "layer", "head", "entropy")
@@ -239,30 +241,32 @@ def fig_head_entropy(store: Store, run_id: str, step: int | None = None) -> go.F
     return fig
 
 
-def fig_entropy_along(store: Store, run_id: str, heads: list[tuple[int, int]] | None = None,
-                      normalised: bool = False, step: int | None = None) -> go.Figure:
+def fig_entropy_along(attention: pl.DataFrame, tokens: pl.DataFrame | None = None,
+                      heads: list[tuple[int, int]] | None = None, normalised: bool = False,
+                      step: int | None = None) -> go.Figure:
     """Attention entropy along positions for chosen ``(layer, head)`` pairs (default: the 4 most diffuse)."""
-    a = query.attention(store, run_id)
-    last = _max_fed_pos_at(store, run_id, step)
+    a = attention
+    last = _max_fed_pos_at(tokens, step)
     if last is not None:
         a = a.filter(pl.col("pos") <= last)
     if a.height == 0:
         return _empty("no attention rows recorded")
     if not heads:
         top = (a.filter(pl.col("pos") > 0).group_by("layer", "head").agg(pl.col("entropy").mean())
-               .sort("entropy", descending=True).head(4))
+               .sort("entropy", "layer", "head", descending=[True, False, False]).head(4))
         heads = list(zip(top["layer"].to_list(), top["head"].to_list()))
     col = "norm_entropy" if normalised else "entropy"
-    t = query.tokens(store, run_id)
-    text = dict(zip(t["pos"].to_list(), t["text"].to_list()))
+    text = _texts_by_pos(tokens)
     fig = go.Figure()
     for layer, head in heads:
         s = a.filter((pl.col("layer") == layer) & (pl.col("head") == head)).sort("pos")
         if s.height == 0:
             raise ValueError(f"no attention rows for layer {layer}, head {head}")
+        name = f"layer {layer}, head {head}"
         fig.add_trace(go.Scatter(
-            x=s["pos"].to_list(), y=s[col].to_list(), mode="lines+markers", name=f"L{layer}H{head}",
-            hovertext=[f"L{layer}H{head} pos {p}: {token_label(text.get(p), 30)}<br>{col} {v:.3f}"
+            x=s["pos"].to_list(), y=s[col].to_list(), mode="lines+markers", name=name,
+            hovertext=[f"{name}, pos {p}: {token_label(text.get(p), 30)}<br>"
+                       f"{'normalised entropy' if normalised else 'entropy'} {v:.3f}"
                        if v is not None else f"pos {p}" for p, v in zip(s["pos"], s[col])], hoverinfo="text"))
     _layout(fig, "Attention entropy along the run" + (" (normalised)" if normalised else ""),
             xaxis={"title": "position"}, yaxis={"title": "normalised entropy" if normalised else "nats"})
@@ -271,12 +275,12 @@ def fig_entropy_along(store: Store, run_id: str, heads: list[tuple[int, int]] | 
 
 # -- experts -------------------------------------------------------------------------------------
 
-def fig_token_routing(store: Store, run_id: str, pos: int) -> go.Figure:
+def fig_token_routing(routing: pl.DataFrame, pos: int, summary: ModelSummary | None = None) -> go.Figure:
     """Gate weight per MoE layer x expert for the token at ``pos`` (blank: not chosen)."""
-    r = query.token_routing(store, run_id, pos)
+    r = routing.filter(pl.col("pos") == pos)
     if r.height == 0:
-        return _empty(f"no routing rows at position {pos}: " + query.no_routing_reason(store, run_id))
-    n_exp = _n_experts(store, run_id) or int(r["expert"].max()) + 1
+        return _empty(f"no routing rows at position {pos}: " + no_routing_reason(summary))
+    n_exp = _n_experts(summary, r)
     z, layers, experts = _heatmap(r, "layer", "expert", "weight", n_cols=n_exp)
     margins = dict(zip(r["layer"].to_list(), r["margin"].to_list()))
     fig = go.Figure(go.Heatmap(
@@ -288,23 +292,22 @@ def fig_token_routing(store: Store, run_id: str, pos: int) -> go.Figure:
     return fig
 
 
-def _routing_until(store: Store, run_id: str, step: int | None) -> pl.DataFrame | None:
-    if step is None:
-        return None
-    return query.routing(store, run_id).filter(pl.col("pos") <= _max_fed_pos_at(store, run_id, step))
+def expert_load_frame(routing: pl.DataFrame) -> pl.DataFrame:
+    """layer, expert, slots, share: each expert's share of its layer's routed slots (sums to 1 per layer)."""
+    return (routing.group_by("layer", "expert").agg(pl.len().alias("slots"))
+            .with_columns((pl.col("slots") / pl.col("slots").sum().over("layer")).alias("share"))
+            .sort("layer", "expert"))
 
 
-def fig_expert_load(store: Store, run_id: str, step: int | None = None) -> go.Figure:
+def fig_expert_load(routing: pl.DataFrame, summary: ModelSummary | None = None, step: int | None = None,
+                    tokens: pl.DataFrame | None = None) -> go.Figure:
     """Share of routed slots per expert per MoE layer (each row sums to 1); uniform = 1/E."""
-    r = _routing_until(store, run_id, step)
-    if r is None:
-        load = query.expert_load(store, run_id)
-    else:
-        load = (r.group_by("layer", "expert").agg(pl.len().alias("slots"))
-                .with_columns((pl.col("slots") / pl.col("slots").sum().over("layer")).alias("share")))
+    last = _max_fed_pos_at(tokens, step)
+    r = routing if last is None else routing.filter(pl.col("pos") <= last)
+    load = expert_load_frame(r)
     if load.height == 0:
-        return _no_routing(store, run_id)
-    n_exp = _n_experts(store, run_id) or int(load["expert"].max()) + 1
+        return _empty(no_routing_reason(summary) if routing.height == 0 else "no routing rows by this step")
+    n_exp = _n_experts(summary, load)
     z, layers, experts = _heatmap(load, "layer", "expert", "share", n_cols=n_exp, fill=0.0)
     fig = go.Figure(go.Heatmap(z=z, x=experts, y=[f"L{l}" for l in layers], colorscale="YlOrRd",
                                colorbar={"title": "share"}, zmin=0,
@@ -314,20 +317,28 @@ def fig_expert_load(store: Store, run_id: str, step: int | None = None) -> go.Fi
     return fig
 
 
-def _first_moe_layer(store: Store, run_id: str) -> int | None:
-    load = query.expert_load(store, run_id)
-    return int(load["layer"].min()) if load.height else None
+def _first_moe_layer(routing: pl.DataFrame) -> int | None:
+    return int(routing["layer"].min()) if routing.height else None
 
 
-def fig_coactivation(store: Store, run_id: str, layer: int | None = None) -> go.Figure:
+def coactivation_frame(routing: pl.DataFrame, layer: int) -> pl.DataFrame:
+    """a, b, count: how often experts a and b are chosen for the same token in ``layer`` (both orders)."""
+    r = routing.filter(pl.col("layer") == layer).select("pos", "slot", "expert")
+    pairs = r.join(r, on="pos", suffix="_b").filter(pl.col("slot") != pl.col("slot_b"))
+    return (pairs.group_by(pl.col("expert").alias("a"), pl.col("expert_b").alias("b"))
+            .agg(pl.len().alias("count")).sort("a", "b"))
+
+
+def fig_coactivation(routing: pl.DataFrame, layer: int | None = None, summary: ModelSummary | None = None
+                     ) -> go.Figure:
     """How often two experts are chosen for the same token in ``layer`` (default: the first MoE layer)."""
-    layer = _first_moe_layer(store, run_id) if layer is None else layer
+    layer = _first_moe_layer(routing) if layer is None else layer
     if layer is None:
-        return _no_routing(store, run_id)
-    c = query.coactivation(store, run_id, layer)
+        return _empty(no_routing_reason(summary))
+    c = coactivation_frame(routing, layer)
     if c.height == 0:
         return _empty(f"no co-activations in layer {layer} (not a MoE layer, or top-1 routing)")
-    n_exp = _n_experts(store, run_id) or int(max(c["a"].max(), c["b"].max())) + 1
+    n_exp = _n_experts(summary, c, "a", "b")
     z, rows, cols = _heatmap(c, "a", "b", "count", n_rows=n_exp, n_cols=n_exp, fill=0)
     fig = go.Figure(go.Heatmap(z=z, x=cols, y=rows, colorscale="Purples", colorbar={"title": "tokens"},
                                hovertemplate="experts %{y} & %{x}: %{z} tokens<extra></extra>"))
@@ -336,30 +347,43 @@ def fig_coactivation(store: Store, run_id: str, layer: int | None = None) -> go.
     return fig
 
 
-def fig_load_along(store: Store, run_id: str, layer: int | None = None, window: int = 16) -> go.Figure:
-    """Each expert's share of slots in consecutive windows of ``window`` positions, in ``layer``."""
-    layer = _first_moe_layer(store, run_id) if layer is None else layer
+def load_along_frame(routing: pl.DataFrame, layer: int, window: int = 16) -> pl.DataFrame:
+    """window_start, expert, slots, share: each expert's share of slots in consecutive windows of positions."""
+    return (routing.filter(pl.col("layer") == layer)
+            .select((pl.col("pos") // window * window).alias("window_start"), "expert")
+            .group_by("window_start", "expert").agg(pl.len().alias("slots"))
+            .with_columns((pl.col("slots") / pl.col("slots").sum().over("window_start")).alias("share"))
+            .sort("window_start", "expert"))
+
+
+def fig_load_along(routing: pl.DataFrame, layer: int | None = None, window: int = 16,
+                   summary: ModelSummary | None = None) -> go.Figure:
+    """Each expert's share of slots in consecutive windows of ``window`` positions, in ``layer``; a window's
+    cell spans its positions, so the axis starts at position 0."""
+    layer = _first_moe_layer(routing) if layer is None else layer
     if layer is None:
-        return _no_routing(store, run_id)
+        return _empty(no_routing_reason(summary))
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    d = query.load_along_run(store, run_id, layer, window)
+    d = load_along_frame(routing, layer, window)
     if d.height == 0:
         return _empty(f"no routing rows in layer {layer}")
-    n_exp = _n_experts(store, run_id) or int(d["expert"].max()) + 1
+    n_exp = _n_experts(summary, d)
     z, experts, starts = _heatmap(d, "expert", "window_start", "share", n_rows=n_exp, fill=0.0)
-    fig = go.Figure(go.Heatmap(z=z, x=starts, y=experts, colorscale="YlOrRd", zmin=0, colorbar={"title": "share"},
-                               hovertemplate="positions %{x}+, expert %{y}<br>share %{z:.3f}<extra></extra>"))
+    end = max(starts) + window
+    fig = go.Figure(go.Heatmap(z=z, x=[s + window / 2 for s in starts], y=experts, colorscale="YlOrRd", zmin=0,
+                               colorbar={"title": "share"},
+                               customdata=[[f"{s}-{s + window - 1}" for s in starts] for _ in experts],
+                               hovertemplate="positions %{customdata}, expert %{y}<br>share %{z:.3f}<extra></extra>"))
     _layout(fig, f"Expert load along the run, layer {layer} (windows of {window} positions)", height=380,
-            xaxis={"title": "window start (position)"}, yaxis={"title": "expert", "dtick": 1})
+            xaxis={"title": "position", "range": [0, end]}, yaxis={"title": "expert", "dtick": 1})
     return fig
 
 
 # -- KV cache ------------------------------------------------------------------------------------
 
-def fig_kv_bytes(store: Store, run_id: str, step: int | None = None) -> go.Figure:
+def fig_kv_bytes(kv: pl.DataFrame, step: int | None = None) -> go.Figure:
     """Bytes held in each layer's latent KV cache after every step (stacked: the total)."""
-    kv = query.kv(store, run_id)
     if step is not None:
         kv = kv.filter(pl.col("step") <= step)
     if kv.height == 0:
@@ -376,17 +400,17 @@ def fig_kv_bytes(store: Store, run_id: str, step: int | None = None) -> go.Figur
     return fig
 
 
-def fig_kv_received(store: Store, run_id: str, layer: int | None = None) -> go.Figure:
+def fig_kv_received(kv_tokens: pl.DataFrame, tokens: pl.DataFrame | None = None, layer: int | None = None
+                    ) -> go.Figure:
     """Attention each cached token has received (summed over heads and queries), at the last recorded step.
 
     ``layer`` None: a layer x position heat map; else one layer's bars.
     """
-    kt = query.kv_tokens(store, run_id)
+    kt = kv_tokens
     if kt.height == 0:
         return _empty("no per-token KV rows recorded")
     last = kt.filter(pl.col("step") == kt["step"].max())
-    t = query.tokens(store, run_id)
-    text = dict(zip(t["pos"].to_list(), t["text"].to_list()))
+    text = _texts_by_pos(tokens)
     if layer is not None:
         s = last.filter(pl.col("layer") == layer).sort("pos")
         if s.height == 0:
@@ -410,15 +434,21 @@ def fig_kv_received(store: Store, run_id: str, layer: int | None = None) -> go.F
 
 # -- root cause ----------------------------------------------------------------------------------
 
-def fig_attribution(store: Store, run_id: str, pos: int) -> go.Figure:
-    """Integrated-Gradients score of every earlier token for the token at ``pos`` (from ``attributions``)."""
-    a = query.attributions(store, run_id, pos)
+def _for_target(attributions: pl.DataFrame, pos: int) -> pl.DataFrame:
+    if attributions.height and "target_pos" in attributions.columns:
+        return attributions.filter(pl.col("target_pos") == pos)
+    return attributions
+
+
+def fig_attribution(attributions: pl.DataFrame, tokens: pl.DataFrame | None, pos: int) -> go.Figure:
+    """Integrated-Gradients score of every earlier token for the token at ``pos`` (``attributions`` rows of
+    the run: all targets, or those of ``pos``)."""
+    a = _for_target(attributions, pos)
     tok = a.filter(pl.col("kind") == "token") if a.height else a
     if tok.height == 0:
         return _empty(f"no attribution stored for position {pos}: run root cause on it first")
     tok = tok.sort("source_pos")
-    t = query.tokens(store, run_id)
-    text = dict(zip(t["pos"].to_list(), t["text"].to_list()))
+    text = _texts_by_pos(tokens)
     xs, scores = tok["source_pos"].to_list(), tok["score"].to_list()
     lim = max((abs(s) for s in scores if s is not None), default=1.0) or 1.0
     method = tok["method"][0]
@@ -434,12 +464,13 @@ def fig_attribution(store: Store, run_id: str, pos: int) -> go.Figure:
     return fig
 
 
-def fig_components(store: Store, run_id: str, pos: int, top: int = 15) -> go.Figure:
+def fig_components(attributions: pl.DataFrame, pos: int, top: int = 15) -> go.Figure:
     """The top-ranked heads and experts (ablation effects) for the token at ``pos``."""
-    a = query.attributions(store, run_id, pos)
+    a = _for_target(attributions, pos)
     c = a.filter(pl.col("kind") != "token").sort("rank").head(top) if a.height else a
     if c.height == 0:
         return _empty(f"no component ranking stored for position {pos}")
+
     def name(r: dict) -> str:
         if r["kind"] == "head":
             return f"L{r['layer']} head {r['head']}"
@@ -456,7 +487,7 @@ def fig_components(store: Store, run_id: str, pos: int, top: int = 15) -> go.Fig
 
 # -- what-if: expert cache, latency against context, precision, code view ---------------------------
 # ``*_figure(frame or fit)`` draw what ``workbench.analysis.whatif`` / ``workbench.analysis.codeview`` computed (several runs
-# pooled, or a model re-run: the precision probe); ``fig_*(store, run_id)`` compute it from one run's rows.
+# pooled, or a model re-run: the precision probe); ``fig_*(frames)`` compute it from one run's rows.
 
 def expert_cache_figure(df: pl.DataFrame, title: str = "Expert cache: hit rate against cache size K") -> go.Figure:
     """Hit rate (all MoE layers together: the ``layer`` null rows) against K, one line per predictor
@@ -486,17 +517,15 @@ def expert_cache_figure(df: pl.DataFrame, title: str = "Expert cache: hit rate a
     return fig
 
 
-def fig_expert_cache(store: Store, run_id: str, slots=(1, 2, 3, 4, 6, 8, 12, 16), predictors=None,
-                     decode_only: bool = False) -> go.Figure:
+def fig_expert_cache(routing: pl.DataFrame, summary: ModelSummary | None = None, n_prompt_tokens: int = 0,
+                     slots=(1, 2, 3, 4, 6, 8, 12, 16), predictors=None, decode_only: bool = False) -> go.Figure:
     """The run's expert-cache hit rate against K for each predictor (``workbench.analysis.whatif``)."""
-
-    r = query.routing(store, run_id)
-    if r.height == 0:
-        return _no_routing(store, run_id)
-    n_exp = _n_experts(store, run_id) or int(r["expert"].max()) + 1
+    if routing.height == 0:
+        return _empty(no_routing_reason(summary))
+    n_exp = _n_experts(summary, routing)
     ks = [k for k in slots if 1 <= k <= n_exp] or [n_exp]
-    start = int(query.run_row(store, run_id)["n_prompt_tokens"] or 0) if decode_only else 0
-    df = expert_cache_sweep(r, ks, predictors or PREDICTORS, start)
+    start = int(n_prompt_tokens or 0) if decode_only else 0
+    df = expert_cache_sweep(routing, ks, predictors or PREDICTORS, start)
     return expert_cache_figure(df, f"Expert cache over the recorded routing ({n_exp} experts per layer)")
 
 
@@ -531,11 +560,9 @@ def latency_fit_figure(fit, reference: bool = True) -> go.Figure:
     return fig
 
 
-def fig_latency_fit(store: Store, run_id: str, L0: int = 32768) -> go.Figure:
+def fig_latency_fit(steps: pl.DataFrame, n_prompt_tokens: int = 0, L0: int = 32768) -> go.Figure:
     """The run's decode-step latency against context with the fit (``workbench.analysis.whatif.fit_latency``)."""
-
-    info = query.run_row(store, run_id)
-    pts = decode_points(query.steps(store, run_id), int(info["n_prompt_tokens"] or 0))
+    pts = decode_points(steps, int(n_prompt_tokens or 0))
     try:
         fit = fit_latency(pts, L0=L0)
     except (ValueError, RuntimeError) as e:
@@ -595,14 +622,12 @@ def code_view_figure(summary: pl.DataFrame, title: str = "Confidence by Python t
     return fig
 
 
-def fig_code_view(store: Store, run_id: str, generated_only: bool = True) -> go.Figure:
+def fig_code_view(tokens: pl.DataFrame, generated_only: bool = True) -> go.Figure:
     """The run's confidence and entropy by Python token class (``workbench.analysis.codeview``)."""
-
-    t = query.tokens(store, run_id)
-    if t.height == 0:
+    if tokens.height == 0:
         return _empty("no tokens recorded")
     what = "generated tokens" if generated_only else "all tokens"
-    return code_view_figure(code_view(t, generated_only), f"Confidence by Python token class ({what})")
+    return code_view_figure(code_view(tokens, generated_only), f"Confidence by Python token class ({what})")
 
 
 # -- what-if: KV-cache policies (workbench.analysis.kv_policies) ------------------------------------------------
@@ -610,12 +635,10 @@ def fig_code_view(store: Store, run_id: str, generated_only: bool = True) -> go.
 SEED_TOPK_INT8_KEPT = 0.53  # the seed documents: top-512 in FP16 + the rest INT8, "memory -47%"
 
 
-def fig_kv_pareto(frame, run_id: str | None = None) -> go.Figure:
+def fig_kv_pareto(frame: pl.DataFrame | None) -> go.Figure:
     """Memory kept (``bytes_kept / bytes_full``) against ``delta_nll`` per KV-cache policy, the Pareto front
-    (no other policy keeps less memory and loses less) as a line. ``frame``: ``Run.kv_whatif(...)``'s frame
-    (rows of one policy are averaged, e.g. over several runs), or a store with ``run_id`` (its stored rows)."""
-    if isinstance(frame, Store):
-        frame = query.policy_results(frame, run_id)
+    (no other policy keeps less memory and loses less) as a line. ``frame``: ``Run.kv_whatif(...)``'s frame or
+    the stored ``policy_results`` rows (rows of one policy are averaged, e.g. over several runs)."""
     if frame is None or frame.height == 0:
         return _empty("no KV what-if results yet (Run.kv_whatif / workbench kv-whatif)")
     df = (frame.with_columns((pl.col("bytes_kept") / pl.col("bytes_full").clip(1)).alias("kept"))

@@ -29,6 +29,7 @@ from plotly.offline import get_plotlyjs
 
 from workbench.data import query
 from workbench.data.schema import SCHEMA_VERSION
+from workbench.views.session import RunFrames
 
 FORMATS = ("html", "json", "md")
 CAUSES_SHOWN = 10
@@ -68,6 +69,7 @@ class Report:
     facts: dict
     figures: list[tuple[str, str, Any]] = field(default_factory=list)
     run: Any = None  # the workbench.Run it describes
+    frames: RunFrames | None = None  # its frames, read once for every figure
 
     @property
     def notes(self) -> list[str]:
@@ -75,16 +77,16 @@ class Report:
 
 
 def _figure(rep: Report, section: str, key: str, name: str, *args) -> None:
-    """Add ``workbench.views.figures.<name>(store, run_id, *args)``; a note instead if it cannot be drawn."""
-    store, run_id = rep.run.store, rep.run.run_id
-    try:
-        from workbench.views import figures
-        fn = getattr(figures, name)
-    except (ImportError, AttributeError) as e:
-        rep.notes.append(f"figure {key} unavailable: workbench.views.figures.{name} is missing ({e})")
+    """Add ``RunFrames.<name>(*args)`` (the run's frames read once for the whole report); a note instead if it
+    cannot be drawn."""
+    if rep.frames is None:
+        rep.frames = RunFrames(rep.run.store, rep.run.run_id, info=rep.run.info)
+    fn = getattr(rep.frames, name, None)
+    if fn is None:
+        rep.notes.append(f"figure {key} unavailable: no figure {name}")
         return
     try:
-        rep.figures.append((section, key, fn(store, run_id, *args)))
+        rep.figures.append((section, key, fn(*args)))
     except Exception as e:  # a figure must never sink the whole report
         rep.notes.append(f"figure {key} failed: {type(e).__name__}: {e}")
 
@@ -224,6 +226,8 @@ def build_report(run, explain: int = 3, root_cause_kw: dict | None = None,
             "attribution": [{"source_pos": r["source_pos"], "text": text.get(r["source_pos"]),
                              "score": _plain(r["score"])} for r in tok.iter_rows(named=True)],
         })
+        if rep.frames is not None:
+            rep.frames.forget("attributions")  # root cause may just have stored this position's rows
         _figure(rep, f"explain-{pos}", f"attribution_{pos}", "fig_attribution", pos)
         _figure(rep, f"explain-{pos}", f"components_{pos}", "fig_components", pos)
     store, rid = run.store, run.run_id
