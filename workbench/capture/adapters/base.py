@@ -9,7 +9,9 @@ An adapter wraps one loaded model and offers:
 - ``embedding()``: the input-embedding module (captum's ``LayerIntegratedGradients`` target);
 - ``seams(listeners)``: a context manager that attaches listeners to the model's seams for the block;
 - ``kv_state()``: the KV cache after a step, per layer (``kv_sizes()``: only its sizes, cheap);
-- ``router(layer)``: the layer's ``RouterMath`` (checked against the router module when loaded).
+- ``router(layer)``: the layer's ``RouterMath`` (checked against the router module when loaded);
+- ``blocks()``, ``quantization_points(layer)``, ``teacher_forcing(length)`` and ``quantize_kv(layer, fn)``: what a
+  what-if on a full forward asks (``workbench.analysis.precision``), so it never tests the model's class.
 
 Seams and what a listener receives (``layer`` is the 0-based block; a listener may return a
 replacement where noted, which is how ablations and faults intervene):
@@ -48,7 +50,7 @@ from workbench.data.summary import ModelSummary
 
 from .routing import RouterMath
 
-__all__ = ["SEAMS", "Adapter", "ModelSummary", "Route", "Listener"]
+__all__ = ["SEAMS", "Adapter", "ModelSummary", "QuantPoints", "Route", "Listener"]
 
 
 
@@ -72,6 +74,18 @@ class Route:
     extra: torch.Tensor | None = None
     frozen: torch.Tensor | None = None
     scale: torch.Tensor | None = None
+    forced: tuple | None = None  # (rows [N] bool, indices [N, K], weights [N, K]): the final choice of those rows
+
+    def force(self, rows: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> None:
+        """Set the final (indices, weights) of ``rows`` ([N] bool), after every other edit (activation patching:
+        another forward's routing, taken as it was)."""
+        rows = rows.to(self.indices.device).bool()
+        if self.forced is not None:
+            old, i0, w0 = self.forced
+            indices = torch.where(rows[:, None], indices.to(i0.device), i0)
+            weights = torch.where(rows[:, None], weights.to(w0), w0)
+            rows = rows | old
+        self.forced = (rows, indices.to(self.indices.device), weights)
 
     def remove(self, keep: torch.Tensor) -> None:
         keep = keep.to(self.logits.device).bool()
@@ -95,7 +109,7 @@ class Route:
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The final (indices, weights) after every edit; None when nothing was edited."""
-        if all(e is None for e in (self.keep, self.bias_scale, self.extra, self.frozen, self.scale)):
+        if all(e is None for e in (self.keep, self.bias_scale, self.extra, self.frozen, self.scale, self.forced)):
             return None
         idx, w = self.indices, self.weights
         if self.frozen is not None:
@@ -120,10 +134,26 @@ class Route:
             w = torch.where(t, m.weights_for(self.logits, new).to(w), w)
         if self.scale is not None:
             w = w * self.scale.to(w)[idx]
+        if self.forced is not None:
+            rows, fi, fw = self.forced
+            idx = torch.where(rows.to(idx.device)[:, None], fi.to(idx.device), idx)
+            w = torch.where(rows.to(w.device)[:, None], fw.to(w), w)
         return idx, w
 
 
 Listener = Callable[..., object]
+
+
+@dataclass
+class QuantPoints:
+    """What fake quantization of one block touches (``Adapter.quantization_points``): the ``block`` (its >= 2-D
+    parameters and the inputs of its ``nn.Linear`` layers), the modules inside it kept in full precision (the
+    router, as DeepSeek-V3's FP8 recipe keeps its gate), and the expert modules that hold their weights as
+    stacked 3-D tensors without any ``nn.Linear`` (their inputs are quantized at the module)."""
+
+    block: nn.Module
+    full_precision: list[nn.Module]
+    fused_experts: list[nn.Module]
 
 
 class Adapter:
@@ -167,12 +197,58 @@ class Adapter:
         """Register ``fn`` on the model's modules for one seam; returns removable handles."""
         raise NotImplementedError
 
+    # -- the parts of a layer (activation patching and fault injection, workbench.analysis) ---------------
+    def parts(self, layer: int) -> dict[str, nn.Module | None]:
+        """The modules of block ``layer`` whose outputs root cause patches and faults edit: "block" (its output is
+        the residual stream after it), "attn" and "mlp" (the attention and MLP or MoE block, outputs added to the
+        residual), "attn_norm" and "mlp_norm" (the input norms), "kv" (whose output is the cached KV latent: MLA's
+        latent norm, else the value projection), "shared" (the shared experts, or None), "router" (the module
+        holding the router weight [E, D], or None) and "experts" (the routed experts, or None)."""
+        raise NotImplementedError
+
+    def expert_down(self, layer: int, expert: int) -> torch.Tensor:
+        """The down projection weight [D, I] of one routed expert (a view: in-place edits change the model)."""
+        raise NotImplementedError
+
+    def unembedding(self) -> nn.Module:
+        """The output projection (its output is the logits before any softcap)."""
+        raise NotImplementedError
+
+    def rotary(self, layer: int, fn: Callable) -> list:
+        """Register ``fn(rotation) -> rotation | None`` on what block ``layer``'s attention rotates queries and keys
+        by (ours: the complex table [T, R/2]; transformers: the (cos, sin) pair [B, T, d]); removable handles."""
+        raise NotImplementedError
+
+    def scaled_rotation(self, rotation, factor: float, start: int = 0):
+        """``rotation`` with every angle multiplied by ``factor`` (positions from ``start``)."""
+        raise NotImplementedError
+
     def state_sha256(self) -> str:
         raise NotImplementedError
 
     def _without_cache(self) -> contextlib.AbstractContextManager:
         """Detach the generation cache while full forwards run (a model that keeps one overrides this)."""
         return contextlib.nullcontext()
+
+    # -- what-ifs on a full forward (workbench.analysis.precision) -------------------------------------------
+    def blocks(self) -> nn.ModuleList:
+        """The decoder blocks in order (block ``i`` is layer ``i`` of every seam)."""
+        raise NotImplementedError
+
+    def quantization_points(self, layer: int) -> QuantPoints:
+        """What fake-quantizing block ``layer`` touches (``QuantPoints``)."""
+        raise NotImplementedError
+
+    def teacher_forcing(self, length: int) -> contextlib.AbstractContextManager:
+        """Full forwards of at most ``length`` tokens from position 0, without gradients, through a fresh KV cache
+        (the generation's own cache, if any, put back afterwards); yields ``forward(ids [1, T]) -> logits
+        [1, T, V]`` (fp32), whose cache writes pass through the functions ``quantize_kv`` set."""
+        raise NotImplementedError
+
+    def quantize_kv(self, layer: int, fn: Callable[[torch.Tensor], torch.Tensor]) -> contextlib.AbstractContextManager:
+        """For the duration, what block ``layer`` writes into a ``teacher_forcing`` forward's KV cache is
+        ``fn(tensor)`` (MLA: the latent and the rope key; otherwise the keys and values), as attention reads it."""
+        raise NotImplementedError
 
     # -- the KV what-if (workbench.analysis.kv_policies): a cache the caller edits between decode steps ----------
     def kv_session(self, max_len: int) -> contextlib.AbstractContextManager:

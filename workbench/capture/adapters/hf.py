@@ -39,7 +39,7 @@ from torch import nn
 from workbench.model import state_sha256
 from workbench.model.generate import check_prompt, decode
 
-from .base import Adapter, Listener, ModelSummary
+from .base import Adapter, Listener, ModelSummary, QuantPoints
 from .routing import RouterMath
 
 ROUTER_CLASS = re.compile(r"Top[Kk]Router$")
@@ -282,6 +282,52 @@ class HFAdapter(Adapter):
             self._cache = None
             self._kv_keep = [None] * len(self.layers)
 
+    # -- what-ifs on a full forward (precision) ----------------------------------------------------------
+    def blocks(self) -> nn.ModuleList:
+        return self.layers
+
+    def quantization_points(self, layer: int) -> QuantPoints:
+        moe = self.moe.get(layer)
+        if moe is None:
+            return QuantPoints(self.layers[layer], [], [])
+        experts = moe[2]
+        fused = [] if any(isinstance(m, nn.Linear) for m in experts.modules()) else [experts]
+        return QuantPoints(self.layers[layer], [moe[1]], fused)
+
+    @contextlib.contextmanager
+    def teacher_forcing(self, length: int) -> Iterator:
+        from transformers import DynamicCache  # lazy: only transformers models get here
+
+        m = self.module
+        quant = self.__dict__.setdefault("_kv_quant", {})
+
+        def forward(ids: torch.Tensor) -> torch.Tensor:
+            cache = DynamicCache(config=m.config)  # a fresh cache whose update passes through quantize_kv's fns
+            update = cache.update
+
+            def quantized_update(key, value, layer_idx, *args, **kwargs):
+                fn = quant.get(layer_idx)
+                if fn is not None:
+                    key, value = fn(key), fn(value)
+                return update(key, value, layer_idx, *args, **kwargs)
+
+            cache.update = quantized_update
+            self._pos = 0  # the attention probe's position counter
+            return m(ids, cache=cache, use_cache=True).logits.float()
+
+        with torch.no_grad():
+            yield forward
+
+    @contextlib.contextmanager
+    def quantize_kv(self, layer: int, fn) -> Iterator[None]:
+        quant = self.__dict__.setdefault("_kv_quant", {})
+        quant[layer] = fn
+        try:
+            yield
+        finally:
+            if quant.get(layer) is fn:
+                del quant[layer]
+
     def kv_entries(self) -> list[tuple[int, list[torch.Tensor]]]:
         out = []
         for layer in getattr(self._cache, "layers", None) or []:
@@ -298,6 +344,63 @@ class HFAdapter(Adapter):
 
     def state_sha256(self) -> str:
         return state_sha256(self.module)
+
+    # -- the parts of a layer (activation patching, fault injection) ---------------------------------
+    def parts(self, layer: int) -> dict[str, nn.Module | None]:
+        b = self.layers[layer]
+        attn = b.self_attn
+        moe = self.moe.get(layer)
+        block = moe[0] if moe else None
+        shared = None if block is None else (getattr(block, "shared_experts", None)
+                                             or getattr(block, "shared_expert", None))
+        return {"block": b, "attn": attn, "mlp": getattr(b, "mlp", None) or block,
+                "attn_norm": getattr(b, "input_layernorm", None), "mlp_norm": getattr(b, "post_attention_layernorm", None),
+                "kv": getattr(attn, "kv_a_layernorm", None) or getattr(attn, "v_proj", None), "shared": shared,
+                "router": moe[1] if moe else None, "experts": moe[2] if moe else None}
+
+    def expert_down(self, layer: int, expert: int) -> torch.Tensor:
+        experts = self.moe[layer][2]
+        down = getattr(experts, "down_proj", None)
+        if isinstance(down, torch.Tensor) and down.ndim == 3:  # fused [E, D, I] (or [E, I, D])
+            w = down[expert]
+            return w if w.size(0) == self.module.config.hidden_size else w.transpose(0, 1)
+        mods = list(experts) if isinstance(experts, nn.ModuleList) else []
+        if mods and hasattr(mods[expert], "down_proj"):
+            return mods[expert].down_proj.weight
+        raise ValueError(f"cannot find expert {expert}'s down projection in layer {layer} of {self.summary.family}")
+
+    def unembedding(self) -> nn.Module:
+        return self.module.get_output_embeddings()
+
+    def _rotary_emb(self) -> nn.Module:
+        for _, m in self.module.named_modules():
+            if type(m).__name__.endswith("RotaryEmbedding") and isinstance(getattr(m, "inv_freq", None), torch.Tensor):
+                return m
+        raise ValueError(f"{self.summary.family} has no rotary embedding module with inv_freq")
+
+    def rotary(self, layer: int, fn) -> list:
+        def pre(_m, args, kwargs):
+            pe = kwargs.get("position_embeddings")
+            if pe is None:
+                return None
+            new = fn(pe, self._pos)
+            if new is None:
+                return None
+            kwargs["position_embeddings"] = new
+            return args, kwargs
+        return [self.layers[layer].self_attn.register_forward_pre_hook(pre, with_kwargs=True)]
+
+    def scaled_rotation(self, rotation, factor: float, start: int = 0):
+        cos, sin = rotation
+        rot = self._rotary_emb()
+        inv = rot.inv_freq.float().to(cos.device)
+        t = torch.arange(start, start + cos.size(-2), device=cos.device, dtype=torch.float32)
+        emb = torch.outer(t, inv * factor)
+        emb = torch.cat([emb, emb], -1)
+        if emb.size(-1) != cos.size(-1):
+            raise ValueError(f"the rotary embedding of {self.summary.family} is not the rotate-half layout")
+        a = float(getattr(rot, "attention_scaling", 1.0))
+        return ((emb.cos() * a).to(cos).expand_as(cos), (emb.sin() * a).to(sin).expand_as(sin))
 
     # -- seams ----------------------------------------------------------------------------------------
     def _attach(self, seam: str, fn: Listener) -> list:

@@ -15,7 +15,7 @@ from torch import nn
 
 from workbench.model import MoE, Transformer, state_sha256, stream, stream_batch
 
-from .base import Adapter, Listener, ModelSummary
+from .base import Adapter, Listener, ModelSummary, QuantPoints
 from .routing import RouterMath
 
 
@@ -129,6 +129,40 @@ class NativeAdapter(Adapter):
             m.clear_cache()
             self._kv_keep = [None] * len(m.layers)
 
+    # -- what-ifs on a full forward (precision) ----------------------------------------------------------
+    def blocks(self) -> nn.ModuleList:
+        return self.module.layers
+
+    def quantization_points(self, layer: int) -> QuantPoints:
+        b = self.module.layers[layer]
+        return QuantPoints(b, [b.ffn.gate] if isinstance(b.ffn, MoE) else [], [])
+
+    @contextlib.contextmanager
+    def teacher_forcing(self, length: int) -> Iterator:
+        m = self.module
+        caches = [layer.attn.cache for layer in m.layers]
+        try:
+            with torch.no_grad():
+                m.setup_cache(batch=1, max_len=length)  # a fresh latent cache: the thing quantize_kv edits
+                yield lambda ids: m(ids, start_pos=0).float()
+        finally:
+            for layer, c in zip(m.layers, caches):
+                layer.attn.cache = c
+
+    @contextlib.contextmanager
+    def quantize_kv(self, layer: int, fn) -> Iterator[None]:
+        cache = self.module.layers[layer].attn.cache
+        if cache is None:
+            raise RuntimeError("quantize_kv needs the cache of a teacher_forcing block")
+        # the cache's hook points: their outputs are what the layer caches (and attention reads back)
+        handles = [p.register_forward_hook(lambda _m, _a, out: fn(out) if isinstance(out, torch.Tensor) else None)
+                   for p in (cache.hook_latent, cache.hook_rope)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
     def kv_entries(self) -> list[tuple[int, list[torch.Tensor]]]:
         out = []
         for layer in self.module.layers:
@@ -140,6 +174,32 @@ class NativeAdapter(Adapter):
 
     def state_sha256(self) -> str:
         return state_sha256(self.module)
+
+    # -- the parts of a layer (activation patching, fault injection) ---------------------------------
+    def parts(self, layer: int) -> dict[str, nn.Module | None]:
+        b = self.module.layers[layer]
+        moe = isinstance(b.ffn, MoE)
+        return {"block": b, "attn": b.attn, "mlp": b.ffn, "attn_norm": b.attn_norm, "mlp_norm": b.ffn_norm,
+                "kv": b.attn.kv_norm, "shared": b.ffn.shared_experts if moe else None,
+                "router": b.ffn.gate if moe else None, "experts": b.ffn.experts if moe else None}
+
+    def expert_down(self, layer: int, expert: int) -> torch.Tensor:
+        return self.module.layers[layer].ffn.experts[expert].w2.weight  # [D, I]
+
+    def unembedding(self) -> nn.Module:
+        return self.module.head
+
+    def rotary(self, layer: int, fn) -> list:
+        def pre(_m, args):  # Block.forward(x, start_pos, freqs_cis)
+            new = fn(args[2], int(args[1]))
+            return None if new is None else (args[0], args[1], new)
+        return [self.module.layers[layer].register_forward_pre_hook(pre)]
+
+    def scaled_rotation(self, rotation: torch.Tensor, factor: float, start: int = 0) -> torch.Tensor:
+        table = self.module.freqs_cis
+        freqs = table[1].angle().to(rotation.device)  # each pair's angle per position (all below pi)
+        t = torch.arange(start, start + rotation.size(0), device=rotation.device, dtype=torch.float32)
+        return torch.polar(rotation.abs(), torch.outer(t, freqs * factor))
 
     def _attach(self, seam: str, fn: Listener) -> list:
         layers = self.module.layers
