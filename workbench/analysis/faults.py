@@ -1,4 +1,4 @@
-"""Fault injection: context managers that break one head, one expert or one router, temporarily.
+"""Fault injection: context managers that break one component of a model, temporarily.
 
 They exist to prove that root cause finds real culprits (``benchmarks/root_cause_eval.py``): break a
 known component, record, and check that the ranking names it. Each fault works through the model's
@@ -7,11 +7,19 @@ cover, and is undone when the block exits, whatever happens inside it.
 
     with break_head(model, layer=2, head=1):
         run = workbench.record("def f(x):", model=model)
+
+``KINDS`` registers every fault kind under one signature, so an evaluation loops over them:
+
+    for name, kind in faults.KINDS.items():
+        for layer in kind.layers(model):
+            with kind(model, layer, index=0):          # index: head, expert, channel or token id (kind.index)
+                ...                                    # kind.culprits(layer, index): what root cause should name
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 
@@ -192,3 +200,258 @@ def corrupt_kv(model, layer: int, pos: int, scale: float = 30.0) -> Iterator[Non
     finally:
         for h in handles:
             h.remove()
+
+
+# -- weight and activation faults beyond heads, experts and routers (through the adapter's parts) -----------------
+@contextlib.contextmanager
+def _edited(tensor: torch.Tensor, edit: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """Edit a parameter (or a view of one) in place for the block; its exact values come back on exit."""
+    saved = tensor.detach().clone()
+    try:
+        with torch.no_grad():
+            edit(tensor)
+        yield
+    finally:
+        with torch.no_grad():
+            tensor.copy_(saved)
+
+
+@contextlib.contextmanager
+def _hooked(handles: list) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _replace_first(out, new):
+    return (new, *out[1:]) if isinstance(out, tuple) else new
+
+
+def scale_norm(model, layer: int, scale: float = 4.0, which: str = "attn_norm") -> contextlib.AbstractContextManager:
+    """Multiply the weight of block ``layer``'s attention input norm (``which="mlp_norm"``: the MLP's) by ``scale``."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    norm = a.parts(layer)[which]
+    if norm is None or getattr(norm, "weight", None) is None:
+        raise ValueError(f"layer {layer} has no {which} with a weight")
+    return _edited(norm.weight, lambda w: w.mul_(scale))
+
+
+def scale_rotary(model, layer: int, factor: float = 3.0) -> contextlib.AbstractContextManager:
+    """Multiply every rotary angle of block ``layer``'s attention by ``factor`` (queries and keys alike)."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    return _hooked(a.rotary(layer, lambda rot, start: a.scaled_rotation(rot, factor, start)))
+
+
+def scale_kv_channel(model, layer: int, channel: int, scale: float = 30.0) -> contextlib.AbstractContextManager:
+    """Multiply one channel of block ``layer``'s cached KV latent by ``scale`` (MLA: the latent norm's weight of
+    that channel; other attention: that row of the value projection)."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    mod = a.parts(layer)["kv"]
+    n = mod.weight.size(0)
+    if not 0 <= channel < n:
+        raise ValueError(f"channel {channel} out of range: layer {layer}'s KV latent has channels 0..{n - 1}")
+    bias = getattr(mod, "bias", None)
+    stack = contextlib.ExitStack()
+    stack.enter_context(_edited(mod.weight[channel], lambda w: w.mul_(scale)))
+    if isinstance(bias, torch.Tensor) and mod.weight.ndim == 2:
+        stack.enter_context(_edited(bias[channel:channel + 1], lambda b: b.mul_(scale)))
+    return stack
+
+
+def flip_expert(model, layer: int, expert: int, fraction: float = 0.5) -> contextlib.AbstractContextManager:
+    """Flip the sign of the first ``fraction`` of one routed expert's down projection (its hidden units)."""
+    a = adapter_for(model)
+    _check_moe(a, layer, expert)
+    w = a.expert_down(layer, expert)  # [D, I]
+    k = max(1, int(round(w.size(1) * fraction)))
+    return _edited(w, lambda t: t[:, :k].neg_())
+
+
+@contextlib.contextmanager
+def starve_expert(model, layer: int, expert: int) -> Iterator[None]:
+    """The router never chooses one expert: its tokens go to the next best one (as if it did not exist)."""
+    a = adapter_for(model)
+    _check_moe(a, layer, expert)
+
+    def fn(i: int, r: Route) -> None:
+        if i == layer:
+            keep = torch.ones(r.indices.size(0), a.summary.n_routed_experts, dtype=torch.bool)
+            keep[:, expert] = False
+            r.remove(keep)
+
+    with a.seams({"route": fn}):
+        yield
+
+
+def push_affinity(model, layer: int, expert: int, amount: float = 1.0, gain: float = 1.5,
+                  toward: int | None = None) -> contextlib.AbstractContextManager:
+    """Push one expert's row of the router weight toward ``gain`` times another expert's (``toward``, default the
+    next one): with ``amount`` 1 it takes over the tokens that expert had a positive affinity for."""
+    a = adapter_for(model)
+    _check_moe(a, layer, expert)
+    w = a.parts(layer)["router"].weight  # [E, D]
+    k = (expert + 1) % w.size(0) if toward is None else toward
+
+    def edit(t: torch.Tensor) -> None:
+        t[expert] += amount * (gain * t[k] - t[expert])
+    return _edited(w, edit)
+
+
+def scale_resid(model, layer: int, scale: float = 3.0) -> contextlib.AbstractContextManager:
+    """Multiply the residual stream after block ``layer`` by ``scale``."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    block = a.parts(layer)["block"]
+    return _hooked([block.register_forward_hook(lambda _m, _a, out: _replace_first(out, _first(out) * scale))])
+
+
+def skip_layer(model, layer: int) -> contextlib.AbstractContextManager:
+    """Block ``layer`` passes its input on unchanged (the whole layer is gone)."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    block = a.parts(layer)["block"]
+
+    def hook(_m, args, kwargs, out):
+        x = args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
+        return _replace_first(out, x)
+    return _hooked([block.register_forward_hook(hook, with_kwargs=True)])
+
+
+def _token_row(a: Adapter, token: int) -> None:
+    v = a.summary.vocab_size
+    if not 0 <= token < v:
+        raise ValueError(f"token {token} out of range: the vocabulary has ids 0..{v - 1}")
+
+
+def scale_embedding(model, token: int, scale: float = 10.0) -> contextlib.AbstractContextManager:
+    """Multiply one token's input-embedding row by ``scale``."""
+    a = adapter_for(model)
+    _token_row(a, token)
+    return _edited(a.embedding().weight[token], lambda w: w.mul_(scale))
+
+
+def scale_unembedding(model, token: int, scale: float = 3.0) -> contextlib.AbstractContextManager:
+    """Multiply one token's output-projection row by ``scale`` (a tied embedding changes with it)."""
+    a = adapter_for(model)
+    _token_row(a, token)
+    return _edited(a.unembedding().weight[token], lambda w: w.mul_(scale))
+
+
+# -- the registry -------------------------------------------------------------------------------------------
+LAYER_ROWS = ("attn_block", "mlp_block", "resid")  # root-cause rows that name a whole layer
+
+
+@dataclass(frozen=True)
+class FaultKind:
+    """One kind of fault. Call it as ``kind(model, layer, index=0, strength=None)`` for a context manager.
+
+    Attributes:
+        name: its key in ``KINDS``.
+        index: what ``index`` selects ("head", "expert", "channel", "token") or None (unused).
+        where: the layers it applies to: "any", "moe" (MoE layers), "shared" (MoE layers with shared experts),
+            "model" (not a layer: ``layer`` is ignored, pass 0).
+        strength: the default scale, amount or factor.
+        culprit: the root-cause kinds (``root_cause``'s ``kind`` column) that name it, at its layer and index.
+        layer_wide: a whole-layer fault: a row of ``LAYER_ROWS`` at its layer names it too.
+    """
+
+    name: str
+    make: Callable
+    index: str | None
+    where: str
+    strength: float | None
+    culprit: tuple[str, ...]
+    layer_wide: bool = False
+    doc: str = ""
+
+    def __call__(self, model, layer: int = 0, index: int = 0, strength: float | None = None):
+        s = self.strength if strength is None else strength
+        return self.make(model, layer, index, s)
+
+    def layers(self, model) -> list[int]:
+        """The layers this kind applies to in ``model`` ([0] for whole-model kinds)."""
+        summ = adapter_for(model).summary
+        if self.where == "model":
+            return [0]
+        if self.where == "moe":
+            return list(summ.moe_layers)
+        if self.where == "shared":
+            return list(summ.moe_layers) if summ.n_shared_experts else []
+        return list(range(summ.n_layers))
+
+    def n_index(self, model, layer: int) -> int:
+        """How many values ``index`` takes at ``layer`` (0 when unused)."""
+        a = adapter_for(model)
+        if self.index == "head":
+            return a.summary.n_heads
+        if self.index == "expert":
+            return a.summary.n_routed_experts
+        if self.index == "channel":
+            return int(a.parts(layer)["kv"].weight.size(0))
+        if self.index == "token":
+            return a.summary.vocab_size
+        return 0
+
+    def names(self, row: dict, layer: int, index: int, tokens: list[int] | None = None) -> bool:
+        """Whether one root-cause row (kind, layer, head, expert, source_pos) names this fault at (layer, index).
+
+        ``tokens``: the explained input ids, for token rows of an embedding fault (a row at a position holding
+        the faulted token names it)."""
+        kind = row["kind"]
+        if kind == "token":
+            return (self.index == "token" and tokens is not None and row["source_pos"] is not None
+                    and tokens[row["source_pos"]] == index)
+        if kind not in self.culprit and not (self.layer_wide and kind in LAYER_ROWS):
+            return False
+        if self.where == "model":
+            return True
+        if row["layer"] != layer:
+            return False
+        if kind == "head":
+            return row["head"] == index
+        if kind == "expert":
+            return row["expert"] == index
+        return True
+
+
+KINDS: dict[str, FaultKind] = {k.name: k for k in [
+    FaultKind("head", lambda m, l, i, s: break_head(m, l, i, scale=s), "head", "any", 30.0, ("head",),
+              doc="one attention head's output multiplied"),
+    FaultKind("expert", lambda m, l, i, s: break_expert(m, l, i, scale=s), "expert", "moe", 30.0, ("expert",),
+              doc="one routed expert's output multiplied"),
+    FaultKind("router_bias", lambda m, l, i, s: bias_router(m, l, i, amount=s), "expert", "moe", 1.0,
+              ("router", "expert"), doc="one expert's selection score raised"),
+    FaultKind("shared", lambda m, l, i, s: break_shared(m, l, scale=s), None, "shared", 30.0, ("shared_expert",),
+              doc="the shared experts' output multiplied"),
+    FaultKind("dead_shared", lambda m, l, i, s: break_shared(m, l, scale=s), None, "shared", 0.0,
+              ("shared_expert",), doc="the shared experts output nothing"),
+    FaultKind("norm", lambda m, l, i, s: scale_norm(m, l, scale=s), None, "any", 4.0, ("attn_norm",), True,
+              doc="the attention input norm's weight multiplied"),
+    FaultKind("rotary", lambda m, l, i, s: scale_rotary(m, l, factor=s), None, "any", 3.0, ("rotary",), True,
+              doc="the rotary angles of one layer multiplied"),
+    FaultKind("kv_latent", lambda m, l, i, s: scale_kv_channel(m, l, i, scale=s), "channel", "any", 30.0,
+              ("kv_latent",), True, doc="one channel of the cached KV latent multiplied"),
+    FaultKind("expert_flip", lambda m, l, i, s: flip_expert(m, l, i, fraction=s), "expert", "moe", 0.5,
+              ("expert",), doc="half of one expert's down projection sign-flipped"),
+    FaultKind("starved", lambda m, l, i, s: starve_expert(m, l, i), "expert", "moe", None, ("expert", "router"),
+              doc="the router never chooses one expert"),
+    FaultKind("router_affinity", lambda m, l, i, s: push_affinity(m, l, i, amount=s), "expert", "moe", 1.0,
+              ("router", "expert"), doc="one expert's router row pushed toward another expert's"),
+    FaultKind("resid", lambda m, l, i, s: scale_resid(m, l, scale=s), None, "any", 3.0, ("resid",), True,
+              doc="the residual stream after one block multiplied"),
+    FaultKind("layer", lambda m, l, i, s: skip_layer(m, l), None, "any", None, (), True,
+              doc="one whole block skipped"),
+    FaultKind("embedding", lambda m, l, i, s: scale_embedding(m, i, scale=s), "token", "model", 10.0, ("embed",),
+              doc="one token's embedding row multiplied"),
+    FaultKind("unembedding", lambda m, l, i, s: scale_unembedding(m, i, scale=s), "token", "model", 3.0,
+              ("unembed",), doc="one token's output row multiplied"),
+]}
