@@ -51,7 +51,9 @@ _DERIVED = (
         c("rank", "INTEGER", "1 = most responsible, across all kinds"),
         c("method", "VARCHAR", "ig_routing_frozen, ig_plain, ablation, patching (+ _vs_reference)"),
         c("delta", "DOUBLE", "captum convergence delta (IG rows)"),
-        c("created_at", "TIMESTAMP"))),
+        c("created_at", "TIMESTAMP"),
+        c("restored", "DOUBLE", "activation patching: the fraction of the logprob gap to the reference that taking "
+          "this component from the reference closes (NULL for other methods)"))),
     Table("profiles", (
         c("checkpoint_sha256", "VARCHAR", "the model (runs.checkpoint_sha256) this baseline describes"),
         c("signal", "VARCHAR",
@@ -85,7 +87,8 @@ DERIVED = ("anomalies", "attributions")
 # columns added at the end of a table since a database may have been created (same schema_version:
 # old queries keep working); applied, idempotently, on every open. New tables come from ddl() itself.
 ADDED_COLUMNS = [f"ALTER TABLE runs ADD COLUMN IF NOT EXISTS {name} VARCHAR"
-                 for name in ("summary", "notes", "pid_start", "detection", "batch_id", "batch_item")]
+                 for name in ("summary", "notes", "pid_start", "detection", "batch_id", "batch_item")] + [
+    "ALTER TABLE attributions ADD COLUMN IF NOT EXISTS restored DOUBLE"]
 
 
 def ddl() -> str:
