@@ -437,3 +437,50 @@ def test_an_in_memory_module_with_fused_attention_is_switched_to_eager(tmp_path)
                                db=workbench.Store(tmp_path / "w.duckdb"), detect=False)
     n_layers, n_heads = run.model_summary.n_layers, run.model_summary.n_heads
     assert run.attention().height == 5 * n_layers * n_heads  # positions 0..4 fed x layers x heads
+
+
+# -- what-ifs ask the adapter (blocks, quantization points, teacher forcing, the KV cache's writes) -------------
+
+@pytest.mark.parametrize("family", ["native", "mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3", "llama"])
+def test_what_if_extension_points_on_native_and_transformers_models(env, family):
+    from helpers import tiny_model
+
+    from workbench.analysis.precision import precision_probe
+
+    adapter = adapter_for(tiny_model(vocab_size=300)) if family == "native" else \
+        load_adapter(env["folder"](family), backend="transformers")
+    s = adapter.summary
+    blocks = adapter.blocks()
+    assert len(blocks) == s.n_layers
+    ids = torch.tensor([[3, 5, 7, 9, 11, 13]])
+    with adapter.analysis(), torch.no_grad():
+        plain = adapter.forward(ids).float()
+    before = [getattr(getattr(b, "attn", None), "cache", None) for b in blocks]
+    with adapter.teacher_forcing(ids.size(1)) as forward:
+        got = forward(ids)
+        with adapter.quantize_kv(s.n_layers - 1, lambda t: t):
+            assert torch.equal(forward(ids), got)  # the identity on the cache's writes changes nothing
+        with adapter.quantize_kv(s.n_layers - 1, torch.zeros_like):
+            zeroed = forward(ids)
+        assert torch.equal(forward(ids), got)  # and is gone on exit
+    assert not torch.equal(zeroed, got) and zeroed.shape == got.shape
+    torch.testing.assert_close(got, plain, rtol=1e-4, atol=1e-4)  # a cached full forward is the plain forward
+    assert [getattr(getattr(b, "attn", None), "cache", None) for b in blocks] == before  # the generation's cache back
+    for i in range(s.n_layers):
+        pts = adapter.quantization_points(i)
+        assert pts.block is blocks[i]
+        params = {id(p) for p in blocks[i].parameters()}
+        if i in s.moe_layers:  # the router, inside the block, is what stays in full precision
+            assert len(pts.full_precision) == 1
+            assert {id(p) for p in pts.full_precision[0].parameters()} <= params
+            assert pts.full_precision[0].weight.shape[0] == s.n_routed_experts  # the router's [E, D] weight
+        else:
+            assert pts.full_precision == []
+        for m in pts.fused_experts:  # stacked 3-D expert weights, no nn.Linear inside
+            assert not any(isinstance(x, torch.nn.Linear) for x in m.modules())
+            assert any(p.ndim == 3 for p in m.parameters())
+    # the precision probe through these points: the fp32 control changes nothing, int8 on the KV cache does
+    df = precision_probe(adapter, ids[0].tolist(), formats=["fp32", "int8"], parts=("kv",), all_layers=False)
+    fp32, int8 = df.filter(pl.col("format") == "fp32"), df.filter(pl.col("format") == "int8")
+    assert fp32["rel_l2"].to_list() == [0.0] * s.n_layers and fp32["top1_agreement"].to_list() == [1.0] * s.n_layers
+    assert max(int8["rel_l2"].to_list()) > 0

@@ -1,4 +1,4 @@
-"""Recording in a worker process (workbench/background.py), as the app's Record tab does: the same run as a
+"""Recording in a worker process (workbench/capture/background.py), as the app's Record tab does: the same run as a
 recording in this process, written by this process's store; errors come back; a killed worker is reported
 and its run ends ``interrupted``; the next recording starts a new worker."""
 from __future__ import annotations

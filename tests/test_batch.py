@@ -89,15 +89,16 @@ def test_batched_generation_equals_single_records_row_by_row(env, tmp_path):
     """record_batch directly: prompts of 1 to 30 tokens (the longer ones fed teacher-forced while the shorter
     decode), per-row settings (new tokens, sampling temperature and seed), a row stopped early; every signal
     table equals the row's own single recording."""
-    from workbench.capture.recorder import new_run_id, record_batch
+    from workbench.capture.recorder import RecordSettings, new_run_id, record_batch
 
     prompts = ["x", "def add(a, b):", "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n",
                "for i in range(10):\n    print(i)"]
     settings = {"max_new_tokens": [5, 3, 8, 6], "temperature": [0.0, 1.0, 0.0, 0.7], "top_p": [1.0, 0.9, 1.0, 1.0],
                 "seed": [0, 3, 0, 11]}
+    rows = [RecordSettings(**{k: v[i] for k, v in settings.items()}) for i in range(4)]
     db = Store(tmp_path / "b.duckdb")
     run_ids = [new_run_id() for _ in prompts]
-    errors = record_batch(prompts, model=env["ckpt"], db=db, run_ids=run_ids, run_fields=[None] * 4, **settings)
+    errors = record_batch(prompts, rows, model=env["ckpt"], db=db, run_ids=run_ids, run_fields=[None] * 4)
     assert errors == [None] * 4
     single = Store(tmp_path / "s.duckdb")
     for i, p in enumerate(prompts):
@@ -106,9 +107,8 @@ def test_batched_generation_equals_single_records_row_by_row(env, tmp_path):
         assert query.run_row(db, run_ids[i])["n_tokens"] == one.info["n_tokens"]
         assert_same_signals(single, one.run_id, db, run_ids[i])
     # a prompt refused before its run existed is that prompt's error only
-    errors = record_batch(["def f():", "y" * 300_000], model=env["ckpt"], db=db, run_ids=["rok", "rbad"],
-                          run_fields=[None] * 2, max_new_tokens=[2, 2], temperature=[0.0] * 2, top_p=[1.0] * 2,
-                          seed=[0] * 2)
+    errors = record_batch(["def f():", "y" * 300_000], [RecordSettings(max_new_tokens=2)] * 2, model=env["ckpt"], db=db,
+                          run_ids=["rok", "rbad"], run_fields=[None] * 2)
     assert errors[0] is None and "limit" in errors[1]
     assert query.run_row(db, "rok")["status"] == "complete"
     with pytest.raises(query.RunNotFound):
@@ -119,6 +119,7 @@ def test_a_batch_whose_forward_fails_fails_each_of_its_runs(tmp_path):
     """A batched generation that raises mid-way: every run of the group ends ``failed`` with the error and the
     tokens its committed steps hold; the prompt set goes on (``record_group`` returns the rows, never raises)."""
     from workbench.capture.prompt_sets import load_model, record_group
+    from workbench.capture.settings import RecordSettings
 
     model = tiny_model(vocab_size=4096)
     calls = []
@@ -132,7 +133,7 @@ def test_a_batch_whose_forward_fails_fails_each_of_its_runs(tmp_path):
     store = Store(tmp_path / "f.duckdb")
     items = [{"prompt": p, "key": f"k{i}"} for i, p in enumerate(PROMPTS[:3])]
     rows = record_group(items, store=store, batch_id="bfail", adapter=adapter, tokenizer=tok, label=label,
-                        settings={"max_new_tokens": 8}, after_run=None)
+                        settings=RecordSettings(max_new_tokens=8), after_run=None)
     handle.remove()
     assert [r["status"] for r in rows] == ["failed"] * 3 and all("boom" in r["error"] for r in rows)
     # n_tokens = what was committed: the rows that had decoded keep their steps; a row still being fed its

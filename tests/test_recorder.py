@@ -255,3 +255,87 @@ def test_run_fields_are_in_the_first_runs_row(tmp_path):
     assert seen[0] == ("running", "b1")
     with pytest.raises(ValueError, match="run_fields"):
         workbench.record([1, 2, 3], model=tiny(), max_new_tokens=3, db=store, run_fields={"status": "complete"})
+
+
+# -- RecordSettings: one value for every recording setting ------------------------------------------------
+
+def test_the_same_run_from_keywords_and_from_settings(tmp_path):
+    """``workbench.record``'s keywords, ``settings=RecordSettings(...)`` and ``record_run`` with the settings
+    record the same generation and store the same params."""
+    from workbench.capture.recorder import record_run
+    from workbench.capture.settings import RecordSettings
+
+    model, store = tiny(), Store(tmp_path / "w.duckdb")
+    kw = dict(max_new_tokens=6, temperature=0.9, top_p=0.8, seed=7, topk=3, probes=["tokens", "routing", "tokens"])
+    a = workbench.record([5, 6, 7], model=model, db=store, detect=False, **kw)
+    s = RecordSettings(**kw)
+    assert s.probes == ("tokens", "routing", "tokens") and s.probe_names == ["tokens", "routing"]
+    b = workbench.record([5, 6, 7], model=model, db=store, detect=False, settings=s)
+    c = record_run([5, 6, 7], s, model=model, db=store)[0]
+    ids = [query_tokens(store, r) for r in (a.run_id, b.run_id, c)]
+    assert ids[0] == ids[1] == ids[2] and len(ids[0]) == 3 + 6
+    params = [json.loads(store.sql("SELECT params FROM runs WHERE run_id = ?", [r])["params"][0])
+              for r in (a.run_id, b.run_id, c)]
+    assert params[0] == params[1] == params[2]
+    assert params[0]["probes"] == ["routing", "tokens"] and params[0]["temperature"] == 0.9 and params[0]["topk"] == 3
+    # sampling at temperature 0.9 with another seed gives another text: the seed did reach the generation
+    d = record_run([5, 6, 7], RecordSettings.of(s, seed=8), model=model, db=store)[0]
+    assert query_tokens(store, d) != ids[0]
+    # record_run's keyword fields override the settings given
+    e = record_run([5, 6, 7], s, model=model, db=store, max_new_tokens=2)[0]
+    assert query_tokens(store, e) == ids[0][:3 + 2]
+
+
+def query_tokens(store: Store, run_id: str) -> list[int]:
+    return store.sql("SELECT token_id FROM tokens WHERE run_id = ? ORDER BY pos", [run_id])["token_id"].to_list()
+
+
+def test_settings_and_keywords_together_or_unknown_fields_are_refused(tmp_path):
+    from workbench.capture.settings import RecordSettings
+
+    with pytest.raises(TypeError, match="not both"):
+        workbench.record([1, 2], model=tiny(), db=tmp_path / "w.duckdb", max_new_tokens=3,
+                         settings=RecordSettings(max_new_tokens=3))
+    with pytest.raises(TypeError, match="unknown recording settings"):
+        RecordSettings.of(max_tokens=3)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        RecordSettings(dtype="int3").check()
+    with pytest.raises(ValueError, match="top_p"):
+        workbench.record([1, 2], model=tiny(), db=tmp_path / "w.duckdb", settings=RecordSettings(top_p=0.0))
+    assert not (tmp_path / "w.duckdb").exists()  # refused before any row (or file) was written
+    # a prompt set's item overrides exactly its own three settings
+    s = RecordSettings(max_new_tokens=9, top_p=0.5)
+    assert s.for_item({"prompt": "x", "key": "k", "seed": 4}) == RecordSettings(max_new_tokens=9, top_p=0.5, seed=4)
+    assert s.for_item({"prompt": "x", "key": "k"}) is s
+
+
+def test_prompt_set_batch_ids_are_unchanged():
+    """The default batch id hashes the same settings dict as before RecordSettings: literal ids computed on the
+    code before it (commit e84b37c), so existing shard folders resume under the same id."""
+    from workbench.capture.prompt_sets import prepare
+    from workbench.capture.settings import RecordSettings
+
+    items, settings, bid = prepare(["def f():", {"prompt": "x = 1", "id": "a", "max_new_tokens": 3}],
+                                   model="/tmp/ckpt", max_new_tokens=7, temperature=0.5, top_p=0.9, seed=3,
+                                   dtype="bf16", probes=["tokens", "routing"], topk=4, backend="native")
+    assert bid == "bbc34097abef"
+    assert settings.batch_dict() == {"max_new_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3,
+                                     "dtype": "bf16", "probes": ["routing", "tokens"], "topk": 4, "backend": "native"}
+    same = RecordSettings(max_new_tokens=7, temperature=0.5, top_p=0.9, seed=3, dtype="bf16",
+                          probes=("routing", "tokens"), topk=4, backend="native")
+    assert prepare(["def f():", {"prompt": "x = 1", "id": "a", "max_new_tokens": 3}], model="/tmp/ckpt",
+                   settings=same)[2] == bid
+    assert prepare(["hello"])[2] == "bbaa159ee965"
+    assert prepare(["hello"], model="/some/folder")[2] == "b38aafc3058b"
+    assert prepare(["hello"], settings=RecordSettings(seed=1))[2] != "bbaa159ee965"
+
+
+def test_cli_flags_build_the_settings():
+    from workbench.capture.settings import RecordSettings
+    from workbench.cli import build_parser
+    from workbench.commands.record import settings
+
+    args = build_parser().parse_args(["record", "x", "--max-new-tokens", "3", "--temperature", "0.5", "--top-p",
+                                      "0.9", "--seed", "2", "--dtype", "bf16", "--backend", "native"])
+    assert settings(args) == RecordSettings(max_new_tokens=3, temperature=0.5, top_p=0.9, seed=2, dtype="bf16",
+                                            backend="native")

@@ -212,7 +212,7 @@ def test_sigkill_mid_run_keeps_finished_steps(tmp_path):
 
 
 def test_schema_doc_matches_schema_and_its_queries_run(tmp_path):
-    """docs/schema.md names every table and column of workbench/schema.py, in order; its SQL runs."""
+    """docs/schema.md names every table and column of workbench/data/schema.py, in order; its SQL runs."""
     import re
 
     doc = (ROOT / "docs" / "schema.md").read_text()
@@ -231,3 +231,52 @@ def test_schema_doc_matches_schema_and_its_queries_run(tmp_path):
     for q in queries:
         df = store.sql(q.strip().rstrip(";"))
         assert df.height > 0 or "status <> 'complete'" in q, q
+
+
+def test_replace_rows_takes_typed_keys_and_a_hostile_value_is_data(tmp_path):
+    """``replace_rows(table, {column: value}, df)``: the WHERE is built from declared column names only; a value
+    is a bound parameter, so a value that reads as SQL matches only rows holding that very string."""
+    store = Store(tmp_path / "w.duckdb")
+    hostile = "x' OR '1'='1"
+
+    def frame(run_id: str, policies: list[str], kept: int) -> pl.DataFrame:
+        return pl.DataFrame({"run_id": run_id, "policy": policies, "bytes_kept": kept})
+
+    store.replace_rows("policy_results", {"run_id": "ra"}, frame("ra", ["full", "window", hostile], 1))
+    store.replace_rows("policy_results", {"run_id": "rb"}, frame("rb", ["full"], 2))
+
+    def rows() -> list[tuple]:
+        return store.sql("SELECT run_id, policy, bytes_kept FROM policy_results ORDER BY run_id, policy").rows()
+
+    # the hostile string as a key value: only its own row of run ra goes, every other row stays
+    store.replace_rows("policy_results", {"run_id": "ra", "policy": hostile}, frame("ra", [hostile], 7))
+    assert rows() == [("ra", "full", 1), ("ra", "window", 1), ("ra", hostile, 7), ("rb", "full", 2)]
+    # a list of values: any of them; an empty list matches nothing
+    store.replace_rows("policy_results", {"run_id": "ra", "policy": ["full", "window"]}, frame("ra", ["full"], 3))
+    assert rows() == [("ra", "full", 3), ("ra", hostile, 7), ("rb", "full", 2)]
+    store.replace_rows("policy_results", {"run_id": hostile}, frame("rc", ["full"], 4))
+    store.replace_rows("policy_results", {"policy": []}, frame("rd", ["full"], 5))
+    assert len(rows()) == 5
+    # Store.replace is replace_rows keyed by the run
+    store.replace("policy_results", "rb", frame("rb", ["window"], 6))
+    assert [r for r in rows() if r[0] == "rb"] == [("rb", "window", 6)]
+    # names are checked against the schema: SQL in a column or table name is refused before any SQL runs
+    for table, keys, message in [("policy_results", {"run_id = run_id OR 1=1 --": "x"}, "has no column"),
+                                 ("policy_results; DROP TABLE runs", {"run_id": "x"}, "unknown table"),
+                                 ("nope", {}, "unknown table")]:
+        with pytest.raises(ValueError, match=message):
+            store.replace_rows(table, keys, frame("rz", ["full"], 0))
+    assert len(rows()) == 5 and store.sql("SELECT count(*) AS n FROM runs")["n"][0] == 0
+    with pytest.raises(TypeError):
+        store.replace_rows("policy_results", "run_id = 'ra'", frame("ra", ["full"], 0))  # type: ignore[arg-type]
+    # {} is every row of the table (the background recorder's copy of the app's profiles)
+    store.replace_rows("policy_results", {}, frame("re", ["full"], 8))
+    assert rows() == [("re", "full", 8)]
+
+
+def test_a_folder_of_shards_refuses_replace_rows(tmp_path):
+    from workbench.data.store import StoreError, TraceStore
+
+    (tmp_path / "shards").mkdir()
+    with pytest.raises(StoreError, match="read-only"):
+        TraceStore(tmp_path / "shards").replace_rows("anomalies", {"run_id": "r1"}, pl.DataFrame({"run_id": ["r1"]}))

@@ -21,6 +21,7 @@ from workbench.analysis.codeview import code_view, run_compile_check, token_clas
 from workbench.analysis.diff import diff_runs
 from workbench.analysis.findings import findings
 from workbench.analysis.whatif import expert_cache, fit_latency
+from workbench.capture.settings import RecordSettings
 from workbench.data import query
 from workbench.data.signals import PROBES, TABLES
 from workbench.data.sqlsafe import readonly_sql
@@ -99,10 +100,11 @@ class Run:
         return self.adapter().module
 
     def tokenizer(self):
+        """The run's tokenizer (``workbench.capture.resolve.tokenizer_for`` of its model: the folder's, else the
+        bundled demo's for a model that names no folder here)."""
         if self._tokenizer is None:
-            from workbench.model import load_tokenizer  # lazy: imports torch; reading a run needs none
-            path = Path(self.info["model"]) / "tokenizer.json"
-            self._tokenizer = load_tokenizer(path if path.exists() else None)
+            from workbench.capture.resolve import tokenizer_for  # lazy: imports torch; reading a run needs none
+            self._tokenizer = tokenizer_for(self.info["model"] or None)
         return self._tokenizer
 
     # -- signals: one accessor per registry table (tokens, attention, routing, kv, kv_tokens, steps, ...) --
@@ -293,7 +295,7 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
            temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, db=None, dtype: str | None = None,
            probes=PROBES, topk: int = 5, progress: bool = False, on_token=None, parent_run_id: str | None = None,
            run_id: str | None = None, detect: bool = True, backend: str = "auto", run_fields: dict | None = None,
-           device_map=None) -> Run:
+           device_map=None, settings: RecordSettings | None = None) -> Run:
     """Generate from ``prompt`` with probes attached and store every signal; returns the ``Run``.
 
     Args:
@@ -311,13 +313,23 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
         run_fields: more ``runs`` columns for the run's first row (``record_many`` sets ``batch_id`` so).
         device_map: a transformers folder too large for one device, placed by accelerate ("auto", or
             {module path: device}); recorded through the same adapter and probes.
+        settings: every generation / recording setting at once (``workbench.capture.settings.RecordSettings``),
+            instead of the keywords max_new_tokens ... device_map (give one or the other).
     """
     from workbench.capture.recorder import record_run  # lazy: imports torch; reading a run needs none
 
+    given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+             "dtype": dtype, "probes": probes, "topk": topk, "backend": backend, "device_map": device_map}
+    if settings is None:
+        settings = RecordSettings(**given)
+    else:
+        default = RecordSettings()
+        changed = sorted(k for k, v in given.items() if v is not getattr(default, k) and v != getattr(default, k))
+        if changed:
+            raise TypeError(f"give settings= or the keywords {changed}, not both")
     rid, store, adapter, tok = record_run(
-        prompt, model=model, tokenizer=tokenizer, max_new_tokens=max_new_tokens, temperature=temperature,
-        top_p=top_p, seed=seed, db=db, dtype=dtype, probes=probes, topk=topk, progress=progress, on_token=on_token,
-        parent_run_id=parent_run_id, run_id=run_id, backend=backend, run_fields=run_fields, device_map=device_map)
+        prompt, settings, model=model, tokenizer=tokenizer, db=db, progress=progress, on_token=on_token,
+        parent_run_id=parent_run_id, run_id=run_id, run_fields=run_fields)
     run = Run(store, rid, model=adapter, tokenizer=tok)
     if detect:
         try:  # the runs table shows anomaly counts; a detector bug must not lose the recording
@@ -408,8 +420,7 @@ def record_many(prompts, *, ray: str | bool | None = None, workers: int = 1, **k
         from workbench.capture.ray_actors import record_many_ray  # lazy: imports torch; reading a run needs none
         if kw.get("out") is None:
             raise ValueError("--ray writes Parquet shards: give --out DIR")
-        prep = {k: kw[k] for k in ("model", "batch_id", "max_new_tokens", "temperature", "top_p", "seed", "dtype",
-                                    "probes", "topk", "backend") if k in kw}
+        prep = {k: kw[k] for k in ("model", "batch_id", "settings", *RecordSettings.names()) if k in kw}
         items, settings, batch_id = prompt_sets.prepare(prompts, **prep)
         rows = record_many_ray(items, out=kw["out"], batch_id=batch_id, model=kw.get("model"),
                                tokenizer=kw.get("tokenizer"), settings=settings, after_run=kw["after_run"],

@@ -128,7 +128,7 @@ def save_profile(store: Store, sha: str, rows: pl.DataFrame, source: str) -> int
     stamp = datetime.now(timezone.utc).replace(tzinfo=None)
     full = rows.with_columns(pl.lit(sha).alias("checkpoint_sha256"), pl.lit(stamp).alias("created_at"),
                              pl.lit(source).alias("source")).select([pl.col(c).cast(t) for c, t in SCHEMA.items()])
-    store.replace_where("profiles", "checkpoint_sha256 = ?", [sha], full)
+    store.replace_rows("profiles", {"checkpoint_sha256": sha}, full)
     return full.height
 
 
@@ -148,7 +148,7 @@ def load_profile(store: Store, sha: str | None) -> pl.DataFrame | None:
             if getattr(store, "read_only", False):  # a folder of Parquet shards: use it without storing it
                 return bundled.drop("checkpoint_sha256").sort(["signal", "layer", "head", "expert", "bucket"],
                                                               nulls_last=True)
-            store.replace_where("profiles", "checkpoint_sha256 = ?", [sha], bundled)
+            store.replace_rows("profiles", {"checkpoint_sha256": sha}, bundled)
             got = query.profile(store, sha)
     out = got if got.height else None
     _CACHE[key] = (_profile_stamp(store, sha), out)

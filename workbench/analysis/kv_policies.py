@@ -561,6 +561,5 @@ def kv_whatif(store: Store, run_id: str, policies, adapter=None, save: bool = Tr
     if save:
         stamp = datetime.now(timezone.utc).replace(tzinfo=None)
         out = frame.with_columns(pl.lit(run_id).alias("run_id"), pl.lit(stamp).alias("created_at"))
-        marks = ", ".join("?" for _ in pols)
-        store.replace("policy_results", run_id, out, f"AND policy IN ({marks})", [p.spec for p in pols])
+        store.replace_rows("policy_results", {"run_id": run_id, "policy": [p.spec for p in pols]}, out)
     return frame

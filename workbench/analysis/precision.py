@@ -8,14 +8,13 @@ functions are pure and live in ``FAKE_QUANT`` below.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Callable, Iterator, Sequence
 
 import polars as pl
 import torch
 from torch import nn
 
-from workbench.model import Transformer
+from workbench.capture.adapters import adapter_for
 
 # -- precision sensitivity: fake quantization (pure) -----------------------------------------------
 
@@ -71,133 +70,51 @@ PRECISION_COLUMNS = {"layer": pl.Int64, "format": pl.String, "rel_l2": pl.Float6
                      "top1_agreement": pl.Float64}
 
 
-def _blocks(adapter) -> nn.ModuleList:
-    layers = getattr(adapter, "layers", None)  # HFAdapter keeps its decoder layers
-    return layers if layers is not None else adapter.module.layers
-
-
-def _routers(adapter, i: int) -> list[nn.Module]:
-    """The router modules of block ``i`` (kept in full precision, as DeepSeek-V3's FP8 recipe keeps its gate)."""
-    moe = getattr(adapter, "moe", None)
-    if isinstance(moe, dict):  # HFAdapter: layer -> (block, router, experts, math)
-        return [moe[i][1]] if i in moe else []
-    gate = getattr(getattr(_blocks(adapter)[i], "ffn", None), "gate", None)
-    return [gate] if gate is not None else []
-
-
-def _fused_experts(adapter, i: int) -> list[nn.Module]:
-    """HF expert modules that hold their weights as stacked tensors (no nn.Linear inside)."""
-    moe = getattr(adapter, "moe", None)
-    if not isinstance(moe, dict) or i not in moe:
-        return []
-    experts = moe[i][2]
-    return [] if any(isinstance(m, nn.Linear) for m in experts.modules()) else [experts]
-
-
-# transformers models: module -> {layer: fake quantizer} for the keys and values their cache receives
-_HF_KV: "weakref.WeakKeyDictionary[nn.Module, dict[int, Callable]]" = weakref.WeakKeyDictionary()
-
-
-def _kv_points(block: nn.Module) -> list[nn.Module]:
-    """Our MLA's cache hook points, whose output is what the layer caches (the latent and the rope key)."""
-    cache = getattr(getattr(block, "attn", None), "cache", None)
-    return [cache.hook_latent, cache.hook_rope] if cache is not None else []
-
-
 @contextlib.contextmanager
 def quantized(adapter, layer: int, fq: Callable[[torch.Tensor], torch.Tensor],
               parts: Sequence[str] = PARTS) -> Iterator[None]:
     """Fake-quantize block ``layer`` for the duration: its weights (every >= 2-D parameter but the router's;
     stacked 3-D expert weights per expert), the inputs of its linear layers (and of fused expert modules),
-    and what it caches (our MLA: the latent and rope key written to its cache; transformers models: the
-    keys and values handed to the cache, as the attention reads them back). Weights are restored on exit.
-    The KV part needs the forwards of ``precision_probe`` (a cache in use)."""
+    and what it caches (``adapter.quantize_kv``: our MLA's latent and rope key, a transformers model's keys
+    and values, as the attention reads them back). Weights are restored on exit. What the block holds comes
+    from ``adapter.quantization_points``; the KV part needs ``adapter.teacher_forcing``'s forwards."""
     bad = set(parts) - set(PARTS)
     if bad:
         raise ValueError(f"unknown parts {sorted(bad)}; choose from {PARTS}")
-    block = _blocks(adapter)[layer]
-    skip = {id(p) for r in _routers(adapter, layer) for p in r.parameters()}
-    skip_mods = {id(m) for r in _routers(adapter, layer) for m in r.modules()}
+    pts = adapter.quantization_points(layer)
+    skip = {id(p) for r in pts.full_precision for p in r.parameters()}
+    skip_mods = {id(m) for r in pts.full_precision for m in r.modules()}
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     handles = []
-    try:
-        if "weights" in parts:
-            with torch.no_grad():
-                for p in block.parameters():
-                    if p.ndim < 2 or id(p) in skip:
-                        continue
-                    saved.append((p, p.detach().clone()))
-                    q = torch.stack([fq(w) for w in p.detach()]) if p.ndim == 3 else fq(p.detach())
-                    p.copy_(q)
-        if "activations" in parts:
-            def pre(_m, args, kwargs):
-                if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
-                    return (fq(args[0]), *args[1:]), kwargs
-                if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-                    return args, {**kwargs, "hidden_states": fq(kwargs["hidden_states"])}
-                return None
-            mods = [m for m in block.modules() if isinstance(m, nn.Linear) and id(m) not in skip_mods]
-            mods += _fused_experts(adapter, layer)
-            handles += [m.register_forward_pre_hook(pre, with_kwargs=True) for m in mods]
-        if "kv" in parts:
-            points = _kv_points(block)
-            handles += [m.register_forward_hook(lambda _m, _a, out: fq(out) if isinstance(out, torch.Tensor) else None)
-                        for m in points]
-            if not points:
-                hf_kv = _HF_KV.setdefault(adapter.module, {})
-                hf_kv[layer] = fq
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-        if "kv" in parts and layer in _HF_KV.get(adapter.module, {}):
-            del _HF_KV[adapter.module][layer]
-        with torch.no_grad():
-            for p, old in saved:
-                p.copy_(old)
-
-
-@contextlib.contextmanager
-def _teacher_forcing(adapter, length: int) -> Iterator[None]:
-    """Full forwards without gradients; our Transformer with a fresh latent cache (so its cache, the
-    thing to quantize, exists), the generation's own cache put back afterwards."""
-
-    m = adapter.module
-    native = isinstance(m, Transformer)
-    caches = [layer.attn.cache for layer in m.layers] if native else None
-    try:
-        with torch.no_grad():
-            if native:
-                m.setup_cache(batch=1, max_len=length)
+    with contextlib.ExitStack() as stack:
+        try:
+            if "weights" in parts:
+                with torch.no_grad():
+                    for p in pts.block.parameters():
+                        if p.ndim < 2 or id(p) in skip:
+                            continue
+                        saved.append((p, p.detach().clone()))
+                        q = torch.stack([fq(w) for w in p.detach()]) if p.ndim == 3 else fq(p.detach())
+                        p.copy_(q)
+            if "activations" in parts:
+                def pre(_m, args, kwargs):
+                    if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+                        return (fq(args[0]), *args[1:]), kwargs
+                    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+                        return args, {**kwargs, "hidden_states": fq(kwargs["hidden_states"])}
+                    return None
+                mods = [m for m in pts.block.modules() if isinstance(m, nn.Linear) and id(m) not in skip_mods]
+                mods += pts.fused_experts
+                handles += [m.register_forward_pre_hook(pre, with_kwargs=True) for m in mods]
+            if "kv" in parts:
+                stack.enter_context(adapter.quantize_kv(layer, fq))
             yield
-    finally:
-        if native:
-            for layer, c in zip(m.layers, caches):
-                layer.attn.cache = c
-
-
-def _forward(adapter, ids: torch.Tensor) -> torch.Tensor:
-    """Logits of one full forward through a cache: our latent cache (set up by ``_teacher_forcing``), or a
-    fresh ``transformers`` cache whose ``update`` quantizes the layers ``quantized`` names."""
-
-    m = adapter.module
-    if isinstance(m, Transformer):
-        return m(ids, start_pos=0).float()
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=m.config)
-    update = cache.update
-    kv = _HF_KV.get(m, {})
-
-    def quantized_update(key, value, layer_idx, *args, **kwargs):
-        fq = kv.get(layer_idx)
-        if fq is not None:
-            key, value = fq(key), fq(value)
-        return update(key, value, layer_idx, *args, **kwargs)
-
-    cache.update = quantized_update
-    adapter._pos = 0  # the HF adapter's position counter (its attention probe reads it)
-    return m(ids, cache=cache, use_cache=True).logits.float()
+        finally:
+            for h in handles:
+                h.remove()
+            with torch.no_grad():
+                for p, old in saved:
+                    p.copy_(old)
 
 
 def _compare(ref: torch.Tensor, got: torch.Tensor, targets: torch.Tensor, ref_nll: torch.Tensor) -> tuple:
@@ -217,7 +134,7 @@ def precision_probe(adapter, ids: Sequence[int], formats: Sequence = ("fp8_e4m3"
     with ``all_layers``, every layer at once (``layer`` null).
 
     Args:
-        adapter: the model (``run.adapter()``).
+        adapter: the model (``run.adapter()``; a loaded module is taken through its adapter).
         formats: names in ``FAKE_QUANT`` or callables ``tensor -> tensor`` (named by ``__name__``).
         layers: blocks to probe (default all).
         parts: any of ``"weights"``, ``"activations"``, ``"kv"``.
@@ -227,6 +144,7 @@ def precision_probe(adapter, ids: Sequence[int], formats: Sequence = ("fp8_e4m3"
     negative log-likelihood in nats (positive: the format hurts), and the share of positions whose argmax
     stays the reference's.
     """
+    adapter = adapter_for(adapter)
     ids = [int(i) for i in ids]
     if len(ids) < 2:
         raise ValueError("the precision probe needs at least 2 tokens (one predicted)")
@@ -238,7 +156,7 @@ def precision_probe(adapter, ids: Sequence[int], formats: Sequence = ("fp8_e4m3"
             fns.append((f, FAKE_QUANT[f]))
         else:
             raise ValueError(f"unknown format {f!r}; choose from {', '.join(FAKE_QUANT)} or pass a function")
-    n_layers = len(_blocks(adapter))
+    n_layers = len(adapter.blocks())
     layers = list(range(n_layers)) if layers is None else [int(i) for i in layers]
     for i in layers:
         if not 0 <= i < n_layers:
@@ -246,18 +164,18 @@ def precision_probe(adapter, ids: Sequence[int], formats: Sequence = ("fp8_e4m3"
     x = torch.tensor([ids], device=adapter.device)
     targets = x[0, 1:]
     rows = []
-    with _teacher_forcing(adapter, len(ids)):
-        ref = _forward(adapter, x)[0, :-1]
+    with adapter.teacher_forcing(len(ids)) as forward:
+        ref = forward(x)[0, :-1]
         ref_nll = -torch.log_softmax(ref, -1).gather(-1, targets[:, None])[:, 0]
         for name, fq in fns:
             for i in layers:
                 with quantized(adapter, i, fq, parts):
-                    got = _forward(adapter, x)[0, :-1]
+                    got = forward(x)[0, :-1]
                 rows.append((i, name, *_compare(ref, got, targets, ref_nll)))
             if all_layers:
                 with contextlib.ExitStack() as stack:
                     for i in layers:
                         stack.enter_context(quantized(adapter, i, fq, parts))
-                    got = _forward(adapter, x)[0, :-1]
+                    got = forward(x)[0, :-1]
                 rows.append((None, name, *_compare(ref, got, targets, ref_nll)))
     return pl.DataFrame(rows, schema=PRECISION_COLUMNS, orient="row")

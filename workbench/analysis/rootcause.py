@@ -346,7 +346,6 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
     df = rank_causes(scores, token_method + suffix, delta, comps, effects, pos, "ablation" + suffix)
     if save:
         stamp = datetime.now(timezone.utc).replace(tzinfo=None)
-        store.replace("attributions", run_id,
-                      df.with_columns(pl.lit(run_id).alias("run_id"), pl.lit(stamp).alias("created_at")),
-                      where="AND target_pos = ?", params=[pos])
+        store.replace_rows("attributions", {"run_id": run_id, "target_pos": pos},
+                           df.with_columns(pl.lit(run_id).alias("run_id"), pl.lit(stamp).alias("created_at")))
     return df

@@ -7,8 +7,8 @@ recordings in one long-lived worker process instead (started on the first record
 loaded there once): the worker has an interpreter of its own and does all the model's and the probes' work.
 
 The database file stays with the app's process: the worker's ``record_run`` (and then ``after_run``, e.g. the detectors)
-write through a tee that keeps the run in a private DuckDB file of the worker (the detectors read it back
-there) and sends each committed batch, replaced rows and run update over a connection, and a thread of the
+write into a ``RelayStore``: a private DuckDB file of the worker (the detectors read the run back there) whose
+every write (appended rows, replaced rows, run updates) is also sent over a connection, and a thread of the
 app applies them to the app's ``Store`` in order (a DuckDB file can be held by one process at a time; handing
 it over at every commit would cost a reconnect and a checkpoint each time). The run row carries the worker's pid, so a worker killed mid-run is
 marked ``interrupted`` by the store's liveness check like any crashed recorder; the app reports it at once
@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from workbench.capture.recorder import record_run
+from workbench.capture.settings import RecordSettings
 from workbench.data.store import FINAL_STATUSES, Store
 
 START_TIMEOUT_S = 120.0  # for the worker to import torch and connect back
@@ -47,32 +48,27 @@ class _Events:
             self.conn.send(message)
 
 
-class _Tee:
-    """The worker's store: a private DuckDB file (so the detectors can read the run back) whose every write
-    also goes over the connection to the app's ``Store``; reads are the private file's."""
+class RelayStore(Store):
+    """A store whose writes also go to another process: each ``append``, ``replace_rows`` (and so ``replace``)
+    and ``update_run`` is applied to this (private) database file, then sent as ``(kind, run_id, payload)`` through
+    ``events.put``: ``("append", None, batches)``, ``("replace_rows", None, (table, keys, df))``, ``("update",
+    run_id, fields)``. Reads are this file's. ``RecordingProcess._pump`` applies the messages in order."""
 
-    def __init__(self, mirror: Store, events: _Events):
-        self.mirror, self.events = mirror, events
+    def __init__(self, path, events: _Events):
+        super().__init__(path)
+        self.events = events
 
-    def __getattr__(self, name: str):
-        return getattr(self.mirror, name)
-
-    def append(self, batches: dict) -> None:
-        self.mirror.append(batches)
+    def append(self, batches: dict, cur=None) -> None:
+        super().append(batches, cur)
         self.events.put(("append", None, batches))
 
     def update_run(self, run_id: str, **fields: Any) -> None:
-        self.mirror.update_run(run_id, **fields)
+        super().update_run(run_id, **fields)
         self.events.put(("update", run_id, fields))
 
-    def replace(self, table: str, run_id: str, df, where: str = "", params: list | None = None) -> None:
-        self.mirror.replace(table, run_id, df, where, params)
-        self.events.put(("replace", run_id, (table, df, where, params)))
-
-    def replace_where(self, table: str, where: str, params: list, df) -> None:
-        self.mirror.replace_where(table, where, params, df)
-        self.events.put(("replace_where", None, (table, where, params, df)))
-
+    def replace_rows(self, table: str, keys: dict, df) -> None:
+        super().replace_rows(table, keys, df)
+        self.events.put(("replace_rows", None, (table, keys, df)))
 
 
 def _portable(e: BaseException) -> BaseException:
@@ -96,7 +92,8 @@ def _serve(address: str, authkey: bytes) -> None:
 
     events = _Events(conn)
     tmp = Path(tempfile.mkdtemp(prefix="workbench-recorder-"))
-    tee = _Tee(Store(tmp / "mirror.duckdb"), events)
+    mirror = Store(tmp / "mirror.duckdb")  # the private file, written here without relaying
+    relay = RelayStore(tmp / "mirror.duckdb", events)  # the same file (one connection), writes relayed
     default: list = []
     try:
         while True:
@@ -106,7 +103,7 @@ def _serve(address: str, authkey: bytes) -> None:
                 return
             if job is None:
                 return
-            rid, prompt, checkpoint, kw, profiles, after_run = job
+            rid, prompt, checkpoint, settings, profiles, after_run = job
             try:
                 chosen = checkpoint or model
                 if chosen is None:  # the bundled demo, loaded once
@@ -114,28 +111,28 @@ def _serve(address: str, authkey: bytes) -> None:
                         from workbench.model import load_checkpoint
                         default.append(load_checkpoint())
                     chosen = default[0]
-                tee.mirror.replace_where("profiles", "true", [], profiles)  # the app's baselines, for detect
-                record_run(prompt, model=chosen, tokenizer=None if checkpoint else tokenizer, db=tee, run_id=rid,
-                           on_token=lambda pos, text, rid=rid: events.put(("token", rid, (pos, text))), **kw)
+                mirror.replace_rows("profiles", {}, profiles)  # the app's baselines, for detect
+                record_run(prompt, settings, model=chosen, tokenizer=None if checkpoint else tokenizer, db=relay,
+                           run_id=rid, on_token=lambda pos, text, rid=rid: events.put(("token", rid, (pos, text))))
             except BaseException as e:  # noqa: BLE001 - reported to the app
                 try:
-                    tee.mirror.delete_run(rid)  # what it committed is in the app's store
+                    mirror.delete_run(rid)  # what it committed is in the app's store
                 finally:
                     events.put(("done", rid, _portable(e)))
                 continue
             if after_run is not None:
                 try:  # as workbench.record: a detector bug must not lose the recording
-                    after_run(tee, rid)
+                    after_run(relay, rid)
                 except Exception as e:  # noqa: BLE001
                     import warnings
                     warnings.warn(f"{getattr(after_run, '__name__', 'after_run')} failed for run {rid}: {e}")
             try:
-                tee.mirror.delete_run(rid)  # the app's store has it now
+                mirror.delete_run(rid)  # the app's store has it now
             finally:
                 events.put(("done", rid, None))
     finally:
         import shutil
-        tee.mirror.close()
+        mirror.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -187,17 +184,19 @@ class RecordingProcess:
         threading.Thread(target=self._pump, args=(proc, conn), name="workbench-recorder-pump", daemon=True).start()
 
     def record(self, run_id: str, prompt: str, checkpoint: str | None = None, after_run=None,
-               **kw) -> queue.Queue:
-        """Queue one recording (``record_run``'s keyword arguments; ``after_run(store, run_id)``: a module-level
-        function (it is pickled by name) run there once the run is recorded, against this store's profiles,
-        e.g. the anomaly detectors as ``workbench.record`` does); its events come on the returned queue."""
+               settings: RecordSettings | None = None, **setting_kw) -> queue.Queue:
+        """Queue one recording (``settings``, or ``RecordSettings`` fields as keywords; ``after_run(store,
+        run_id)``: a module-level function (it is pickled by name) run there once the run is recorded, against
+        this store's profiles, e.g. the anomaly detectors as ``workbench.record`` does); its events come on the
+        returned queue."""
+        settings = RecordSettings.of(settings, **setting_kw)
         profiles = self.store.sql("SELECT * FROM profiles")
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._start()
             q: queue.Queue = queue.Queue()
             self._waiting[run_id] = q
-            self._conn.send((run_id, prompt, checkpoint, kw, profiles, after_run))
+            self._conn.send((run_id, prompt, checkpoint, settings, profiles, after_run))
         return q
 
     def _pump(self, proc, conn) -> None:
@@ -219,13 +218,9 @@ class RecordingProcess:
                     self.store.append(payload)
                 except BaseException as e:  # noqa: BLE001 - the run fails with it below
                     write_error = write_error or e
-            elif kind in ("replace", "replace_where"):
+            elif kind == "replace_rows":
                 try:
-                    if kind == "replace":
-                        table, df, where, params = payload
-                        self.store.replace(table, rid, df, where, params)
-                    else:
-                        self.store.replace_where(*payload)
+                    self.store.replace_rows(*payload)
                 except BaseException as e:  # noqa: BLE001
                     write_error = write_error or e
             elif kind == "update":

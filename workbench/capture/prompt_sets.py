@@ -15,7 +15,6 @@ leaves only whole runs; ``workbench.open(DIR)`` reads the folder. ``ray=`` runs 
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
 import shutil
@@ -32,13 +31,13 @@ from tqdm import tqdm
 
 from workbench.capture.adapters import load_adapter
 from workbench.capture.prompts import FIELDS, load_prompt_set, prompt_key
-from workbench.capture.recorder import DTYPES, new_run_id, record_batch, record_run, resolve_tokenizer
+from workbench.capture.recorder import DTYPES, new_run_id, record_batch, record_run
+from workbench.capture.resolve import tokenizer_for
+from workbench.capture.settings import PER_PROMPT, RecordSettings
 from workbench.data import query
 from workbench.data.export import write_run
-from workbench.data.signals import PROBES
 from workbench.data.store import Store, complete_runs
 
-PER_PROMPT = ("max_new_tokens", "temperature", "seed")
 BATCH_SIZE = 8  # prompts per batched generation (record_many's default)
 MAX_BATCH_TOKENS = 8192  # rows x longest prompt of one batched generation
 
@@ -95,44 +94,40 @@ def _failed_row(store: Store, run_id: str, item: dict, label: str, error: str, s
         schema_overrides={"seed": pl.Int64})})
 
 
-def record_one(item: dict, *, store: Store, batch_id: str, adapter, tokenizer, label: str, settings: dict,
+def record_one(item: dict, *, store: Store, batch_id: str, adapter, tokenizer, label: str, settings: RecordSettings,
                after_run=None) -> dict:
     """Record one prompt of a batch into ``store`` (never raises for the prompt's own failure); returns
     ``{run_id, key, status, n_tokens, error}``."""
 
-    kw = {**settings, **{k: item[k] for k in PER_PROMPT if k in item}}
+    mine = settings.for_item(item)
     run_id = new_run_id()
     error = None
     try:
-        record_run(item["prompt"], model=adapter, tokenizer=tokenizer, db=store, run_id=run_id,
-                   run_fields={"batch_id": batch_id, "batch_item": item["key"]}, **kw)
+        record_run(item["prompt"], mine, model=adapter, tokenizer=tokenizer, db=store, run_id=run_id,
+                   run_fields={"batch_id": batch_id, "batch_item": item["key"]})
     except Exception as e:  # noqa: BLE001 - one prompt's failure is that run's, not the batch's
         error = f"{type(e).__name__}: {e}"
-    return _finished(store, run_id, item, error, label, kw.get("seed"), batch_id, after_run)
+    return _finished(store, run_id, item, error, label, mine.seed, batch_id, after_run)
 
 
-def record_group(items: list[dict], *, store: Store, batch_id: str, adapter, tokenizer, label: str, settings: dict,
-                 after_run=None) -> list[dict]:
+def record_group(items: list[dict], *, store: Store, batch_id: str, adapter, tokenizer, label: str,
+                 settings: RecordSettings, after_run=None) -> list[dict]:
     """Record prompts of a batch together, in one batched generation (``workbench.capture.recorder.record_batch``) when
     the model's adapter has one, else one by one (``record_one``); one row per prompt, as ``record_one``'s."""
 
     if len(items) == 1 or not adapter.supports_batch:
         return [record_one(item, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tokenizer, label=label,
                            settings=settings, after_run=after_run) for item in items]
-    params = inspect.signature(record_run).parameters  # the settings an item leaves out: record_run's defaults
-    defaults = {k: params[k].default for k in ("max_new_tokens", "temperature", "top_p", "seed")}
-    kws = [{**defaults, **settings, **{k: item[k] for k in PER_PROMPT if k in item}} for item in items]
+    rows = [settings.for_item(item) for item in items]
     run_ids = [new_run_id() for _ in items]
     try:
-        errors = record_batch([item["prompt"] for item in items], model=adapter, tokenizer=tokenizer, db=store,
-                              dtype=settings.get("dtype"), probes=settings.get("probes", PROBES),
-                              topk=settings.get("topk", 5), run_ids=run_ids,
-                              run_fields=[{"batch_id": batch_id, "batch_item": item["key"]} for item in items],
-                              **{k: [kw[k] for kw in kws] for k in ("max_new_tokens", "temperature", "top_p", "seed")})
+        errors = record_batch([item["prompt"] for item in items], rows, model=adapter, tokenizer=tokenizer, db=store,
+                              run_ids=run_ids,
+                              run_fields=[{"batch_id": batch_id, "batch_item": item["key"]} for item in items])
     except Exception as e:  # noqa: BLE001 - the group's failure is its runs', not the batch's
         errors = [f"{type(e).__name__}: {e}"] * len(items)
-    return [_finished(store, run_id, item, err, label, kw.get("seed"), batch_id, after_run)
-            for run_id, item, err, kw in zip(run_ids, items, errors, kws)]
+    return [_finished(store, run_id, item, err, label, row.seed, batch_id, after_run)
+            for run_id, item, err, row in zip(run_ids, items, errors, rows)]
 
 
 def _finished(store: Store, run_id: str, item: dict, error: str | None, label: str, seed, batch_id: str,
@@ -168,13 +163,15 @@ def groups(items: list[dict], tokenizer, batch_size: int, max_batch_tokens: int 
     return out
 
 
-def load_model(model=None, tokenizer=None, dtype: str | None = None, backend: str = "auto"):
-    """(adapter, tokenizer, label) for a batch: the model loaded once, its tokenizer resolved once."""
+def load_model(model=None, tokenizer=None, settings: RecordSettings | None = None):
+    """(adapter, tokenizer, label) for a batch: the model loaded once (in ``settings.dtype``, through
+    ``settings.backend``), its tokenizer resolved once."""
 
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(k for k in DTYPES if k)}, got {dtype!r}")
-    adapter = load_adapter(model, DTYPES[dtype], backend=backend)
-    tok = resolve_tokenizer(tokenizer, adapter, bundled=model is None)
+    settings = settings or RecordSettings()
+    if settings.dtype not in DTYPES:
+        settings.check()  # the dtype's one-line error
+    adapter = load_adapter(model, DTYPES[settings.dtype], backend=settings.backend)
+    tok = tokenizer_for(adapter, tokenizer)
     label = str(adapter.checkpoint_path or type(adapter.module).__name__)
     return adapter, tok, label
 
@@ -207,33 +204,31 @@ def _generated(row: dict, store: Store) -> int:
     return max(0, int(info["n_tokens"] or 0) - int(info["n_prompt_tokens"] or 0))
 
 
-def prepare(prompts, *, model=None, batch_id: str | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
-            top_p: float = 1.0, seed: int = 0, dtype: str | None = None, probes=PROBES, topk: int = 5,
-            backend: str = "auto") -> tuple[list[dict], dict, str]:
-    """(items, settings, batch_id) of a prompt set: what ``record_many`` and the Ray pool both record."""
+def prepare(prompts, *, model=None, batch_id: str | None = None, settings: RecordSettings | None = None,
+            **setting_kw) -> tuple[list[dict], RecordSettings, str]:
+    """(items, settings, batch_id) of a prompt set: what ``record_many`` and the Ray pool both record. The default
+    batch id hashes the items, ``settings.batch_dict()`` and the model's name (``batch_id_for``)."""
     items = prompt_items(prompts)
-    settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
-                "dtype": dtype, "probes": sorted(probes), "topk": topk, "backend": backend}
+    settings = RecordSettings.of(settings, **setting_kw)
     model_id = str(model) if isinstance(model, (str, Path)) or model is None else type(model).__name__
-    return items, settings, batch_id or batch_id_for(items, {**settings, "model": model_id})
+    return items, settings, batch_id or batch_id_for(items, {**settings.batch_dict(), "model": model_id})
 
 
 def record_many(prompts, *, model=None, tokenizer=None, db=None, out: str | Path | None = None,
-                batch_id: str | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
-                top_p: float = 1.0, seed: int = 0, dtype: str | None = None, probes=PROBES, topk: int = 5,
-                backend: str = "auto", after_run=None, progress: bool = True,
-                batch_size: int = BATCH_SIZE) -> Recorded:
+                batch_id: str | None = None, settings: RecordSettings | None = None, after_run=None,
+                progress: bool = True, batch_size: int = BATCH_SIZE, **setting_kw) -> Recorded:
     """Record every prompt of a set as its own run, all with one ``batch_id``; returns what it recorded.
 
     Args:
         prompts: a ``.jsonl`` / ``.txt`` file or a folder of them (``workbench.capture.prompts.load_prompt_set``), a list
             of strings, or a list of dicts (``prompt``; optional ``id``, ``max_new_tokens``, ``temperature``,
-            ``seed``, which override the arguments of the same name for that prompt).
+            ``seed``, which override the settings of the same name for that prompt).
         db: database path or ``Store`` (ignored with ``out``).
         out: write each finished run as Parquet shards under this folder (export layout, atomic per run)
             instead of into ``db``; ``workbench.open(out)`` reads it.
         batch_id: default: a hash of the set and the settings, so the same call again resumes the batch
             (prompts with a ``complete`` run in it are skipped).
+        settings: ``RecordSettings`` (keyword fields of it, ``max_new_tokens=...`` etc., override it).
         batch_size: prompts recorded together in one batched generation (similar lengths together; 1: one at
             a time). Each run equals its single recording up to floating-point summation order. Models whose
             adapter has no batched generation record one at a time.
@@ -241,9 +236,9 @@ def record_many(prompts, *, model=None, tokenizer=None, db=None, out: str | Path
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    items, settings, batch_id = prepare(prompts, model=model, batch_id=batch_id, max_new_tokens=max_new_tokens,
-                                        temperature=temperature, top_p=top_p, seed=seed, dtype=dtype, probes=probes,
-                                        topk=topk, backend=backend)
+    items, settings, batch_id = prepare(prompts, model=model, batch_id=batch_id, settings=settings, **setting_kw)
+    if settings.device_map is not None:
+        raise ValueError("device_map applies to single recordings (workbench.record), not prompt sets")
     skip = completed(Store(db) if out is None and not isinstance(db, Store) else db, out, batch_id)
     todo = [d for d in items if d["key"] not in skip]
     batch = Recorded(None, batch_id)
@@ -251,9 +246,9 @@ def record_many(prompts, *, model=None, tokenizer=None, db=None, out: str | Path
     if not todo:
         batch.store = Store(out) if out is not None else (db if isinstance(db, Store) else Store(db))
         return batch
-    adapter, tok, label = load_model(model, tokenizer, dtype, backend)
-    gen = {k: v for k, v in settings.items() if k != "backend"}
-    bars = Bars(len(todo), sum(int(d.get("max_new_tokens", max_new_tokens)) for d in todo), "batch", progress)
+    adapter, tok, label = load_model(model, tokenizer, settings)
+    bars = Bars(len(todo), sum(int(d.get("max_new_tokens", settings.max_new_tokens)) for d in todo), "batch",
+                progress)
     rows: list[dict] = []
     tmp = None
     try:
@@ -265,7 +260,7 @@ def record_many(prompts, *, model=None, tokenizer=None, db=None, out: str | Path
             store = db if isinstance(db, Store) else Store(db)
         for group in groups(todo, tok, batch_size):
             for row in record_group(group, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tok,
-                                    label=label, settings=gen, after_run=after_run):
+                                    label=label, settings=settings, after_run=after_run):
                 n = _generated(row, store)
                 if out is not None:
                     flush_run(store, out, row["run_id"])

@@ -20,22 +20,19 @@ from pathlib import Path
 import torch
 
 from workbench.capture.prompt_sets import Bars, _generated, completed, flush_run, groups, load_model, record_group
+from workbench.capture.settings import RecordSettings
 from workbench.data.store import Store
 
 
 class ShardWorker:
     """One Ray actor: the model loaded once, a temporary store; ``__call__`` records a batch of prompts."""
 
-    def __init__(self, out: str, batch_id: str, model, tokenizer, settings: dict, after_run, threads: int):
-
-
+    def __init__(self, out: str, batch_id: str, model, tokenizer, settings: RecordSettings, after_run, threads: int):
         if threads > 0:
             torch.set_num_threads(threads)
-        self.out, self.batch_id, self.after_run = out, batch_id, after_run
-        self.settings = {k: v for k, v in settings.items() if k != "backend"}
+        self.out, self.batch_id, self.after_run, self.settings = out, batch_id, after_run, settings
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.adapter, self.tokenizer, self.label = load_model(model, tokenizer, settings.get("dtype"),
-                                                              settings.get("backend", "auto"))
+        self.adapter, self.tokenizer, self.label = load_model(model, tokenizer, settings)
         if device == "cuda":
             self.adapter.module.to(device)
         self.tmp = Path(tempfile.mkdtemp(prefix="wb-ray-shard-"))
@@ -63,7 +60,7 @@ class ShardWorker:
             pass
 
 
-def record_many_ray(items: list[dict], *, out, batch_id: str, model=None, tokenizer=None, settings: dict,
+def record_many_ray(items: list[dict], *, out, batch_id: str, model=None, tokenizer=None, settings: RecordSettings,
                     after_run=None, progress: bool = True, address: str | None = None,
                     workers: int = 1, batch_size: int = 8) -> list[dict]:
     """Record the prompts of ``items`` not yet complete in ``out`` on a Ray Data actor pool; returns the rows
@@ -106,7 +103,7 @@ def record_many_ray(items: list[dict], *, out, batch_id: str, model=None, tokeni
                                                     "tokenizer": tokenizer, "settings": settings, "after_run": after_run,
                                                     "threads": 1 if not gpus else 0},
                              batch_format="numpy", **per)
-        bars = Bars(len(todo), sum(int(d.get("max_new_tokens", settings["max_new_tokens"])) for d in todo),
+        bars = Bars(len(todo), sum(int(d.get("max_new_tokens", settings.max_new_tokens)) for d in todo),
                     f"ray x{workers}", progress)
         rows = []
         try:

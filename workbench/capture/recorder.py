@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import operator
 import os
 import sys
@@ -27,10 +26,15 @@ from tqdm import tqdm
 from workbench.capture.adapters import Adapter, load_adapter
 from workbench.capture.adapters.base import Route
 from workbench.capture.probes import PROBE_CLASSES, Probe, StepInfo
+from workbench.capture.resolve import tokenizer_for
+from workbench.capture.settings import RecordSettings, check_generation
 from workbench.data.schema import columns
 from workbench.data.signals import PROBES, RECORDED_SEAMS
 from workbench.data.store import Store, Writer, merge_batches
-from workbench.model import file_sha256, load_tokenizer, state_sha256
+from workbench.model import file_sha256, state_sha256
+
+__all__ = ["DTYPES", "MAX_PROMPT_CHARS", "RecordSettings", "Recorder", "check_generation", "record_batch",
+           "record_run"]
 
 MAX_PROMPT_CHARS = 200_000
 DTYPES = {None: None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -82,25 +86,6 @@ FLUSH_STEPS, FLUSH_SECONDS, FLUSH_BYTES = 32, 0.2, 32 << 20
 BATCH_FLUSH_SECONDS = 1.0
 
 
-def resolve_tokenizer(tokenizer, adapter: Adapter, bundled: bool):
-    """A ``tokenizers.Tokenizer``: the one given (object or path), the checkpoint folder's, or the bundled
-    demo's for the bundled model and (with a warning) for an in-memory module without a folder."""
-    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
-        return tokenizer
-    if tokenizer is not None:
-        return load_tokenizer(tokenizer)
-    folder = adapter.checkpoint_path
-    if folder and (Path(folder) / "tokenizer.json").exists():
-        return load_tokenizer(Path(folder) / "tokenizer.json")
-    if folder and Path(folder).is_dir():
-        raise FileNotFoundError(f"{folder} has no tokenizer.json: the workbench needs the model's own tokenizer to "
-                                "turn text into tokens and back; pass tokenizer=PATH (CLI: --tokenizer PATH)")
-    if not bundled:
-        warnings.warn(f"no tokenizer given for an in-memory {type(adapter.module).__name__}: token texts are decoded "
-                      "with the bundled demo tokenizer; pass tokenizer= to use the model's own", stacklevel=3)
-    return load_tokenizer(None)
-
-
 def eos_of(tokenizer, adapter: Adapter) -> int | None:
     """The end-of-text id: the tokenizer's ``<|endoftext|>``, else the model config's eos id (if in vocabulary)."""
     eos = tokenizer.token_to_id("<|endoftext|>")
@@ -138,27 +123,6 @@ def _config_json(adapter: Adapter) -> str:
     return json.dumps(cfg, default=str)
 
 
-def check_generation(max_new_tokens, temperature, top_p, seed, topk) -> None:
-    """ValueError (one line) for settings no generation can run with; called before any run row exists."""
-    def number(name, v, kind=(int, float)):
-        if isinstance(v, bool) or not isinstance(v, kind):
-            raise ValueError(f"{name} must be a number, got {v!r}")
-        if not math.isfinite(v):
-            raise ValueError(f"{name} must be finite, got {v!r}")
-        return v
-
-    if number("max_new_tokens", max_new_tokens, int) < 1:
-        raise ValueError(f"max_new_tokens must be >= 1 (the first new token comes with the prompt's forward), "
-                         f"got {max_new_tokens}")
-    if number("temperature", temperature) < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if not 0 < number("top_p", top_p) <= 1:
-        raise ValueError(f"top_p must be in (0, 1] (1 = no nucleus cut), got {top_p}")
-    number("seed", seed, int)
-    if number("topk", topk, int) < 1:
-        raise ValueError(f"topk must be >= 1, got {topk}")
-
-
 def check_ids(ids: list, vocab_size: int) -> list[int]:
     """Token ids as ints inside the vocabulary, or a ValueError naming the first bad one."""
     out = []
@@ -175,24 +139,18 @@ def check_ids(ids: list, vocab_size: int) -> list[int]:
     return out
 
 
-def _check_request(prompt, dtype, max_new_tokens, temperature, top_p, seed, topk, run_fields, probes) -> list[str]:
+def _check_request(prompt, settings: RecordSettings, run_fields) -> list[str]:
     """ValueError (one line) for a request no recording can run, before any model is loaded or row written;
     returns the probe names."""
     if isinstance(prompt, str) and not prompt.strip():
         raise ValueError("empty prompt: type some text to record")
     if isinstance(prompt, str) and len(prompt) > MAX_PROMPT_CHARS:
         raise ValueError(f"prompt of {len(prompt)} characters is over the {MAX_PROMPT_CHARS} limit")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(k for k in DTYPES if k)}, got {dtype!r}")
-    check_generation(max_new_tokens, temperature, top_p, seed, topk)
+    settings.check()
     bad = set(run_fields or {}) - (set(columns("runs")) - {"run_id", "status", "model", "config", "params", "prompt"})
     if bad:
         raise ValueError(f"run_fields may set only other columns of runs, not {sorted(bad)}")
-    probes = list(dict.fromkeys(probes))
-    unknown = set(probes) - set(PROBES)
-    if unknown:
-        raise ValueError(f"unknown probes {sorted(unknown)}; choose from {PROBES}")
-    return probes
+    return settings.probe_names
 
 
 def _encode(prompt, adapter: Adapter, tokenizer, max_new_tokens: int) -> list[int]:
@@ -277,49 +235,45 @@ class _Recording:
         self.writer.then(update)
 
 
-def _open(model, tokenizer, db, dtype, backend, device_map):
+def _open(model, tokenizer, db, settings: RecordSettings, device_map=None):
     """(store, adapter, tokenizer, model label, model sha256) of a recording."""
-    # a Store, or a stand-in with its append / update_run (workbench.capture.background's relay to another process)
+    # a Store, or a stand-in with its append / update_run / replace_rows (workbench.capture.background's relay)
     store = Store(db) if db is None or isinstance(db, (str, Path)) else db
-    adapter = load_adapter(model, DTYPES[dtype], backend=backend, device_map=device_map)
-    tokenizer = resolve_tokenizer(tokenizer, adapter, bundled=model is None)
-    label, sha = model_identity(model, adapter, dtype_changed=dtype is not None)
+    adapter = load_adapter(model, DTYPES[settings.dtype], backend=settings.backend, device_map=device_map)
+    tokenizer = tokenizer_for(adapter, tokenizer)
+    label, sha = model_identity(model, adapter, dtype_changed=settings.dtype is not None)
     for note in adapter.summary.notes:
         warnings.warn(f"recording {label}: {note}", stacklevel=4)
     return store, adapter, tokenizer, label, sha
 
 
-def _params(ids, max_new_tokens, temperature, top_p, topk, probes, adapter) -> dict:
-    return {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "topk": topk,
-            "probes": sorted(probes), "prompt_ids": ids, "backend": adapter.summary.backend}
-
-
-def record_run(prompt: str | list[int], *, model=None, tokenizer=None, max_new_tokens: int = 64,
-               temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, db=None, dtype: str | None = None,
-               probes: Iterable[str] = PROBES, topk: int = 5, progress: bool = False,
-               on_token: Callable[[int, str], None] | None = None, parent_run_id: str | None = None,
-               run_id: str | None = None, backend: str = "auto",
-               run_fields: dict | None = None, device_map=None) -> tuple[str, Store, Adapter, object]:
+def record_run(prompt: str | list[int], settings: RecordSettings | None = None, *, model=None, tokenizer=None,
+               db=None, progress: bool = False, on_token: Callable[[int, str], None] | None = None,
+               parent_run_id: str | None = None, run_id: str | None = None, run_fields: dict | None = None,
+               **setting_kw) -> tuple[str, Store, Adapter, object]:
     """Record one generation; returns (run_id, store, adapter, tokenizer). See ``workbench.record``.
 
-    ``run_fields``: more ``runs`` columns for the run's first row (e.g. a prompt set's ``batch_id``), so they
-    are there from the start, a run killed mid-way included."""
-    probes = _check_request(prompt, dtype, max_new_tokens, temperature, top_p, seed, topk, run_fields, probes)
-    store, adapter, tokenizer, label, sha = _open(model, tokenizer, db, dtype, backend, device_map)
-    ids = _encode(prompt, adapter, tokenizer, max_new_tokens)
+    ``settings``: how to generate and what to record (``RecordSettings``; keyword fields of it, e.g.
+    ``max_new_tokens=8``, override it). ``run_fields``: more ``runs`` columns for the run's first row (e.g. a
+    prompt set's ``batch_id``), so they are there from the start, a run killed mid-way included."""
+    settings = RecordSettings.of(settings, **setting_kw)
+    probes = _check_request(prompt, settings, run_fields)
+    store, adapter, tokenizer, label, sha = _open(model, tokenizer, db, settings, settings.device_map)
+    ids = _encode(prompt, adapter, tokenizer, settings.max_new_tokens)
     run_id = run_id or new_run_id()
     bar = None
     if progress:
-        bar = tqdm(total=max_new_tokens, desc=f"record {run_id}", unit="tok", file=sys.stderr)
-    run = _Recording(run_id, adapter, probes, ids, tokenizer, max_new_tokens, eos_of(tokenizer, adapter), topk,
-                     on_token, bar)  # the probes are made before the run row exists
+        bar = tqdm(total=settings.max_new_tokens, desc=f"record {run_id}", unit="tok", file=sys.stderr)
+    run = _Recording(run_id, adapter, probes, ids, tokenizer, settings.max_new_tokens, eos_of(tokenizer, adapter),
+                     settings.topk, on_token, bar)  # the probes are made before the run row exists
     _insert_run(store, run_id, adapter, label, sha, prompt, ids, tokenizer,
-                _params(ids, max_new_tokens, temperature, top_p, topk, probes, adapter), seed, parent_run_id, run_fields)
+                settings.params(ids, adapter.summary.backend), settings.seed, parent_run_id, run_fields)
     run.writer = writer = Writer(store)
     try:
         with _finishing(lambda: [run], store, writer), adapter.seams(run.rec.listeners()):
             t0 = time.perf_counter()
-            for step in adapter.stream(ids, max_new_tokens, temperature, top_p, seed, run.eos):
+            for step in adapter.stream(ids, settings.max_new_tokens, settings.temperature, settings.top_p,
+                                       settings.seed, run.eos):
                 run.step(step, (time.perf_counter() - t0) * 1e3)
                 t0 = time.perf_counter()
     finally:
@@ -408,32 +362,43 @@ def fan_out(rows: list[dict[str, Callable] | None]) -> dict[str, Callable]:
     return {seam: own.get(seam) or by_row(seam) for seam in seams}
 
 
-def record_batch(prompts: list, *, model=None, tokenizer=None, db=None, dtype: str | None = None,
-                 backend: str = "auto", probes: Iterable[str] = PROBES, topk: int = 5,
-                 max_new_tokens: list[int], temperature: list[float], top_p: list[float], seed: list[int],
+def record_batch(prompts: list, settings: list[RecordSettings], *, model=None, tokenizer=None, db=None,
                  run_ids: list[str], run_fields: list[dict | None]) -> list[str | None]:
     """Record several prompts in one batched generation (``Adapter.stream_batch``), each as its own run that
-    equals its single recording (``record_run``) up to floating-point summation order. Per-row settings.
+    equals its single recording (``record_run``) up to floating-point summation order. Per-row settings
+    (``settings[b]``; what the rows share, dtype, probes, topk and backend, must be the same in all of them).
 
     Returns one error per prompt (None: recorded ``complete``; a string: the run is ``failed`` with it, or, for a
     prompt refused before its run row existed, there is no run). Needs ``adapter.supports_batch``."""
     n = len(prompts)
+    if len(settings) != n or len(run_ids) != n or len(run_fields) != n:
+        raise ValueError(f"record_batch needs one settings, run id and run_fields per prompt ({n} prompts; got "
+                         f"{len(settings)}, {len(run_ids)}, {len(run_fields)})")
+    if not n:
+        return []
+    shared = {(s.dtype, tuple(s.probes), s.topk, s.backend) for s in settings}
+    if len(shared) > 1:
+        raise ValueError("the rows of one batched generation share dtype, probes, topk and backend; these differ")
+    if any(s.device_map is not None for s in settings):
+        raise ValueError("device_map applies to single recordings (record_run), not batched ones")
+    first = settings[0]
     errors: list[str | None] = [None] * n
     for b in range(n):
         try:
-            _check_request(prompts[b], dtype, max_new_tokens[b], temperature[b], top_p[b], seed[b], topk,
-                           run_fields[b], probes)
+            _check_request(prompts[b], settings[b], run_fields[b])
         except ValueError as e:
             errors[b] = f"ValueError: {e}"
-    store, adapter, tokenizer, label, sha = _open(model, tokenizer, db, dtype, backend, None)
+    if first.dtype not in DTYPES:  # no model can load in it: the rows' common error, raised
+        first.check()
+    store, adapter, tokenizer, label, sha = _open(model, tokenizer, db, first)
     if not adapter.supports_batch:
         raise ValueError(f"{type(adapter).__name__} records one prompt at a time (no batched generation)")
-    probes = list(dict.fromkeys(probes))
+    probes = first.probe_names
     ids: dict[int, list[int]] = {}
     for b in range(n):
         if errors[b] is None:
             try:
-                ids[b] = _encode(prompts[b], adapter, tokenizer, max_new_tokens[b])
+                ids[b] = _encode(prompts[b], adapter, tokenizer, settings[b].max_new_tokens)
             except ValueError as e:
                 errors[b] = f"ValueError: {e}"
     live = sorted(ids)
@@ -441,8 +406,8 @@ def record_batch(prompts: list, *, model=None, tokenizer=None, db=None, dtype: s
         return errors
     eos = eos_of(tokenizer, adapter)
     # each row's reductions are its own calls: a batch flushes its rows less often by time (the steps rule holds)
-    runs = [_Recording(run_ids[b], _RowView(adapter, r), probes, ids[b], tokenizer, max_new_tokens[b], eos, topk,
-                       flush_seconds=BATCH_FLUSH_SECONDS) for r, b in enumerate(live)]
+    runs = [_Recording(run_ids[b], _RowView(adapter, r), probes, ids[b], tokenizer, settings[b].max_new_tokens, eos,
+                       first.topk, flush_seconds=BATCH_FLUSH_SECONDS) for r, b in enumerate(live)]
     writer = Writer(store)
     for run in runs:
         run.writer = writer
@@ -451,14 +416,14 @@ def record_batch(prompts: list, *, model=None, tokenizer=None, db=None, dtype: s
     with _finishing(lambda: [runs[r] for r in sorted(open_runs)], store, writer):
         for r, b in enumerate(live):
             _insert_run(store, run_ids[b], adapter, label, sha, prompts[b], ids[b], tokenizer,
-                        _params(ids[b], max_new_tokens[b], temperature[b], top_p[b], topk, probes, adapter), seed[b],
-                        None, run_fields[b])
+                        settings[b].params(ids[b], adapter.summary.backend), settings[b].seed, None, run_fields[b])
             open_runs.add(r)
         with adapter.seams(fan_out(listening)):
             t0 = [time.perf_counter()] * len(runs)
-            pick = lambda xs: [xs[b] for b in live]  # noqa: E731
-            for bstep in adapter.stream_batch([ids[b] for b in live], pick(max_new_tokens), pick(temperature),
-                                              pick(top_p), pick(seed), eos):
+            rows = [settings[b] for b in live]
+            for bstep in adapter.stream_batch([ids[b] for b in live], [s.max_new_tokens for s in rows],
+                                              [s.temperature for s in rows], [s.top_p for s in rows],
+                                              [s.seed for s in rows], eos):
                 for r, step in enumerate(bstep.steps):
                     if step is None:
                         continue

@@ -1,4 +1,5 @@
-"""Which model a recorded run ran with: reload it (checked against the recorded weights hash) as an adapter.
+"""Which model and tokenizer a run uses: ``load_for_run`` reloads a recorded run's model (checked against the
+recorded weights hash) as an adapter; ``tokenizer_for`` is the one rule for its tokenizer.
 
 Used by replay, root cause and ``Run``: a run records its model's label (a checkpoint folder or a module's
 class name), the weights' sha256, the dtype and the backend (``params.backend``); a run recorded from an
@@ -8,12 +9,44 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 from pathlib import Path
 
 import torch
 
 from workbench.capture.adapters import Adapter, adapter_for, load_adapter
-from workbench.model import file_sha256
+from workbench.model import file_sha256, load_tokenizer
+
+
+def tokenizer_for(model=None, tokenizer=None):
+    """The ``tokenizers.Tokenizer`` of a model: the one rule of recording, replay, root cause, ``Run.tokenizer``
+    and the figures.
+
+    Args:
+        model: None (the bundled demo); a checkpoint folder, or a run's ``runs.model`` label (a folder, or the
+            class name of an in-memory module); or a loaded model (module or adapter; its checkpoint folder).
+        tokenizer: a ``tokenizers.Tokenizer`` (returned as it is) or a path to a ``tokenizer.json``.
+
+    The rule: the tokenizer given; else the folder's ``tokenizer.json``; a folder without one is an error
+    (the workbench needs the model's own tokenizer); else (the bundled demo, a label naming no folder here,
+    a module without a folder) the bundled demo's tokenizer, with a warning for a live module.
+    """
+    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
+        return tokenizer
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    live = model is not None and not isinstance(model, (str, Path))
+    folder = adapter_for(model).checkpoint_path if live else model
+    if folder and (Path(folder) / "tokenizer.json").exists():
+        return load_tokenizer(Path(folder) / "tokenizer.json")
+    if folder and Path(folder).is_dir():
+        raise FileNotFoundError(f"{folder} has no tokenizer.json: the workbench needs the model's own tokenizer to "
+                                "turn text into tokens and back; pass tokenizer=PATH (CLI: --tokenizer PATH)")
+    if live:
+        name = type(adapter_for(model).module).__name__
+        warnings.warn(f"no tokenizer given for an in-memory {name}: token texts are decoded with the bundled demo "
+                      "tokenizer; pass tokenizer= to use the model's own", stacklevel=3)
+    return load_tokenizer(None)
 
 
 def run_dtype(info: dict) -> torch.dtype:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from workbench.capture.settings import RecordSettings
 from workbench.run import record, record_many
 
 
@@ -14,9 +15,8 @@ def main(args) -> int:
         raise ValueError("--out, --ray, --batch-id and --batch-size go with --prompts")
 
     prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
-    run = record(prompt, model=args.model, tokenizer=args.tokenizer, max_new_tokens=args.max_new_tokens,
-                 temperature=args.temperature, top_p=args.top_p, seed=args.seed, db=args.db, dtype=args.dtype,
-                 backend=args.backend, progress=True, device_map=device_map(args.device_map))
+    run = record(prompt, model=args.model, tokenizer=args.tokenizer, db=args.db, progress=True,
+                 settings=settings(args, device_map=device_map(args.device_map)))
     info = run.refresh().info
     out = {"run_id": run.run_id, "status": info["status"], "db": str(run.store.path),
            "prompt_tokens": info["n_prompt_tokens"], "tokens": info["n_tokens"], "text": run.generated_text}
@@ -26,6 +26,12 @@ def main(args) -> int:
         print(run.prompt + run.generated_text)
         print(f"\nrun {run.run_id} ({info['status']}) -> {run.store.path}")
     return 0
+
+
+def settings(args, **more) -> RecordSettings:
+    """The recording settings the flags give (--max-new-tokens, --temperature, --top-p, --seed, --dtype, --backend)."""
+    return RecordSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          seed=args.seed, dtype=args.dtype, backend=args.backend, **more)
 
 
 def device_map(text: str | None):
@@ -46,9 +52,7 @@ def record_set(args) -> int:
     if args.ray and not args.out:
         raise ValueError("--ray writes Parquet shards: give --out DIR")
     batch = record_many(args.prompts, model=args.model, tokenizer=args.tokenizer, db=args.db, out=args.out,
-                        batch_id=args.batch_id, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        top_p=args.top_p, seed=args.seed, dtype=args.dtype, backend=args.backend,
-                        detect=not args.no_detect, progress=True, ray=args.ray, workers=args.workers,
+                        batch_id=args.batch_id, settings=settings(args), detect=not args.no_detect, progress=True, ray=args.ray, workers=args.workers,
                         batch_size=args.batch_size)
     runs = batch.runs()
     status = batch.status()

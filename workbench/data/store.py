@@ -48,6 +48,31 @@ class StoreError(RuntimeError):
     """A database that cannot be used: corrupt, locked by another process, or from a newer version."""
 
 
+def key_filter(table: str, keys: dict[str, Any]) -> tuple[str, list]:
+    """(WHERE clause, parameters) matching ``keys`` (``{column: value or collection of values}``) in ``table``:
+    the clause holds only the schema's own table and column names and ``?`` marks; a ValueError names an
+    unknown table or column."""
+    if table not in TABLES:
+        raise ValueError(f"unknown table {table!r}; the workbench's tables are {sorted(TABLES)}")
+    if not isinstance(keys, dict):
+        raise TypeError(f"keys must be a dict of column -> value, got {type(keys).__name__}")
+    declared = columns(table)
+    terms, params = [], []
+    for col, value in keys.items():
+        if col not in declared:
+            raise ValueError(f"{table} has no column {col!r}; its columns are {list(declared)}")
+        if value is None:
+            terms.append(f'"{col}" IS NULL')
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            values = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else list(value)
+            terms.append(f'"{col}" IN ({", ".join("?" for _ in values)})' if values else "false")
+            params += values
+        else:
+            terms.append(f'"{col}" = ?')
+            params.append(value)
+    return " AND ".join(terms) or "true", params
+
+
 def default_db() -> Path:
     """``$WORKBENCH_DB`` if set, else ``data/workbench.duckdb`` in the repository."""
     return Path(os.environ.get("WORKBENCH_DB") or REPO_DATA / "workbench.duckdb")
@@ -495,12 +520,17 @@ class Store:
                           "WHERE run_id = $r AND status = 'running'",
                           {"r": rid, "s": last_step.get(rid, -1), "n": fed.get(rid, 0)})
 
-    def replace(self, table: str, run_id: str, df: pl.DataFrame, where: str = "", params: list | None = None) -> None:
-        """Delete a run's rows of a derived table (optionally narrowed) and insert ``df`` atomically."""
-        self.replace_where(table, f"run_id = ? {where}", [run_id, *(params or [])], df)
+    def replace(self, table: str, run_id: str, df: pl.DataFrame) -> None:
+        """Replace a run's rows of a derived table with ``df`` atomically (``replace_rows`` keyed by ``run_id``)."""
+        self.replace_rows(table, {"run_id": run_id}, df)
 
-    def replace_where(self, table: str, where: str, params: list, df: pl.DataFrame) -> None:
-        """Delete the rows of ``table`` matching ``where`` (code, never user text) and insert ``df``, atomically."""
+    def replace_rows(self, table: str, keys: dict[str, Any], df: pl.DataFrame) -> None:
+        """Delete the rows of ``table`` that match ``keys`` and insert ``df``, in one transaction.
+
+        ``keys``: ``{column: value}``, every column one the schema declares for ``table``; a row matches when
+        each column equals its value (a list, tuple or set: any of its values; None: NULL). Values are bound
+        as parameters, never spliced into the SQL. ``{}`` matches every row of the table."""
+        where, params = key_filter(table, keys)
         with self._transaction() as c:
             c.execute(f"DELETE FROM {table} WHERE {where}", params)
             self._insert(c, table, df)
@@ -823,7 +853,7 @@ class TraceStore(Store):
     def append(self, batches: dict, cur=None) -> None:
         self._refuse(f"write rows of {', '.join(batches)}")
 
-    def replace_where(self, table: str, where: str, params: list, df: pl.DataFrame) -> None:
+    def replace_rows(self, table: str, keys: dict[str, Any], df: pl.DataFrame) -> None:
         self._refuse(f"store {table} rows")
 
     def update_run(self, run_id: str, **fields: Any) -> None:
