@@ -156,18 +156,6 @@ class QuantPoints:
     fused_experts: list[nn.Module]
 
 
-@dataclass
-class QuantPoints:
-    """What fake quantization of one block touches (``Adapter.quantization_points``): the ``block`` (its >= 2-D
-    parameters and the inputs of its ``nn.Linear`` layers), the modules inside it kept in full precision (the
-    router, as DeepSeek-V3's FP8 recipe keeps its gate), and the expert modules that hold their weights as
-    stacked 3-D tensors without any ``nn.Linear`` (their inputs are quantized at the module)."""
-
-    block: nn.Module
-    full_precision: list[nn.Module]
-    fused_experts: list[nn.Module]
-
-
 class Adapter:
     """Base class: the seams are dispatched here; subclasses attach them to their model's modules."""
 
@@ -241,26 +229,6 @@ class Adapter:
     def _without_cache(self) -> contextlib.AbstractContextManager:
         """Detach the generation cache while full forwards run (a model that keeps one overrides this)."""
         return contextlib.nullcontext()
-
-    # -- what-ifs on a full forward (workbench.analysis.precision) -------------------------------------------
-    def blocks(self) -> nn.ModuleList:
-        """The decoder blocks in order (block ``i`` is layer ``i`` of every seam)."""
-        raise NotImplementedError
-
-    def quantization_points(self, layer: int) -> QuantPoints:
-        """What fake-quantizing block ``layer`` touches (``QuantPoints``)."""
-        raise NotImplementedError
-
-    def teacher_forcing(self, length: int) -> contextlib.AbstractContextManager:
-        """Full forwards of at most ``length`` tokens from position 0, without gradients, through a fresh KV cache
-        (the generation's own cache, if any, put back afterwards); yields ``forward(ids [1, T]) -> logits
-        [1, T, V]`` (fp32), whose cache writes pass through the functions ``quantize_kv`` set."""
-        raise NotImplementedError
-
-    def quantize_kv(self, layer: int, fn: Callable[[torch.Tensor], torch.Tensor]) -> contextlib.AbstractContextManager:
-        """For the duration, what block ``layer`` writes into a ``teacher_forcing`` forward's KV cache is
-        ``fn(tensor)`` (MLA: the latent and the rope key; otherwise the keys and values), as attention reads it."""
-        raise NotImplementedError
 
     # -- what-ifs on a full forward (workbench.analysis.precision) -------------------------------------------
     def blocks(self) -> nn.ModuleList:

@@ -328,52 +328,6 @@ class HFAdapter(Adapter):
             if quant.get(layer) is fn:
                 del quant[layer]
 
-    # -- what-ifs on a full forward (precision) ----------------------------------------------------------
-    def blocks(self) -> nn.ModuleList:
-        return self.layers
-
-    def quantization_points(self, layer: int) -> QuantPoints:
-        moe = self.moe.get(layer)
-        if moe is None:
-            return QuantPoints(self.layers[layer], [], [])
-        experts = moe[2]
-        fused = [] if any(isinstance(m, nn.Linear) for m in experts.modules()) else [experts]
-        return QuantPoints(self.layers[layer], [moe[1]], fused)
-
-    @contextlib.contextmanager
-    def teacher_forcing(self, length: int) -> Iterator:
-        from transformers import DynamicCache  # lazy: only transformers models get here
-
-        m = self.module
-        quant = self.__dict__.setdefault("_kv_quant", {})
-
-        def forward(ids: torch.Tensor) -> torch.Tensor:
-            cache = DynamicCache(config=m.config)  # a fresh cache whose update passes through quantize_kv's fns
-            update = cache.update
-
-            def quantized_update(key, value, layer_idx, *args, **kwargs):
-                fn = quant.get(layer_idx)
-                if fn is not None:
-                    key, value = fn(key), fn(value)
-                return update(key, value, layer_idx, *args, **kwargs)
-
-            cache.update = quantized_update
-            self._pos = 0  # the attention probe's position counter
-            return m(ids, cache=cache, use_cache=True).logits.float()
-
-        with torch.no_grad():
-            yield forward
-
-    @contextlib.contextmanager
-    def quantize_kv(self, layer: int, fn) -> Iterator[None]:
-        quant = self.__dict__.setdefault("_kv_quant", {})
-        quant[layer] = fn
-        try:
-            yield
-        finally:
-            if quant.get(layer) is fn:
-                del quant[layer]
-
     def kv_entries(self) -> list[tuple[int, list[torch.Tensor]]]:
         out = []
         for layer in getattr(self._cache, "layers", None) or []:

@@ -163,40 +163,6 @@ class NativeAdapter(Adapter):
             for h in handles:
                 h.remove()
 
-    # -- what-ifs on a full forward (precision) ----------------------------------------------------------
-    def blocks(self) -> nn.ModuleList:
-        return self.module.layers
-
-    def quantization_points(self, layer: int) -> QuantPoints:
-        b = self.module.layers[layer]
-        return QuantPoints(b, [b.ffn.gate] if isinstance(b.ffn, MoE) else [], [])
-
-    @contextlib.contextmanager
-    def teacher_forcing(self, length: int) -> Iterator:
-        m = self.module
-        caches = [layer.attn.cache for layer in m.layers]
-        try:
-            with torch.no_grad():
-                m.setup_cache(batch=1, max_len=length)  # a fresh latent cache: the thing quantize_kv edits
-                yield lambda ids: m(ids, start_pos=0).float()
-        finally:
-            for layer, c in zip(m.layers, caches):
-                layer.attn.cache = c
-
-    @contextlib.contextmanager
-    def quantize_kv(self, layer: int, fn) -> Iterator[None]:
-        cache = self.module.layers[layer].attn.cache
-        if cache is None:
-            raise RuntimeError("quantize_kv needs the cache of a teacher_forcing block")
-        # the cache's hook points: their outputs are what the layer caches (and attention reads back)
-        handles = [p.register_forward_hook(lambda _m, _a, out: fn(out) if isinstance(out, torch.Tensor) else None)
-                   for p in (cache.hook_latent, cache.hook_rope)]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-
     def kv_entries(self) -> list[tuple[int, list[torch.Tensor]]]:
         out = []
         for layer in self.module.layers:
