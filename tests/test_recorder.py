@@ -335,7 +335,7 @@ def test_cli_flags_build_the_settings():
     from workbench.cli import build_parser
     from workbench.commands.record import settings
 
-    args = build_parser().parse_args(["record", "x", "--max-new-tokens", "3", "--temperature", "0.5", "--top-p",
-                                      "0.9", "--seed", "2", "--dtype", "bf16", "--backend", "native"])
-    assert settings(args) == RecordSettings(max_new_tokens=3, temperature=0.5, top_p=0.9, seed=2, dtype="bf16",
+    args = build_parser().parse_args(["record", "--prompt", "x", "--max-new-tokens", "3", "--temperature", "0.5", "--top-p",
+                                      "0.9", "--seed", "2", "--dtype", "bfloat16", "--backend", "native"])
+    assert settings(args) == RecordSettings(max_new_tokens=3, temperature=0.5, top_p=0.9, seed=2, dtype="bfloat16",
                                             backend="native")
