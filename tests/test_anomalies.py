@@ -232,3 +232,166 @@ def test_nan_in_a_layer_is_detected_and_the_run_is_kept(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["anomalies"] and all(r["kind"] == "non_finite" for r in out["anomalies"])
     assert cli_main(["anomalies", "nope", "--db", str(db)]) == 2
+
+
+# -- detectors that generalise (issue 25) -----------------------------------------------------------
+def entropy_profile(rng, buckets=range(4), heads=range(2)) -> an.Baseline:
+    return an.Baseline(profile_frame([
+        cell("norm_entropy", np.clip(0.55 + 0.05 * rng.standard_normal(2000), 0, 1), layer=0, head=h, bucket=b)
+        for h in heads for b in buckets]))
+
+
+def test_two_sided_entropy_catches_collapsed_attention_and_names_its_side():
+    """A head at normalised entropy 0.02-0.07 where the profile has 0.55 +- 0.05: entropy_collapse rows at
+    exactly the collapsed positions, said to be unusually low; the upper-tail spike still an entropy_spike."""
+    rng = np.random.default_rng(5)
+    base = entropy_profile(rng)
+    clean = attention_frame({(0, h): list(np.clip(0.55 + 0.05 * rng.standard_normal(40), 0, 1)) for h in range(2)})
+    assert an.decide(an.entropy_tests(clean, base)).height == 0
+    collapsed = clean.with_columns(pl.when((pl.col("head") == 1) & (pl.col("pos") >= 30))
+                                   .then(0.02 + 0.005 * (pl.col("pos") - 30)).otherwise(pl.col("norm_entropy"))
+                                   .alias("norm_entropy"))
+    got = an.decide(an.entropy_tests(collapsed, base))
+    assert set(got["kind"]) == {"entropy_collapse"}
+    assert sorted(got.select("pos", "head").rows()) == [(p, 1) for p in range(30, 40)]
+    assert all("unusually low" in e for e in got["explanation"])
+    f = fd.group_findings(got)
+    assert f.select("component", "layer", "head").rows() == [("head", 0, 1)]
+    assert "collapsed" in f["explanation"][0]
+    spiked = clean.with_columns(pl.when((pl.col("pos") == 12) & (pl.col("head") == 0)).then(0.99)
+                                .otherwise(pl.col("norm_entropy")).alias("norm_entropy"))
+    assert an.decide(an.entropy_tests(spiked, base)).select("kind", "pos").rows() == [("entropy_spike", 12)]
+
+
+def test_head_norm_two_sided_catches_a_head_whose_output_is_gone():
+    rng = np.random.default_rng(6)
+    base = an.Baseline(profile_frame([cell("head_norm", np.abs(1 + 0.1 * rng.standard_normal(3000)), layer=2, head=h)
+                                      for h in range(2)]))
+    rows = [{"pos": p, "layer": 2, "head": h, "norm": 0.0 if (h == 0 and p >= 5) else float(1 + 0.1 * rng.standard_normal())}
+            for p in range(30) for h in range(2)]
+    hn = pl.DataFrame(rows, schema_overrides={"pos": pl.Int32, "layer": pl.Int32, "head": pl.Int32})
+    got = an.decide(an.head_norm_tests(hn, base))
+    assert sorted(got.select("pos", "head").rows()) == [(p, 0) for p in range(5, 30)]
+    assert fd.group_findings(got)["explanation"][0].startswith("layer 2 head 0: its output is unusually small")
+
+
+def test_long_contexts_are_judged_against_the_nearest_bucket_never_the_run_itself():
+    """A profile calibrated below 128 tokens judges a 700-token run's heads against its nearest bucket: values
+    typical of the cell raise nothing (no p = 1e-300 against the run's own statistics), a collapse still
+    shows, and every test's basis is the profile."""
+    rng = np.random.default_rng(7)
+    base = entropy_profile(rng, buckets=range(3))  # contexts 1..127 only
+    vals = np.clip(0.55 + 0.05 * rng.standard_normal(700), 0, 1)
+    vals[:600] += 0.3 * (np.arange(600) % 7 == 0)  # a run whose own statistics would call its typical values odd
+    att = attention_frame({(0, 0): list(np.clip(vals, 0, 1))})
+    tests = an.entropy_tests(att, base)
+    assert set(tests["basis"]) == {"the baseline profile", "the baseline profile (its nearest context-length bucket)"}
+    far = tests.filter(pl.col("pos") >= 200)
+    assert set(far["basis"]) == {"the baseline profile (its nearest context-length bucket)"}
+    assert an.decide(tests.filter(pl.col("pos") >= 600)).height == 0
+    collapsed = att.with_columns(pl.when(pl.col("pos") >= 690).then(0.01).otherwise(pl.col("norm_entropy"))
+                                 .alias("norm_entropy"))
+    hit = an.decide(an.entropy_tests(collapsed, base).filter(pl.col("pos") >= 600))
+    assert sorted(hit["pos"].to_list()) == list(range(690, 700))
+    # every bucket up to the last one exists for the cell, copied from the nearest calibrated bucket
+    cells = base.cells("norm_entropy").filter(pl.col("head") == 0)
+    assert sorted(cells["bucket"].to_list()) == list(range(len(pr.BUCKETS) - 1))
+    b2 = cells.filter(pl.col("bucket") == 2)["quantiles"][0].to_list()
+    assert all(q.to_list() == b2 for q in cells.filter(pl.col("bucket") > 2)["quantiles"])
+
+
+def test_without_a_profile_every_statistical_row_is_info_with_one_line_to_profile():
+    rng = np.random.default_rng(8)
+    att = attention_frame({(0, h): list(0.5 + 0.02 * rng.standard_normal(30)) for h in range(2)})
+    att = att.with_columns(pl.when(pl.col("pos") == 17).then(0.99).otherwise(pl.col("norm_entropy")).alias("norm_entropy"))
+    hot = routing_frame([[3, int(e)] for e in rng.choice([0, 1, 2, 4, 5, 6, 7], 200)])
+    toks = tokens_frame([0.9] * 60, n_prompt=4).with_columns(
+        pl.Series("token_id", [7] * 4 + [11, 12, 13] * 18 + [1, 2]))
+    meta = {}
+    got = an.detect_frames(toks, att, hot, 8, meta=meta)
+    assert got.height > 0 and set(got["severity"]) == {"info"}
+    assert {"entropy_spike", "overloaded_expert", "routing_collapse", "repetition", "no_profile"} <= set(got["kind"])
+    note = got.filter(pl.col("kind") == "no_profile")
+    assert note.height == 1 and "workbench profile" in note["explanation"][0]
+    assert meta["profile"] is False and meta["tests"] > 0 and meta["profile_tests"] == 0
+    assert fd.group_findings(got).height == 0  # findings ignore info rows: nothing to chase on a clean run
+    # NaN stays critical: it is no statistical judgement
+    bad = att.with_columns(pl.when(pl.col("pos") == 3).then(float("nan")).otherwise(pl.col("entropy")).alias("entropy"))
+    assert "critical" in an.detect_frames(toks, bad, hot, 8)["severity"].to_list()
+
+
+def test_repetition_finds_a_loop_repeated_spans_and_a_copy_and_nothing_in_varied_text():
+    def frame(ids: list[int], n_prompt: int) -> pl.DataFrame:
+        return tokens_frame([0.9] * len(ids), n_prompt=n_prompt).with_columns(
+            pl.Series("token_id", ids), pl.Series("text", [f"<{i}>" for i in ids]))
+
+    rng = np.random.default_rng(9)
+    varied = [int(x) for x in rng.permutation(2000)[:90]]
+    assert an.repetition(frame(varied, 30)).height == 0
+    # the is_prime loop: a 4-token unit over and over from generated position 40
+    loop = varied[:40] + [101, 102, 103, 104] * 8 + varied[40:50]
+    got = an.repetition(frame(loop, 30))
+    assert got.height == 1 and got["severity"][0] == "warning" and got["pos"][0] == 40 and got["score"][0] == 32
+    assert "4-token unit '<101><102><103><104>' repeated 8.0 times" in got["explanation"][0]
+    # an 8-token span three times, with other text between the copies
+    span = [201 + i for i in range(8)]
+    rep = varied[:30] + span + varied[30:35] + span + varied[35:41] + span + varied[41:50]
+    got = an.repetition(frame(rep, 30))
+    assert got.height == 1 and "generated 3 times (positions 30, 43, 57)" in got["explanation"][0]
+    # a 40-token copy of the prompt
+    copy = varied[:60] + varied[10:50] + varied[60:64]
+    got = an.repetition(frame(copy, 60))
+    assert got.height == 1 and "copies 40 tokens of the prompt verbatim (positions 60-99 repeat 10-49)" \
+        in got["explanation"][0]
+    # in findings: one generation finding over the loop's positions
+    f = fd.group_findings(an.repetition(frame(loop, 30)))
+    assert f.select("component", "pos_start", "pos_end").rows() == [("generation", 40, 71)]
+
+
+def test_routing_is_judged_against_the_calibrated_spread_of_clean_prompts():
+    """A load as concentrated as clean calibration prompts of several kinds is no collapse; far beyond it is,
+    and an expert the profile expects that no token picks over a long run is dead, one picked rarely starved."""
+    rng = np.random.default_rng(10)
+    share = np.full(8, 1 / 8)
+    stats = np.abs(10 + 3 * rng.standard_normal(200))  # clean prompts of several kinds: G per df around 10
+    base = an.Baseline(profile_frame(
+        [{"signal": "expert_share", "layer": 1, "head": None, "expert": e, "bucket": None, "n": 10_000,
+          "mean": float(share[e]), "std": 0.0, "quantiles": None} for e in range(8)]
+        + [cell("load_dispersion", stats, layer=1, bucket=b) for b in range(len(pr.BUCKETS) - 1)]))
+    # another kind of text: routing skewed (G per df ~ 10), within what clean prompts show
+    skew = np.array([0.2, 0.2, 0.15, 0.1, 0.1, 0.1, 0.1, 0.05])
+    mild = routing_frame([list(rng.choice(8, 2, replace=False, p=skew)) for _ in range(300)])
+    stat = pr.load_statistic(np.bincount(mild["expert"].to_numpy(), minlength=8).astype(float), share)
+    assert stat < np.quantile(stats, 0.99)
+    assert an.decide(an.expert_tests(mild, 8, base)).height == 0
+    hot = routing_frame([[3, int(e)] for e in rng.choice([0, 1, 2, 4, 5, 6, 7], 300)])
+    got = an.decide(an.expert_tests(hot, 8, base))
+    assert {("routing_collapse", None), ("overloaded_expert", 3)} <= set(got.select("kind", "expert").rows())
+    assert all("baseline profile" in e for e in got["explanation"])
+    starved = routing_frame([list(rng.choice([0, 1, 2, 3, 4, 5, 6], 2, replace=False)) if i % 60 else [7, 0]
+                             for i in range(1200)])
+    got = an.decide(an.expert_tests(starved, 8, base))
+    assert ("starved_expert", 7) in got.select("kind", "expert").rows()
+    dead = routing_frame([list(rng.choice(7, 2, replace=False)) for _ in range(1200)])
+    assert ("dead_expert", 7) in an.decide(an.expert_tests(dead, 8, base)).select("kind", "expert").rows()
+
+
+def test_what_was_tested_says_what_a_nothing_found_means(tmp_path, capsys):
+    model = tiny_model()
+    db = workbench.Store(tmp_path / "w.duckdb")
+    run = workbench.record([5, 17, 101, 3, 9, 44], model=model, db=db, max_new_tokens=6)
+    line = an.what_was_tested(db, run.run_id)
+    n = json.loads(run.refresh().info["detection"])["tests"]
+    assert line.startswith(f"{n} tests against this run's own statistics (no baseline profile for this model")
+    assert "workbench profile" in line
+    res = workbench.profile([[5 + i, 17, 101 + i, 3] for i in range(6)], model=model, db=db, max_new_tokens=6)
+    run2 = workbench.record([5, 17, 101, 3, 9, 44], model=model, db=db, max_new_tokens=6)
+    meta = json.loads(run2.refresh().info["detection"])
+    line = an.what_was_tested(db, run2.run_id)
+    assert meta["tests"] > 0 and meta["calibration_runs"] == len(res["runs"]) == 6
+    loud = run2.anomalies().filter(pl.col("severity") != "info").height
+    expect = f"{meta['tests']} tests against the baseline profile (6 calibration prompts)"
+    assert line.startswith(expect), line
+    assert line.endswith("none significant at FDR 0.01") if loud == 0 else "at FDR 0.01" in line
+    assert cli_main(["findings", run2.run_id, "--db", str(tmp_path / "w.duckdb")]) == 0
+    assert expect in capsys.readouterr().out.replace("\n", " ")

@@ -45,14 +45,14 @@ import numpy as np
 import polars as pl
 from scipy.stats import binom, chi2, false_discovery_control, norm
 
-from workbench.analysis.baseline import bucket_of, load_profile, tail_p
+from workbench.analysis.baseline import BUCKETS, PROBS, bucket_of, load_profile, load_statistic, tail_p
 from workbench.data import query
 from workbench.data.schema import columns
 
 SCHEMA = {"kind": pl.Utf8, "severity": pl.Utf8, "pos": pl.Int32, "layer": pl.Int32, "head": pl.Int32,
           "expert": pl.Int32, "score": pl.Float64, "threshold": pl.Float64, "explanation": pl.Utf8}
 TESTS = {"kind": pl.Utf8, "pos": pl.Int32, "layer": pl.Int32, "head": pl.Int32, "expert": pl.Int32,
-         "value": pl.Float64, "p": pl.Float64, "basis": pl.Utf8}
+         "value": pl.Float64, "p": pl.Float64, "side": pl.Utf8, "basis": pl.Utf8}
 
 DEFAULTS: dict[str, Any] = {
     "alpha": 0.01,            # Benjamini-Hochberg level over all of a run's tests
@@ -66,13 +66,15 @@ WORDS = {
     "low_confidence": "confidence {v:.3f} of the token at {pos}",
     "high_surprise": "surprise {v:.2f} nats of the token at {pos}",
     "entropy_spike": "layer {layer} head {head} at {pos}: normalised attention entropy {v:.3f}",
+    "entropy_collapse": "layer {layer} head {head} at {pos}: normalised attention entropy {v:.3f}",
     "entropy_shift": "layer {layer} head {head} at {pos}: normalised attention entropy {v:.3f}",
     "resid_norm_outlier": "layer {layer} at {pos}: residual-stream norm {v:.3g} after the block",
     "kv_norm_outlier": "layer {layer}: cached KV norm {v:.3g} of the token at {pos}",
     "head_norm_outlier": "layer {layer} head {head} at {pos}: output norm {v:.3g}",
     "overloaded_expert": "layer {layer} expert {expert}: chosen by {v:.0f} tokens",
     "dead_expert": "layer {layer} expert {expert}: chosen by no token",
-    "routing_collapse": "layer {layer}: expert load concentrated (G = {v:.1f})",
+    "starved_expert": "layer {layer} expert {expert}: chosen by only {v:.0f} tokens",
+    "routing_collapse": "layer {layer}: expert load concentrated (G = {v:.1f} per degree of freedom)",
 }
 
 
@@ -120,65 +122,133 @@ def _generated(tokens: pl.DataFrame, include_prompt: bool) -> pl.DataFrame:
 
 
 # -- the baseline ----------------------------------------------------------------------------------
+TAILS = ("upper", "lower", "two")
+
+
 @dataclass
 class Baseline:
-    """A model's profile (or None) and the helpers the detectors use to judge values against it."""
+    """A model's profile (or None) and the helpers the detectors use to judge values against it.
+
+    With a profile, a value whose context-length bucket the calibration never reached is judged against the
+    nearest bucket of the same cell (the profile covers every length up to the model's maximum that way), and a
+    value with no cell at all is not tested: never against the run's own statistics. Without a profile, values
+    are judged against the run's own median / MAD, and every row that produces is informational.
+    """
 
     profile: pl.DataFrame | None = None
+
+    def __post_init__(self):
+        self._cells: dict[tuple[str, int], pl.DataFrame] = {}
 
     @property
     def has_profile(self) -> bool:
         return self.profile is not None and self.profile.height > 0
 
-    def cells(self, signal: str) -> pl.DataFrame:
+    @property
+    def calibration_runs(self) -> int | None:
+        """How many calibration runs the profile was made from (its ``source``), if it says."""
+        if not self.has_profile or "source" not in self.profile.columns:
+            return None
+        try:
+            return int(json.loads(self.profile["source"][0] or "{}").get("runs"))
+        except (ValueError, TypeError):
+            return None
+
+    def cells(self, signal: str, min_n: int = 20) -> pl.DataFrame:
+        """The profile's cells of ``signal`` with n >= ``min_n``; bucketed signals get every bucket up to the last
+        one, a missing bucket copying the nearest calibrated bucket of the same cell (``filled`` says which)."""
         if not self.has_profile:
             return pl.DataFrame()
-        return self.profile.filter((pl.col("signal") == signal) & (pl.col("n") >= 20))
+        if (signal, min_n) in self._cells:
+            return self._cells[(signal, min_n)]
+        c = self.profile.filter((pl.col("signal") == signal) & (pl.col("n") >= min_n)).with_columns(
+            pl.lit(False).alias("filled"))
+        if c.height and c["bucket"].null_count() < c.height:
+            extra = []
+            keys = ("layer", "head", "expert")
+            for _, g in c.group_by([pl.col(k).fill_null(-1).alias(f"_{k}") for k in keys], maintain_order=True):
+                have = g["bucket"].to_list()
+                for b in range(len(BUCKETS) - 1):
+                    if b not in have:
+                        near = min(have, key=lambda h: (abs(h - b), h))
+                        extra.append(g.filter(pl.col("bucket") == near).with_columns(
+                            pl.lit(b, pl.Int32).alias("bucket"), pl.lit(True).alias("filled")))
+            c = pl.concat([c, *[e.drop([x for x in e.columns if x.startswith("_")]) for e in extra]],
+                          how="vertical_relaxed")
+        c = c.drop([x for x in c.columns if x.startswith("_")])
+        self._cells[(signal, min_n)] = c
+        return c
 
-    def judge(self, df: pl.DataFrame, signal: str, value: str, keys: list[str], upper: bool,
-              min_positions: int) -> tuple[np.ndarray, list[str]]:
-        """p-values of ``df[value]`` per row against the profile cell of ``keys`` (``bucket`` computed by the
-        caller), else against the run's own robust statistics grouped by the non-bucket keys."""
+    def judge(self, df: pl.DataFrame, signal: str, value: str, keys: list[str], tail: str,
+              min_positions: int) -> tuple[np.ndarray, list[str], list[str]]:
+        """(p-values, side "high" / "low", basis) of ``df[value]`` per row against the profile cell of ``keys``
+        (``bucket`` computed by the caller). ``tail``: "upper", "lower" or "two" (twice the smaller tail)."""
+        if tail not in TAILS:
+            raise ValueError(f"tail must be one of {TAILS}, got {tail!r}")
         p = np.ones(df.height)
-        basis = np.full(df.height, "none", dtype=object)
+        side = np.full(df.height, "low" if tail == "lower" else "high", dtype=object)
+        basis = np.full(df.height, "nothing (no profile cell)", dtype=object)
         if df.height == 0:
-            return p, list(basis)
+            return p, list(side), list(basis)
         df = df.with_row_index("_i")
-        cells = self.cells(signal)
-        covered = pl.DataFrame()
-        if cells.height:
-            j = df.join(cells.select(*keys, "quantiles"), on=keys, how="inner")
-            if j.height:  # every row against its own cell's quantiles, in one vectorised call
-                q = j["quantiles"].explode().to_numpy().astype(np.float64).reshape(j.height, -1)
-                p[j["_i"].to_numpy()] = tail_p(j[value].to_numpy(), q, upper=upper)
-            basis[j["_i"].to_numpy()] = "the baseline profile"
-            covered = j.select("_i")
-        rest = df if covered.height == 0 else df.join(covered, on="_i", how="anti")
-        if rest.height:
-            group = [k for k in keys if k != "bucket"]
-            stats = (rest.group_by(group) if group else rest.with_columns(pl.lit(0).alias("_g")).group_by("_g"))
-            for _, grp in stats:
-                if grp.height < min_positions:
-                    continue
-                v = grp[value].to_numpy()
-                med = np.median(v)
-                mad = max(np.median(np.abs(v - med)) / 0.6745, 0.01 * (abs(med) + 1e-3), 1e-6)
-                z = (v - med) / mad if upper else (med - v) / mad
-                idx = grp["_i"].to_numpy()
-                p[idx] = _norm_sf(z)
-                basis[idx] = NO_PROFILE if not self.has_profile else "this run's own statistics (a cell the profile lacks)"
-        return p, list(basis)
+        if self.has_profile:
+            cells = self.cells(signal)
+            if cells.height:
+                j = df.join(cells.select(*keys, "quantiles", "filled"), on=keys, how="inner")
+                if j.height:  # every row against its own cell's quantiles, in one vectorised call
+                    q = j["quantiles"].explode().to_numpy().astype(np.float64).reshape(j.height, -1)
+                    i = j["_i"].to_numpy()
+                    p[i], side[i] = _sided(j[value].to_numpy(), q, tail)
+                    basis[i] = np.where(j["filled"].to_numpy(), "the baseline profile (its nearest context-length "
+                                        "bucket)", "the baseline profile")
+            return p, list(side), list(basis)
+        group = [k for k in keys if k != "bucket"]
+        stats = (df.group_by(group) if group else df.with_columns(pl.lit(0).alias("_g")).group_by("_g"))
+        for _, grp in stats:
+            if grp.height < min_positions:
+                continue
+            v = grp[value].to_numpy()
+            med = np.median(v)
+            mad = max(np.median(np.abs(v - med)) / 0.6745, 0.01 * (abs(med) + 1e-3), 1e-6)
+            z = (v - med) / mad
+            idx = grp["_i"].to_numpy()
+            hi, lo = _norm_sf(z), _norm_sf(-z)
+            p[idx], side[idx] = _pick(hi, lo, tail)
+            basis[idx] = NO_PROFILE
+        return p, list(side), list(basis)
 
-    def shares(self, layer: int, n_experts: int) -> tuple[np.ndarray, float, bool]:
-        """(expected share per expert, overdispersion, from a profile?) for one MoE layer."""
+    def dispersion(self, layer: int, n_tok: int) -> np.ndarray | None:
+        """The calibration's quantiles of a run's load statistic (G per degree of freedom) for ``layer``,
+        at the run's token-count bucket (nearest calibrated one), or None."""
+        d = self.cells("load_dispersion", min_n=8)  # one value per calibration run
+        if d.height == 0 or "quantiles" not in d.columns:
+            return None
+        b = int(pl.select(bucket_of(pl.lit(max(n_tok, 1)))).item())
+        d = d.filter((pl.col("layer") == layer) & (pl.col("bucket") == b) & pl.col("quantiles").is_not_null())
+        return np.asarray(d["quantiles"][0], dtype=np.float64) if d.height else None
+
+    def shares(self, layer: int, n_experts: int) -> tuple[np.ndarray, bool]:
+        """(expected share per expert, from a profile?) for one MoE layer."""
         s = self.cells("expert_share").filter(pl.col("layer") == layer) if self.has_profile else pl.DataFrame()
         if s.height == 0:
-            return np.full(n_experts, 1.0 / n_experts), 1.0, False
+            return np.full(n_experts, 1.0 / n_experts), False
         share = np.full(n_experts, 0.5 / max(int(s["n"][0]), 1))  # never seen in calibration: half a slot
         share[s["expert"].to_numpy()] = s["mean"].to_numpy()
-        share /= share.sum()
-        d = self.profile.filter((pl.col("signal") == "load_dispersion") & (pl.col("layer") == layer))
-        return share, max(float(d["mean"][0]), 1.0) if d.height else 1.0, True
+        return share / share.sum(), True
+
+
+def _pick(hi: np.ndarray, lo: np.ndarray, tail: str) -> tuple[np.ndarray, np.ndarray]:
+    if tail == "upper":
+        return hi, np.full(hi.shape, "high", dtype=object)
+    if tail == "lower":
+        return lo, np.full(hi.shape, "low", dtype=object)
+    return np.clip(2 * np.minimum(hi, lo), 1e-300, 1.0), np.where(hi <= lo, "high", "low").astype(object)
+
+
+def _sided(x: np.ndarray, q: np.ndarray, tail: str) -> tuple[np.ndarray, np.ndarray]:
+    hi = tail_p(x, q, upper=True) if tail != "lower" else np.ones(x.size)
+    lo = tail_p(x, q, upper=False) if tail != "upper" else np.ones(x.size)
+    return _pick(hi, lo, tail)
 
 
 def _norm_sf(z: np.ndarray) -> np.ndarray:
@@ -192,23 +262,25 @@ def token_tests(tokens: pl.DataFrame, base: Baseline, include_prompt: bool = Fal
     t = _generated(tokens, include_prompt).filter(_finite("confidence") & _finite("logprob")) \
         .with_columns(bucket_of(pl.col("pos")).alias("bucket"), (-pl.col("logprob")).alias("surprise"))
     out = []
-    for kind, signal, col, upper in (("low_confidence", "confidence", "confidence", False),
-                                     ("high_surprise", "surprise", "surprise", True)):
-        p, basis = base.judge(t, signal, col, ["bucket"], upper, min_positions)
-        out.append(_tests(kind=kind, pos=t["pos"], value=t[col], p=p, basis=basis))
+    for kind, signal, col, tail in (("low_confidence", "confidence", "confidence", "lower"),
+                                    ("high_surprise", "surprise", "surprise", "upper")):
+        p, side, basis = base.judge(t, signal, col, ["bucket"], tail, min_positions)
+        out.append(_tests(kind=kind, pos=t["pos"], value=t[col], p=p, side=side, basis=basis))
     return pl.concat(out)
 
 
 def entropy_tests(attention: pl.DataFrame, base: Baseline, min_positions: int = 8) -> pl.DataFrame:
-    """``entropy_spike``: every (position, layer, head) with a visible-keys-normalised entropy."""
+    """Every (position, layer, head) with a visible-keys-normalised entropy, two-sided: ``entropy_spike`` (the
+    head spread its attention) or ``entropy_collapse`` (it collapsed onto a few keys)."""
     a = attention.filter(_finite("norm_entropy")).with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"))
-    p, basis = base.judge(a, "norm_entropy", "norm_entropy", ["layer", "head", "bucket"], True, min_positions)
-    return _tests(kind="entropy_spike", pos=a["pos"], layer=a["layer"], head=a["head"], value=a["norm_entropy"],
-                  p=p, basis=basis)
+    p, side, basis = base.judge(a, "norm_entropy", "norm_entropy", ["layer", "head", "bucket"], "two", min_positions)
+    kind = np.where(np.asarray(side, dtype=object) == "low", "entropy_collapse", "entropy_spike")
+    return _tests(kind=list(kind), pos=a["pos"], layer=a["layer"], head=a["head"], value=a["norm_entropy"],
+                  p=p, side=side, basis=basis)
 
 
 def entropy_shift_tests(attention: pl.DataFrame, reference: pl.DataFrame, min_positions: int = 8) -> pl.DataFrame:
-    """``entropy_shift``: normalised entropy against a reference run's median / MAD of the same head."""
+    """``entropy_shift``: normalised entropy against a reference run's median / MAD of the same head (two-sided)."""
     ref = reference.filter(_finite("norm_entropy")).group_by("layer", "head").agg(
         pl.col("norm_entropy").median().alias("med"), pl.len().alias("n"),
         pl.col("norm_entropy").alias("vals")).filter(pl.col("n") >= min_positions)
@@ -216,36 +288,48 @@ def entropy_shift_tests(attention: pl.DataFrame, reference: pl.DataFrame, min_po
         lambda s: float(np.median(np.abs(np.asarray(s["vals"]) - s["med"]))), return_dtype=pl.Float64).alias("mad"))
     a = attention.filter(_finite("norm_entropy")).join(ref.select("layer", "head", "med", "mad"), on=["layer", "head"])
     z = (a["norm_entropy"].to_numpy() - a["med"].to_numpy()) / np.maximum(a["mad"].to_numpy() / 0.6745, 0.01)
+    p, side = _pick(_norm_sf(z), _norm_sf(-z), "two")
     return _tests(kind="entropy_shift", pos=a["pos"], layer=a["layer"], head=a["head"], value=a["norm_entropy"],
-                  p=_norm_sf(z), basis="the reference run")
+                  p=p, side=side, basis="the reference run")
 
 
 def resid_tests(resid: pl.DataFrame, base: Baseline, min_positions: int = 8) -> pl.DataFrame:
-    """``resid_norm_outlier``: the residual norm after every block at every position."""
+    """``resid_norm_outlier``: the residual norm after every block at every position (two-sided: a block that
+    blows the stream up, or one whose contribution went missing)."""
     r = resid.filter(_finite("norm")).with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"))
-    p, basis = base.judge(r, "resid_norm", "norm", ["layer", "bucket"], True, min_positions)
-    return _tests(kind="resid_norm_outlier", pos=r["pos"], layer=r["layer"], value=r["norm"], p=p, basis=basis)
-
-
-def head_norm_tests(head_norm: pl.DataFrame, base: Baseline, min_positions: int = 8) -> pl.DataFrame:
-    """``head_norm_outlier``: each head's output norm at every position (a broken head's output blows up)."""
-    h = head_norm.filter(_finite("norm"))
-    p, basis = base.judge(h, "head_norm", "norm", ["layer", "head"], True, min_positions)
-    return _tests(kind="head_norm_outlier", pos=h["pos"], layer=h["layer"], head=h["head"], value=h["norm"], p=p,
+    p, side, basis = base.judge(r, "resid_norm", "norm", ["layer", "bucket"], "two", min_positions)
+    return _tests(kind="resid_norm_outlier", pos=r["pos"], layer=r["layer"], value=r["norm"], p=p, side=side,
                   basis=basis)
 
 
+def head_norm_tests(head_norm: pl.DataFrame, base: Baseline, min_positions: int = 8) -> pl.DataFrame:
+    """``head_norm_outlier``: each head's output norm at every position (two-sided: blown up, or gone)."""
+    h = head_norm.filter(_finite("norm"))
+    p, side, basis = base.judge(h, "head_norm", "norm", ["layer", "head"], "two", min_positions)
+    return _tests(kind="head_norm_outlier", pos=h["pos"], layer=h["layer"], head=h["head"], value=h["norm"], p=p,
+                  side=side, basis=basis)
+
+
 def kv_tests(kv_tokens: pl.DataFrame, base: Baseline, min_positions: int = 8) -> pl.DataFrame:
-    """``kv_norm_outlier``: each cached token's KV norm at the run's last recorded step."""
+    """``kv_norm_outlier``: each cached token's KV norm at the run's last recorded step (two-sided)."""
     if kv_tokens.height == 0:
         return _tests()
     k = kv_tokens.filter((pl.col("step") == pl.col("step").max()) & _finite("latent_norm"))
-    p, basis = base.judge(k, "latent_norm", "latent_norm", ["layer"], True, min_positions)
-    return _tests(kind="kv_norm_outlier", pos=k["pos"], layer=k["layer"], value=k["latent_norm"], p=p, basis=basis)
+    p, side, basis = base.judge(k, "latent_norm", "latent_norm", ["layer"], "two", min_positions)
+    return _tests(kind="kv_norm_outlier", pos=k["pos"], layer=k["layer"], value=k["latent_norm"], p=p, side=side,
+                  basis=basis)
 
 
 def expert_tests(routing: pl.DataFrame, n_experts: int, base: Baseline) -> pl.DataFrame:
-    """``overloaded_expert`` / ``dead_expert`` per (layer, expert) and ``routing_collapse`` per layer."""
+    """Per (layer, expert): ``overloaded_expert`` (chosen by far more tokens than the profile's share) and
+    ``dead_expert`` / ``starved_expert`` (chosen by none / far fewer); per layer ``routing_collapse``: the load's
+    concentration (G per degree of freedom) against its distribution over the clean calibration runs of a
+    similar length (prompts of several kinds: another kind of text is not a collapse).
+
+    Tokens of one prompt route alike, so the expert counts are widened by the 95th percentile of the
+    calibration's load statistic (overdispersion) at the run's length; a layer with few tokens simply cannot
+    reach significance. Without a profile: a uniform load, plain binomial and chi-squared tests (info only).
+    """
 
     if routing.height == 0 or n_experts < 2:
         return _tests()
@@ -255,29 +339,32 @@ def expert_tests(routing: pl.DataFrame, n_experts: int, base: Baseline) -> pl.Da
         k_slots = g.height // max(n_tok, 1)
         chosen = np.bincount(g.unique(["pos", "expert"])["expert"].to_numpy(), minlength=n_experts)[:n_experts]
         slots = np.bincount(g["expert"].to_numpy(), minlength=n_experts)[:n_experts]
-        share, phi, profiled = base.shares(int(layer), n_experts)
-        basis = "the baseline profile" if profiled else "a uniform load (no baseline profile for this model)"
+        share, profiled = base.shares(int(layer), n_experts)
+        disp = base.dispersion(int(layer), n_tok) if profiled else None
+        phi = max(float(np.interp(0.95, PROBS, disp)), 1.0) if disp is not None else 1.0
+        basis = ("the baseline profile" if disp is not None else "the baseline profile's shares (no load statistics)") \
+            if profiled else "a uniform load (no baseline profile for this model)"
         pi = np.clip(share * k_slots, 1e-9, 1 - 1e-9)  # chance a token picks the expert
-        n_eff = n_tok / phi  # overdispersion: tokens of one prompt route alike
-        over = binom.sf(np.ceil(chosen / phi) - 1, max(int(round(n_eff)), 1), pi)
-        dead = np.where(chosen == 0, (1 - pi) ** n_eff, 1.0)
+        n_eff = max(int(round(n_tok / phi)), 1)  # overdispersion: tokens of one prompt route alike
+        over = binom.sf(np.ceil(chosen / phi) - 1, n_eff, pi)
+        under = binom.cdf(np.floor(chosen / phi), n_eff, pi)
         for e in range(n_experts):
             rows.append({"kind": "overloaded_expert", "layer": layer, "expert": e, "value": float(chosen[e]),
-                         "p": float(over[e]), "basis": basis})
-            rows.append({"kind": "dead_expert", "layer": layer, "expert": e, "value": float(chosen[e]),
-                         "p": float(dead[e]), "basis": basis})
-        expected = slots.sum() * share
-        nz = slots > 0
-        g_stat = float(2 * (slots[nz] * np.log(slots[nz] / expected[nz])).sum())
-        rows.append({"kind": "routing_collapse", "layer": layer, "value": g_stat,
-                     "p": float(chi2.sf(g_stat / phi, n_experts - 1)), "basis": basis})
+                         "p": float(over[e]), "side": "high", "basis": basis})
+            rows.append({"kind": "dead_expert" if chosen[e] == 0 else "starved_expert", "layer": layer, "expert": e,
+                         "value": float(chosen[e]), "p": float(under[e]), "side": "low", "basis": basis})
+        stat = load_statistic(slots.astype(np.float64), share)
+        p = float(tail_p(np.array([stat]), disp)[0]) if disp is not None else \
+            float(chi2.sf(stat * max(n_experts - 1, 1), n_experts - 1))
+        rows.append({"kind": "routing_collapse", "layer": layer, "value": stat, "p": p, "side": "high",
+                     "basis": basis})
     return pl.DataFrame(rows, schema=TESTS)
 
 
 def near_ties(routing: pl.DataFrame, base: Baseline, info_p: float = 1e-3, min_positions: int = 8) -> pl.DataFrame:
     """Informational: a token whose router margin (slot 0 rows) is in the layer's lowest ``info_p`` tail."""
     r = routing.filter((pl.col("slot") == 0) & _finite("margin"))
-    p, basis = base.judge(r, "margin", "margin", ["layer"], False, min_positions)
+    p, _, basis = base.judge(r, "margin", "margin", ["layer"], "lower", min_positions)
     r = r.with_columns(pl.Series("p", p), pl.Series("basis", basis, pl.Utf8)).filter(pl.col("p") <= info_p)
 
     def say(x: dict) -> str:
@@ -290,6 +377,105 @@ def near_ties(routing: pl.DataFrame, base: Baseline, info_p: float = 1e-3, min_p
     return _rows([{"kind": "routing_near_tie", "severity": "info", "pos": x["pos"], "layer": x["layer"],
                    "score": -math.log10(max(x["p"], 1e-300)), "threshold": -math.log10(info_p), "explanation": say(x)}
                   for x in r.iter_rows(named=True)])
+
+
+# -- degenerate generation -------------------------------------------------------------------------
+def repetition(tokens: pl.DataFrame, min_loop: int = 12, ngram: int = 8, min_copies: int = 3,
+               min_copy: int = 32) -> pl.DataFrame:
+    """``repetition`` rows (severity warning): degenerate generation, read off the generated token ids.
+
+    - a loop: a stretch of generated tokens that repeats a unit of 1-32 tokens at least three times over, with
+      at least ``min_loop`` tokens repeated (``_path_to_path_to_path_to...``);
+    - a repeated n-gram: the same ``ngram`` tokens generated ``min_copies`` times or more (not inside a loop);
+    - a copy: ``min_copy`` or more generated tokens in a row that repeat a span of the prompt verbatim.
+
+    ``pos`` is where it starts, ``score`` how many tokens it covers, ``threshold`` the minimum that counts.
+    """
+    t = tokens.filter(pl.col("pos") > 0).sort("pos")
+    if t.height == 0:
+        return empty()
+    col = "token_id" if "token_id" in t.columns and t["token_id"].null_count() == 0 else "text"
+    ids = t[col].to_list()
+    pos = t["pos"].to_list()
+    texts = t["text"].to_list() if "text" in t.columns else [str(i) for i in ids]
+    gen = [i for i, x in enumerate(t["is_prompt"].to_list()) if not x]
+    if not gen:
+        return empty()
+    g0 = gen[0]
+    out, covered = [], set()
+
+    def say_unit(a: int, b: int) -> str:
+        s = "".join(str(x) for x in texts[a:b])
+        return s if len(s) <= 40 else s[:37] + "..."
+
+    # loops: the smallest period p with ids[i] == ids[i - p] over a long stretch of generated positions
+    i = g0
+    n = len(ids)
+    while i < n:
+        best = None
+        for p in range(1, 33):
+            j = i
+            while j < n and j - p >= 0 and ids[j] == ids[j - p]:
+                j += 1
+            run = j - i
+            if run >= max(2 * p, min_loop) and (best is None or run > best[1] + p):
+                best = (p, run)
+        if best is None:
+            i += 1
+            continue
+        p, run = best
+        start = max(i - p, 0)
+        end = i + run
+        out.append({"kind": "repetition", "severity": "warning", "pos": pos[start], "score": float(end - start),
+                    "threshold": float(min_loop),
+                    "explanation": f"generation loops from position {pos[start]}: the {p}-token unit "
+                                   f"{escape_repr(say_unit(start, start + p))} repeated {(end - start) / p:.1f} times "
+                                   f"({end - start} tokens, to position {pos[end - 1]})"})
+        covered.update(range(start, end))
+        i = end
+    # repeated n-grams outside the loops
+    seen: dict[tuple, list[int]] = {}
+    for k in range(g0, n - ngram + 1):
+        if any(x in covered for x in range(k, k + ngram)):
+            continue
+        key = tuple(ids[k:k + ngram])
+        if not seen.get(key) or seen[key][-1] + ngram <= k:  # non-overlapping copies
+            seen.setdefault(key, []).append(k)
+    for key, at in seen.items():
+        if len(at) >= min_copies and not any(x in covered for a in at for x in range(a, a + ngram)):
+            out.append({"kind": "repetition", "severity": "warning", "pos": pos[at[0]],
+                        "score": float(len(at) * ngram), "threshold": float(min_copies * ngram),
+                        "explanation": f"the {ngram}-token span {escape_repr(say_unit(at[0], at[0] + ngram))} is "
+                                       f"generated {len(at)} times (positions {', '.join(str(pos[a]) for a in at[:6])})"})
+            covered.update(x for a in at for x in range(a, a + ngram))
+    # copies of the prompt
+    prompt = ids[:g0]
+    if len(prompt) >= min_copy:
+        index: dict[tuple, list[int]] = {}
+        for k in range(len(prompt) - min_copy + 1):
+            index.setdefault(tuple(prompt[k:k + min_copy]), []).append(k)
+        k = g0
+        while k <= n - min_copy:
+            src = index.get(tuple(ids[k:k + min_copy]))
+            if not src or any(x in covered for x in range(k, k + min_copy)):
+                k += 1
+                continue
+            length = min_copy
+            s0 = src[0]
+            while k + length < n and s0 + length < g0 and ids[k + length] == ids[s0 + length]:
+                length += 1
+            out.append({"kind": "repetition", "severity": "warning", "pos": pos[k], "score": float(length),
+                        "threshold": float(min_copy),
+                        "explanation": f"generation copies {length} tokens of the prompt verbatim (positions "
+                                       f"{pos[k]}-{pos[k + length - 1]} repeat {pos[s0]}-{pos[s0 + length - 1]})"})
+            covered.update(range(k, k + length))
+            k += length
+    return _rows(out)
+
+
+def escape_repr(s: str) -> str:
+    """A generated span quoted for a one-line explanation (newlines and quotes escaped)."""
+    return repr(s)
 
 
 def non_finite(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
@@ -336,7 +522,7 @@ def decide(tests: pl.DataFrame, alpha: float = 0.01, critical_q: float = 1e-6) -
     rows = []
     for r in hit.iter_rows(named=True):
         what = WORDS[r["kind"]].format(v=r["value"], **{k: r[k] for k in ("pos", "layer", "head", "expert")})
-        tail = "low" if r["kind"] == "low_confidence" else "high"
+        tail = r["side"] or ("low" if r["kind"] == "low_confidence" else "high")
         rows.append({"kind": r["kind"], "severity": "critical" if r["q"] <= critical_q else "warning",
                      "pos": r["pos"], "layer": r["layer"], "head": r["head"], "expert": r["expert"],
                      "score": -math.log10(max(r["q"], 1e-300)), "threshold": -math.log10(alpha),
@@ -352,7 +538,7 @@ def diffuse_heads(attention: pl.DataFrame, flagged_tokens: pl.DataFrame, entropy
     low = flagged_tokens.filter(pl.col("kind") == "low_confidence")
     if low.height == 0:
         return empty()
-    e = entropy.filter(pl.col("p") <= info_p).select("pos", "layer", "head", "value", "p")
+    e = entropy.filter((pl.col("p") <= info_p) & (pl.col("side") == "high")).select("pos", "layer", "head", "value", "p")
     hits = e.join(low.select((pl.col("pos") - 1).alias("pos"), pl.col("pos").alias("tok")), on="pos") \
         .sort("tok", "layer", "head")
     return _rows([{"kind": "diffuse_head", "severity": "info", "pos": r["tok"], "layer": r["layer"], "head": r["head"],
@@ -363,12 +549,21 @@ def diffuse_heads(attention: pl.DataFrame, flagged_tokens: pl.DataFrame, entropy
                   for r in hits.iter_rows(named=True)])
 
 
+def _empty_signal(*cols: str) -> pl.DataFrame:
+    return pl.DataFrame(schema={c: (pl.Float64 if c == "norm" else pl.Int32) for c in cols})
+
+
 def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.DataFrame, n_experts: int,
                   kv: pl.DataFrame | None = None, reference_attention: pl.DataFrame | None = None,
                   profile: pl.DataFrame | None = None, resid: pl.DataFrame | None = None,
                   kv_tokens: pl.DataFrame | None = None, head_norm: pl.DataFrame | None = None,
-                  **thresholds) -> pl.DataFrame:
-    """Run every detector on a run's frames; returns rows sorted by severity then position (no ids)."""
+                  meta: dict | None = None, **thresholds) -> pl.DataFrame:
+    """Run every detector on a run's frames; returns rows sorted by severity then position (no ids).
+
+    Without a profile every row but ``non_finite`` is informational, and one ``no_profile`` info row says how
+    to make one. ``meta``, if given, receives what was tested: ``tests``, ``profile_tests`` (judged against
+    the profile), ``calibration_runs``, ``alpha``, ``profile`` (bool).
+    """
     unknown = set(thresholds) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"unknown anomaly thresholds {sorted(unknown)}; known: {sorted(DEFAULTS)}")
@@ -379,25 +574,64 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
     mp = int(th["min_positions"])
     ent = entropy_tests(attention, base, mp)
     parts = [token_tests(tokens, base, bool(th["include_prompt"]), mp), ent,
-             resid_tests(resid if resid is not None else pl.DataFrame(schema={"pos": pl.Int32, "layer": pl.Int32,
-                                                                            "norm": pl.Float64}), base, mp),
+             resid_tests(resid if resid is not None else _empty_signal("pos", "layer", "norm"), base, mp),
              kv_tests(kv_tokens if kv_tokens is not None else pl.DataFrame(), base, mp),
-             head_norm_tests(head_norm if head_norm is not None else pl.DataFrame(
-                 schema={"pos": pl.Int32, "layer": pl.Int32, "head": pl.Int32, "norm": pl.Float64}), base, mp),
+             head_norm_tests(head_norm if head_norm is not None else _empty_signal("pos", "layer", "head", "norm"),
+                             base, mp),
              expert_tests(routing, n_experts, base)]
     if reference_attention is not None:
         parts.append(entropy_shift_tests(attention, reference_attention, mp))
     tests = pl.concat([p for p in parts if p.height], how="vertical_relaxed") if any(p.height for p in parts) \
         else _tests()
-    flagged = decide(tests, th["alpha"], th["critical_q"])
+    tested = tests.filter(pl.col("basis") != "nothing (no profile cell)")
+    flagged = decide(tested, th["alpha"], th["critical_q"])
+    rep = repetition(tokens)
+    extra = [empty()]
+    if not base.has_profile:
+        flagged = flagged.with_columns(pl.lit("info").alias("severity"))
+        rep = rep.with_columns(pl.lit("info").alias("severity"))
+        extra = [_rows([{"kind": "no_profile", "severity": "info", "score": 0.0, "threshold": 0.0,
+                         "explanation": f"no baseline profile for this model: its {tested.height} tests were judged "
+                                        "against the run's own statistics and are shown as info only; run "
+                                        "`workbench profile --prompts data/prompts/calibration.jsonl --model MODEL` "
+                                        "to calibrate"}])]
+    if meta is not None:
+        meta.update({"tests": tested.height, "alpha": th["alpha"], "profile": base.has_profile,
+                     "profile_tests": int(tested["basis"].str.starts_with("the baseline profile").sum()),
+                     "calibration_runs": base.calibration_runs})
     out = pl.concat([
         non_finite({"tokens": tokens, "attention": attention, "routing": routing, "kv": kv, "resid_norm": resid,
                     "head_norm": head_norm}),
-        flagged, diffuse_heads(attention, flagged, ent, 0.01),
-        near_ties(routing, base, th["info_p"], mp) if routing.height else empty(),
+        flagged, rep, diffuse_heads(attention, flagged, ent, 0.01),
+        near_ties(routing, base, th["info_p"], mp) if routing.height else empty(), *extra,
     ])
     sev = pl.col("severity").replace_strict({"critical": 0, "warning": 1, "info": 2}, return_dtype=pl.Int32)
     return out.sort(sev, pl.col("pos"), pl.col("layer"), pl.col("head"), pl.col("expert"), nulls_last=False)
+
+
+def _compute(store, run_id: str, reference: str | None = None, **thresholds) -> tuple[pl.DataFrame, dict]:
+    """(rows with run_id and anomaly_id, what was tested) of one run, computed from its signals."""
+    info = query.run_row(store, run_id)
+    prof = load_profile(store, info.get("checkpoint_sha256"))
+    summary = query.model_summary(info)
+    ref_att = query.attention(store, query.run_row(store, str(reference))["run_id"]) if reference is not None else None
+    n_experts = summary.n_routed_experts if summary.moe_layers else 0
+    meta: dict = {}
+    df = detect_frames(query.tokens(store, run_id), query.attention(store, run_id), query.routing(store, run_id),
+                       n_experts, kv=query.kv(store, run_id), reference_attention=ref_att,
+                       profile=prof,
+                       resid=query.signal(store, "resid_norm", run_id), kv_tokens=query.kv_tokens(store, run_id),
+                       head_norm=query.signal(store, "head_norm", run_id), meta=meta,
+                       **thresholds)
+    df = df.with_columns(pl.lit(run_id).alias("run_id"),
+                         pl.arange(0, df.height, dtype=pl.Int32).alias("anomaly_id"))
+    return df, meta
+
+
+def _sorted(df: pl.DataFrame) -> pl.DataFrame:
+    sev = pl.col("severity").replace_strict({"critical": 0, "warning": 1}, default=2, return_dtype=pl.Int32)
+    return df.select([c for c in columns("anomalies") if c in df.columns and c != "run_id"]).sort(
+        [sev, pl.col("score"), pl.col("anomaly_id")], descending=[False, True, False], nulls_last=True)
 
 
 def detect(store, run_id: str, recompute: bool = False, reference: str | None = None, **thresholds) -> pl.DataFrame:
@@ -406,7 +640,8 @@ def detect(store, run_id: str, recompute: bool = False, reference: str | None = 
     Computed (and stored, replacing the old rows) when ``recompute`` is set, when thresholds or a
     ``reference`` run id (in the same database) are given, or when none are stored. Expert counts come
     from the run's neutral model summary, never from family-specific config keys; the baseline is the
-    model's profile (``runs.checkpoint_sha256``), if the database (or the bundled demo) has one.
+    model's profile (``runs.checkpoint_sha256``), if the database (or the bundled demo) has one. The run's
+    ``detection`` (JSON) records the settings and what was tested (``what_was_tested``).
 
     Returns: the ``anomalies`` rows of the run (without ``run_id``), most severe first.
     """
@@ -415,24 +650,44 @@ def detect(store, run_id: str, recompute: bool = False, reference: str | None = 
         have = query.anomalies(store, run_id)
         if have.height or query.detected(store, run_id):
             return have
-    info = query.run_row(store, run_id)
-    prof = load_profile(store, info.get("checkpoint_sha256"))
-    summary = query.model_summary(info)
-    ref_att = query.attention(store, query.run_row(store, str(reference))["run_id"]) if reference is not None else None
-    n_experts = summary.n_routed_experts if summary.moe_layers else 0
-    df = detect_frames(query.tokens(store, run_id), query.attention(store, run_id), query.routing(store, run_id),
-                       n_experts, kv=query.kv(store, run_id), reference_attention=ref_att,
-                       profile=prof,
-                       resid=query.signal(store, "resid_norm", run_id), kv_tokens=query.kv_tokens(store, run_id),
-                       head_norm=query.signal(store, "head_norm", run_id),
-                       **thresholds)
-    df = df.with_columns(pl.lit(run_id).alias("run_id"),
-                         pl.arange(0, df.height, dtype=pl.Int32).alias("anomaly_id"))
+    df, meta = _compute(store, run_id, reference, **thresholds)
     if getattr(store, "read_only", False):  # a folder of Parquet shards (TraceStore): computed, not stored
-        sev = pl.col("severity").replace_strict({"critical": 0, "warning": 1}, default=2, return_dtype=pl.Int32)
-        return df.select([c for c in columns("anomalies") if c in df.columns and c != "run_id"]).sort(
-            [sev, pl.col("score"), pl.col("anomaly_id")], descending=[False, True, False], nulls_last=True)
+        return _sorted(df)
     store.replace("anomalies", run_id, df)
-    store.update_run(run_id, detection=json.dumps({**DEFAULTS, **thresholds,
-                                                   "profile": "profile" if prof is not None else "within-run"}))
+    store.update_run(run_id, detection=json.dumps({**DEFAULTS, **thresholds, **meta,
+                                                   "profile": "profile" if meta["profile"] else "within-run"}))
     return query.anomalies(store, run_id)
+
+
+def what_was_tested(store, run_id: str) -> str:
+    """One line saying what the detectors tested on a run and what came of it, e.g. "412 tests against the
+    baseline profile (144 calibration prompts), none significant at FDR 0.01" (what a "nothing found" means)."""
+    info = query.run_row(store, run_id)
+    try:
+        meta = json.loads(info.get("detection") or "{}")
+    except ValueError:
+        meta = {}
+    if "tests" not in meta:  # never detected, detected before this was recorded, or a read-only store
+        rows, meta = _compute(store, run_id)
+        meta = {**DEFAULTS, **meta, "profile": "profile" if meta["profile"] else "within-run"}
+    else:
+        rows = query.anomalies(store, run_id)
+    alpha = meta.get("alpha", DEFAULTS["alpha"])
+    n = int(meta.get("tests", 0))
+    sev = rows["severity"].to_list() if rows.height else []
+    crit, warn = sev.count("critical"), sev.count("warning")
+    loops = rows.filter(pl.col("kind") == "repetition").height if rows.height else 0
+    if meta.get("profile") != "profile":
+        line = (f"{n} tests against this run's own statistics (no baseline profile for this model: shown as info "
+                f"only; run `workbench profile` to calibrate)")
+        return line + (f"; {loops} repetition row{'s' if loops != 1 else ''} (info)" if loops else "")
+    cal = meta.get("calibration_runs")
+    base = f"{n} tests against the baseline profile" + (f" ({cal} calibration prompts)" if cal else "")
+    n_prof = int(meta.get("profile_tests", n))
+    if n_prof < n:
+        base += f", {n - n_prof} of them against the run's reference"
+    base += " and a check for repetition loops"
+    if crit + warn == 0:
+        return f"{base}, none significant at FDR {alpha:g}"
+    parts = [f"{crit} critical" if crit else "", f"{warn} warning" if warn else ""]
+    return f"{base}: {' and '.join(x for x in parts if x)} row{'s' if crit + warn != 1 else ''} at FDR {alpha:g}"

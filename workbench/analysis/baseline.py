@@ -9,7 +9,8 @@ probabilities against it (``tail_p``). Signals:
 - ``confidence`` and ``surprise`` (-logprob) of generated tokens, per position bucket;
 - ``margin``: the router's margin (slot 0 rows), per MoE layer;
 - ``expert_share``: each expert's share of a layer's routed slots (``mean``; ``n`` = slots seen);
-- ``load_dispersion``: per MoE layer, how much more alike one prompt's tokens route than independent draws;
+- ``load_dispersion``: per MoE layer x run-length bucket (routed tokens), the distribution over calibration
+  runs of a run's load concentration (G per degree of freedom against the pooled shares);
 - ``latent_norm``: cached KV norms at the last step, per layer;
 - ``resid_norm``: the residual stream's norm after each block, per layer x position bucket;
 - ``head_norm``: each attention head's output norm, per layer x head.
@@ -28,14 +29,13 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
-from tqdm import tqdm
 
 from workbench.data import query
 from workbench.data.store import Store
 
 BUCKETS = (1, 8, 32, 128, 512, 2048, 8192, 1 << 30)
 PROBS = np.array([0.001, 0.005] + [i / 100 for i in range(1, 100)] + [0.995, 0.999])
-BUNDLED = Path(__file__).resolve().parent.parent / "data" / "demo" / "profile.parquet"
+BUNDLED = Path(__file__).resolve().parents[2] / "data" / "demo" / "profile.parquet"
 SCHEMA = {"checkpoint_sha256": pl.String, "signal": pl.String, "layer": pl.Int32, "head": pl.Int32,
           "expert": pl.Int32, "bucket": pl.Int32, "n": pl.Int64, "mean": pl.Float64, "std": pl.Float64,
           "quantiles": pl.List(pl.Float64), "created_at": pl.Datetime("us"), "source": pl.String}
@@ -100,27 +100,32 @@ def build_profile(store: Store, run_ids: list[str]) -> pl.DataFrame:
     return pl.concat(parts, how="vertical_relaxed") if parts else pl.DataFrame(schema={k: SCHEMA[k] for k in KEYS})
 
 
+def load_statistic(chosen_slots: np.ndarray, share: np.ndarray) -> float:
+    """G statistic of a layer's slot counts against expected shares, per degree of freedom (the profile's
+    ``load_dispersion`` is its distribution over clean calibration runs)."""
+    expected = chosen_slots.sum() * share
+    nz = chosen_slots > 0
+    g = float(2 * (chosen_slots[nz] * np.log(chosen_slots[nz] / expected[nz])).sum())
+    return g / max(len(share) - 1, 1)
+
+
 def _dispersion(rt: pl.DataFrame, share: pl.DataFrame, n_experts: int) -> pl.DataFrame:
-    """``load_dispersion`` per layer: the mean over calibration runs of the G statistic of a run's load
-    against the pooled shares, per degree of freedom (>= 1): how much more alike tokens of one prompt route
-    than independent draws would (the detectors widen their count tests by it)."""
+    """``load_dispersion`` per MoE layer and run-length bucket (the run's routed tokens): quantiles over the
+    calibration runs of a run's load statistic, G of its slot counts against the pooled shares per degree of
+    freedom. Tokens of one prompt route alike, and prompts of different kinds route differently, so clean runs
+    sit well above the 1 of independent draws; the detectors judge a run's concentration against this
+    distribution, and widen their per-expert count tests by its 95th percentile."""
     rows = []
     for (layer,), g in rt.group_by("layer", maintain_order=True):
         p = np.full(n_experts, 1e-9)
         sh = share.filter(pl.col("layer") == layer)
         p[sh["expert"].to_numpy()] = (sh["k"] / sh["n"]).to_numpy()
-        stats = []
-        for _, r in g.group_by("run_id"):
+        p /= p.sum()
+        for (run,), r in g.group_by("run_id"):
             c = np.bincount(r["expert"].to_numpy(), minlength=n_experts)[:n_experts].astype(np.float64)
-            e = c.sum() * p
-            nz = c > 0
-            stats.append(2 * (c[nz] * np.log(c[nz] / e[nz])).sum() / max(n_experts - 1, 1))
-        rows.append({"signal": "load_dispersion", "layer": int(layer), "n": len(stats),
-                     "mean": max(float(np.mean(stats)), 1.0), "std": float(np.std(stats))})
-    return pl.DataFrame(rows).select(pl.col("signal"), pl.col("layer").cast(pl.Int32), pl.lit(None, pl.Int32).alias("head"),
-                                     pl.lit(None, pl.Int32).alias("expert"), pl.lit(None, pl.Int32).alias("bucket"),
-                                     pl.col("n").cast(pl.Int64), "mean", "std",
-                                     pl.lit(None, SCHEMA["quantiles"]).alias("quantiles"))
+            rows.append({"layer": int(layer), "n_tok": r["pos"].n_unique(), "stat": load_statistic(c, p)})
+    df = pl.DataFrame(rows).with_columns(bucket_of(pl.col("n_tok")).alias("bucket"))
+    return _cells(df, "load_dispersion", "stat", ["layer", "bucket"])
 
 
 def save_profile(store: Store, sha: str, rows: pl.DataFrame, source: str) -> int:
@@ -207,34 +212,41 @@ def tail_p(x: np.ndarray, quantiles: np.ndarray, upper: bool = True) -> np.ndarr
 
 
 def profile(prompts, *, model=None, db=None, max_new_tokens: int = 32, tokenizer=None, seed: int = 0,
-            progress: bool = False) -> dict:
-    """Record a calibration set with ``model`` and store its profile; returns {sha, runs, cells, source}.
+            progress: bool = False, batch_size: int = 8) -> dict:
+    """Record a calibration set with ``model`` (batched, without detection) and store its profile; returns
+    {sha, runs, cells, source}.
 
     Args:
-        prompts: a prompt-set path (workbench.capture.prompts: JSONL, folder of .txt, or .txt) or a list of strings.
+        prompts: a prompt-set path (workbench.capture.prompts: JSONL, folder of .txt, or .txt) or a list of
+            prompts (strings or token-id lists). A good set spans the kinds of text the model will see (code of
+            several kinds, tests, prose) and lengths up to the context the model will be run at
+            (data/prompts/calibration.jsonl: four kinds, up to 1,024 tokens).
     """
     # lazy: recording imports torch; reading a profile (the detectors, a stored run's report) must not
+    from workbench.capture.prompt_sets import record_many
     from workbench.capture.prompts import load_prompts
     from workbench.capture.recorder import record_run
 
-
     items = load_prompts(prompts) if isinstance(prompts, (str, Path)) else [{"prompt": p, "id": str(i)}
                                                                            for i, p in enumerate(prompts)]
+    if not items:
+        raise ValueError("profile needs at least one calibration prompt")
     store = db if isinstance(db, Store) else Store(db)
-    run_ids, sha, adapter = [], None, model
-    bar = None
-    if progress:
-        bar = tqdm(total=len(items), desc="profile", unit="prompt")
-    for it in items:
-        rid, _, adapter, tokenizer = record_run(  # the model is loaded once, then reused for every prompt
-            it["prompt"], model=adapter, tokenizer=tokenizer, db=store, seed=int(it.get("seed", seed)),
-            max_new_tokens=int(it.get("max_new_tokens", max_new_tokens)), temperature=float(it.get("temperature", 0.0)))
-        sha = query.run_row(store, rid)["checkpoint_sha256"]
-        run_ids.append(rid)
-        if bar:
-            bar.update(1)
-    if bar:
-        bar.close()
+    if all(isinstance(it["prompt"], str) for it in items):
+        res = record_many(items, model=model, tokenizer=tokenizer, db=store, max_new_tokens=max_new_tokens,
+                          seed=seed, progress=progress, batch_size=batch_size)
+        run_ids = query.batch_runs(store, res.batch_id).filter(pl.col("status") == "complete")["run_id"].to_list()
+    else:  # token-id prompts: one at a time (the model is loaded once, then reused)
+        run_ids, adapter = [], model
+        for it in items:
+            rid, _, adapter, tokenizer = record_run(
+                it["prompt"], model=adapter, tokenizer=tokenizer, db=store, seed=int(it.get("seed", seed)),
+                max_new_tokens=int(it.get("max_new_tokens", max_new_tokens)),
+                temperature=float(it.get("temperature", 0.0)))
+            run_ids.append(rid)
+    if not run_ids:
+        raise ValueError("no calibration prompt was recorded completely")
+    sha = query.run_row(store, run_ids[0])["checkpoint_sha256"]
     source = json.dumps({"prompts": str(prompts) if isinstance(prompts, (str, Path)) else f"{len(items)} prompts",
                          "runs": len(run_ids), "max_new_tokens": max_new_tokens})
     cells = save_profile(store, sha, build_profile(store, run_ids), source)

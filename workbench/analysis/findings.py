@@ -3,18 +3,20 @@
 Rows (warning and critical) become findings by what they point at:
 
 - ``non_finite`` rows: one finding at the first layer whose residual stream (else any signal) holds NaN/Inf;
-- ``head_norm_outlier`` / ``entropy_spike`` / ``entropy_shift``: one finding per (layer, head);
-- ``overloaded_expert`` / ``dead_expert``: one per (layer, expert); ``routing_collapse``: one per layer;
+- ``head_norm_outlier`` / ``entropy_spike`` / ``entropy_collapse`` / ``entropy_shift``: one finding per (layer, head);
+- ``overloaded_expert`` / ``dead_expert`` / ``starved_expert``: one per (layer, expert); ``routing_collapse``: one per
+  layer;
 - ``resid_norm_outlier``: each flagged position is attributed to the first layer where its residual norm
   is out of range (later layers only carry the damage on); per such layer, if the flagged positions are
   concentrated on one routed expert of that layer (hypergeometric test against the run's routing), the
   finding names that expert; else it joins that layer's head finding if there is one; else it names the
   layer's feed-forward block (its shared experts, in an MoE layer);
 - ``kv_norm_outlier``: one per layer of the KV cache;
-- ``low_confidence`` / ``high_surprise``: one per span of consecutive token positions.
+- ``low_confidence`` / ``high_surprise``: one per span of consecutive token positions;
+- ``repetition``: one ``generation`` finding per loop, repeated span or copy (degenerate generation).
 
 Columns: rank, component (kind: head | expert | router | shared_expert | mlp | layer | kv | tokens |
-non_finite), layer, head, expert, pos_start, pos_end, positions (the evidence), n_rows, kinds, severity,
+generation | non_finite), layer, head, expert, pos_start, pos_end, positions (the evidence), n_rows, kinds, severity,
 score (the strongest row's -log10 q), explanation (one line).
 """
 from __future__ import annotations
@@ -30,7 +32,8 @@ from workbench.data import query
 SCHEMA = {"rank": pl.Int32, "component": pl.Utf8, "layer": pl.Int32, "head": pl.Int32, "expert": pl.Int32,
           "pos_start": pl.Int32, "pos_end": pl.Int32, "positions": pl.List(pl.Int32), "n_rows": pl.Int32,
           "kinds": pl.List(pl.Utf8), "severity": pl.Utf8, "score": pl.Float64, "explanation": pl.Utf8}
-HEAD_KINDS = ("head_norm_outlier", "entropy_spike", "entropy_shift")
+HEAD_KINDS = ("head_norm_outlier", "entropy_spike", "entropy_collapse", "entropy_shift")
+EXPERT_KINDS = ("overloaded_expert", "dead_expert", "starved_expert")
 SEVERITY = {"critical": 0, "warning": 1, "info": 2}
 
 
@@ -84,19 +87,21 @@ def group_findings(anomalies: pl.DataFrame, routing: pl.DataFrame | None = None,
             else:
                 comp = "shared_expert" if shared_experts else "mlp"
                 what = "its shared experts" if shared_experts else "its feed-forward block"
-                out.append(_finding(comp, rows, f"layer {layer}: the residual stream's norm jumps after the block"
+                move = "drops" if rows["explanation"].str.contains("unusually low").all() else "jumps"
+                out.append(_finding(comp, rows, f"layer {layer}: the residual stream's norm {move} after the block"
                                     f"{_where(pos)}, with no single head or routed expert behind it (look at {what})",
                                     layer=layer, positions=pos))
     for (layer, head), g in heads.items():
         rows = pl.concat([g, *extra_head_rows.get((layer, head), [])], how="vertical_relaxed")
         pos = sorted(set(p for p in rows["pos"].to_list() if p is not None))
-        kinds = set(g["kind"].to_list())
-        what = "its output is unusually large" if "head_norm_outlier" in kinds else "its attention is unusually diffuse"
+        what = _head_words(g)
         out.append(_finding("head", rows, f"layer {layer} head {head}: {what}{_where(pos)}", layer=layer, head=head))
-    for (layer, expert), g in a.filter(pl.col("kind").is_in(["overloaded_expert", "dead_expert"])) \
+    for (layer, expert), g in a.filter(pl.col("kind").is_in(EXPERT_KINDS)) \
             .group_by("layer", "expert", maintain_order=True):
-        over = "overloaded_expert" in g["kind"].to_list()
-        what = "the router sends it far more tokens than usual" if over else "the router sends it no token"
+        k = set(g["kind"].to_list())
+        what = ("the router sends it far more tokens than usual" if "overloaded_expert" in k else
+                "the router sends it no token" if "dead_expert" in k else
+                "the router sends it far fewer tokens than the profile expects")
         out.append(_finding("expert", g, f"layer {layer} expert {expert}: {what} ({g['explanation'][0]})",
                             layer=layer, expert=expert))
     for (layer,), g in a.filter(pl.col("kind") == "routing_collapse").group_by("layer", maintain_order=True):
@@ -112,6 +117,12 @@ def group_findings(anomalies: pl.DataFrame, routing: pl.DataFrame | None = None,
             pos = sorted(set(g["pos"].to_list()))
             out.append(_finding("tokens", g.drop("_span"), f"tokens {pos[0]}-{pos[-1]}: the model was unusually unsure "
                                 f"or surprised ({len(pos)} token{'s' if len(pos) > 1 else ''})"))
+    for r in a.filter(pl.col("kind") == "repetition").sort("pos").iter_rows(named=True):
+        one = a.filter((pl.col("kind") == "repetition") & (pl.col("pos") == r["pos"])
+                       & (pl.col("explanation") == r["explanation"]))
+        n = int(r["score"] or 0)
+        out.append(_finding("generation", one, f"degenerate generation: {r['explanation']}",
+                            positions=list(range(r["pos"], r["pos"] + n)) if r["pos"] is not None else []))
     if not out:
         return pl.DataFrame(schema=SCHEMA)
     df = pl.DataFrame(out, schema={k: v for k, v in SCHEMA.items() if k != "rank"})
@@ -119,6 +130,18 @@ def group_findings(anomalies: pl.DataFrame, routing: pl.DataFrame | None = None,
     first = pl.col("component") != "non_finite"  # NaN/Inf leads: everything after it is its consequence
     df = df.sort(sev, first, pl.col("score"), descending=[False, False, True], maintain_order=True)
     return df.with_columns(pl.arange(1, df.height + 1, dtype=pl.Int32).alias("rank")).select(list(SCHEMA))
+
+
+def _head_words(g: pl.DataFrame) -> str:
+    """What a head's rows say, in words (the strongest kind first)."""
+    kinds = set(g["kind"].to_list())
+    low = g["explanation"].str.contains("unusually low")
+    if "head_norm_outlier" in kinds:
+        norm_low = low.filter(g["kind"] == "head_norm_outlier")
+        return "its output is unusually small" if norm_low.all() else "its output is unusually large"
+    if "entropy_collapse" in kinds:
+        return "its attention collapsed onto a few keys"
+    return "its attention is unusually diffuse" if "entropy_spike" in kinds else "its attention moved from the reference's"
 
 
 def _concentrated_expert(routing: pl.DataFrame | None, layer: int, positions: list[int]) -> tuple[int, int] | None:

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from workbench.analysis.anomalies import select
+from workbench.analysis.anomalies import select, what_was_tested
 from workbench.run import Workbench
 
 
@@ -24,7 +24,8 @@ def main(args) -> int:
     df = select(df, args.kind, args.severity, args.layer)
     if args.json:
         rows = [{k: _num(v) for k, v in r.items()} for r in df.iter_rows(named=True)]
-        print(json.dumps({"run_id": run.run_id, "total": total, "anomalies": rows}))
+        print(json.dumps({"run_id": run.run_id, "total": total, "tested": what_was_tested(run.store, run.run_id),
+                          "anomalies": rows}))
         return 0
 
     colour = {"critical": "bold red", "warning": "yellow", "info": "dim"}
@@ -35,5 +36,7 @@ def main(args) -> int:
         cells = [escape("" if r[c] is None else (f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c])))
                  for c in ("severity", "kind", "pos", "layer", "head", "expert", "score", "explanation")]
         t.add_row(*cells, style=colour.get(r["severity"], ""))
-    Console().print(t)
+    con = Console()
+    con.print(t)
+    con.print(escape(f"tested: {what_was_tested(run.store, run.run_id)}"), style="dim")
     return 0

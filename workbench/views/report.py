@@ -27,6 +27,7 @@ import plotly.io as pio
 import polars as pl
 from plotly.offline import get_plotlyjs
 
+from workbench.analysis.anomalies import what_was_tested
 from workbench.data import query
 from workbench.data.schema import SCHEMA_VERSION
 from workbench.views.session import RunFrames
@@ -189,6 +190,7 @@ def build_report(run, explain: int = 3, root_cause_kw: dict | None = None,
     if anomalies is not None:
         facts["summary"]["anomalies"] = {s: int((anomalies["severity"] == s).sum())
                                          for s in ("critical", "warning", "info")}
+        facts["summary"]["tested"] = what_was_tested(run.store, run.run_id)
     # the diagnosis: findings first; each of the top ones gets a root-cause ranking of the token it hurt most
     text = dict(zip(toks["pos"].to_list(), toks["text"].to_list())) if toks.height else {}
     found = _findings(run, anomalies, rep)
@@ -323,6 +325,8 @@ def render_html(rep: Report) -> str:
     parts.append(f"<h2>Diagnosis: {len(f['findings'])} finding{'s' if len(f['findings']) != 1 else ''}</h2>")
     if not f["findings"]:
         parts.append("<p>Nothing out of its usual range: no warning or critical anomaly.</p>")
+    if summary.get("tested"):
+        parts.append(f"<p class='muted'>What was tested: {_e(summary['tested'])}</p>")
     for fnd in f["findings"]:
         pos = fnd.get("explained_pos")
         parts.append(f"<div class='finding {_e(fnd['severity'])}'><h3>{int(fnd['rank'])}. [{_e(fnd['severity'])}] "
