@@ -190,6 +190,7 @@ class Session:
         self.frames: RunFrames | None = None
         self.pos: int | None = None
         self.reference: str | None = None
+        self.runs: list[tuple[str, str]] = []  # the run lists as last read for this user: (label, run_id)
         self._previous: RunFrames | None = None  # the pick before: a view of it still running finds it here
 
     @property

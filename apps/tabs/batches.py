@@ -1,0 +1,64 @@
+"""The Batches tab: a prompt set's runs, its least confident tokens, expert load and per-head entropy over all
+of its runs (``workbench.Batch``)."""
+from __future__ import annotations
+
+from functools import partial
+
+import gradio as gr
+import polars as pl
+
+from workbench.apps.shared import READ, AppContext, Page, empty_table, md_text, table
+from workbench.apps.tabs.search import pick_run_row
+from workbench.data import query
+from workbench.run import Batch
+from workbench.views.figures import batch_entropy_figure, batch_load_figure
+
+RUN_COLUMNS = ["run_id", "batch_item", "status", "prompt", "n_tokens", "error"]
+LOW_COLUMNS = ["run_id", "batch_item", "pos", "text", "confidence", "rank"]
+
+
+def batch_choices(app: AppContext, current: str | None):
+    """The picker, read now: (label, batch_id), newest first."""
+    df = query.batches(app.store)
+    choices = [(f"{r['batch_id']} · {r['complete']}/{r['runs']} complete · {str(r['started'])[:19]}", r["batch_id"])
+               for r in df.iter_rows(named=True)]
+    ids = [c[1] for c in choices]
+    return gr.Dropdown(choices=choices, value=current if current in ids else (ids[0] if ids else None))
+
+
+def batch_views(app: AppContext, batch_id: str | None):
+    """A batch's runs, its least confident tokens, expert load and per-head entropy over all its runs."""
+    if not batch_id:
+        return (empty_table(RUN_COLUMNS), empty_table(LOW_COLUMNS), None, None,
+                "No batch yet: `workbench record --prompts FILE` records one.")
+    b = Batch(app.store, batch_id)
+    runs = b.runs()
+    low = b.low_confidence(20)
+    st = ", ".join(f"{n} {md_text(k)}" for k, n in b.status().items())
+    return (runs.select("run_id", "batch_item", "status", pl.col("prompt").str.slice(0, 80), "n_tokens", "error"),
+            low.select("run_id", "batch_item", "pos", "text", pl.col("confidence").round(4), "rank"),
+            batch_load_figure(b.expert_load(), batch_id), batch_entropy_figure(b.head_entropy(), batch_id),
+            f"Batch {md_text(batch_id)}: {st}. Views over its complete runs.")
+
+
+def build(session: Page) -> None:
+    with gr.Tab("Batches", id="batches") as tab:
+        with gr.Row():
+            pick = gr.Dropdown(label="Batch (a prompt set: workbench record --prompts)", choices=[],
+                               elem_id="batch-picker", scale=4)
+            btn = gr.Button("↻", scale=0, min_width=60)
+        msg = gr.Markdown(elem_classes=["wb-message"], elem_id="batch-msg")
+        runs = table(RUN_COLUMNS, "Runs (click one to open it)", elem_id="batch-runs", datatype="str")
+        with gr.Row():
+            load = gr.Plot(label="Expert load over the batch", elem_id="batch-load")
+            ent = gr.Plot(label="Per-head entropy across runs", elem_id="batch-entropy")
+        low = table(LOW_COLUMNS, "Least confident tokens of the batch (click one to open its run)",
+                    elem_id="batch-low", datatype="str")
+    app = session.app
+    views, choices = partial(batch_views, app), partial(batch_choices, app)
+    out = [runs, low, load, ent, msg]
+    tab.select(choices, pick, pick, api_name=False, **READ).then(views, pick, out, api_name=False)
+    btn.click(choices, pick, pick, api_name=False, **READ)
+    pick.input(views, pick, out, api_name=False)
+    for t in (runs, low):
+        t.select(pick_run_row, t, [session.run_pick, session.tabs], api_name=False)

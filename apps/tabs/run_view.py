@@ -1,0 +1,201 @@
+"""The Run view: the picked run's header and token strip, the token at a position (top-k, heads, routing),
+and its root cause (Explain, against an optional reference run)."""
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import gradio as gr
+import polars as pl
+
+from workbench.apps.shared import COLOR_MAP, LAST, AppContext, Page, empty_table, fail, frames_of, md_text, strip_value, table
+from workbench.apps.tabs.runs import reference_choices
+from workbench.analysis.rootcause import ig_check
+from workbench.data import query
+from workbench.views.session import RunFrames, Session
+
+TOKEN_COLUMNS = ["pos", "token", "token_id", "prompt", "prob", "confidence", "entropy", "rank"]
+CAUSE_COLUMNS = ["rank", "kind", "layer", "head", "expert", "source_pos", "score", "method"]
+TITLE = "## MoE observability workbench"
+
+
+def run_summary(f: RunFrames) -> dict:
+    """The run's summary (``Run.summary``'s keys) from its frames."""
+    t = f.tokens
+    gen = t.filter(~pl.col("is_prompt"))
+    return {"run_id": f.run_id, "status": f.info["status"], "model": f.info["model"],
+            "architecture": f.summary.describe(), "dtype": f.info["dtype"],
+            "prompt_tokens": int(t["is_prompt"].sum()) if t.height else 0, "generated_tokens": gen.height,
+            "mean_confidence": float(gen["confidence"].mean()) if gen.height else None,
+            "low_confidence_tokens": int((gen["confidence"] < 0.2).sum()) if gen.height else 0}
+
+
+def run_header(f: RunFrames, s: dict) -> str:
+    esc = md_text  # stored strings reach the page as text
+    head = f"**{esc(s['run_id'])}** · {esc(s['status'])}"
+    if s["mean_confidence"] is not None:
+        head += (f" · {s['prompt_tokens']} prompt + {s['generated_tokens']} generated tokens · mean confidence "
+                 f"{s['mean_confidence']:.3f}")
+    head += f"  \n{esc(s['architecture'])}"
+    if f.info.get("notes"):
+        head += f"  \n⚠️ {esc(f.info['notes'])}"
+    if f.info.get("error"):
+        head += f"  \n⚠️ error: {esc(f.info['error'])}"
+    return head
+
+
+def page_header(f: RunFrames | None, db_name: str = "") -> str:
+    """The page's title line: the picked run's model family (``ModelSummary.describe``)."""
+    if f is None:
+        return f"{TITLE}\nRuns recorded into {md_text(db_name)}: pick one (Runs tab or the run picker)."
+    return f"{TITLE}\n{md_text(f.summary.family)} run **{md_text(f.run_id)}**: {md_text(f.summary.describe())}"
+
+
+def cleared(app: AppContext, s: Session):
+    """Every output of ``load_run`` for no run: the views show nothing."""
+    return (page_header(None, app.store.path.name), "Choose a run.", [], gr.Number(value=0), None, "",
+            gr.Slider(maximum=1, value=0), gr.Dropdown(choices=reference_choices(s.runs, None), value=""))
+
+
+def load_run(app: AppContext, s: Session, run_id: str | None):
+    """Pick ``run_id`` (its frames read anew): page header, run header, token strip, position (the first
+    generated token), confidence plot, summary, the replay slider's range, the reference picker without it.
+    An unknown run id clears every view and says so in a warning."""
+    if not run_id:
+        s.clear()
+        return cleared(app, s)
+    try:
+        f = s.pick(run_id)
+    except query.RunNotFound as e:
+        gr.Warning(md_text(e))
+        return cleared(app, s)
+    t = f.tokens
+    n = t.height
+    pos = min(f.n_prompt_tokens or 1, max(n - 1, 0))
+    summary = run_summary(f)
+    last = f.last_step
+    ref = s.reference if s.reference != run_id else None
+    return (page_header(f), run_header(f, summary), strip_value(t), gr.Number(value=pos, maximum=max(n - 1, 0)),
+            f.fig_tokens(), json.dumps(summary, indent=1),
+            gr.Slider(minimum=0, maximum=max(last, 1), value=last, step=1),
+            gr.Dropdown(choices=reference_choices(s.runs, run_id), value=ref or ""))
+
+
+def stored_causes(f: RunFrames, pos: int) -> tuple[str, pl.DataFrame]:
+    """The status line and the Ranked causes table of the root cause stored for ``pos`` of this run."""
+    a = f.attributions_at(pos)
+    if a.height == 0:
+        return (f"No root cause stored for pos {pos} of {md_text(f.run_id)}: press Explain.",
+                empty_table(CAUSE_COLUMNS))
+    methods = ", ".join(sorted(set(a["method"].drop_nulls().to_list())))
+    return (f"Root cause of pos {pos} (stored): {a.height} ranked causes ({md_text(methods)}).",
+            a.select(CAUSE_COLUMNS).head(30))
+
+
+def token_views(app: AppContext, s: Session, run_id: str | None, pos: float | None):
+    """The token at ``pos``: its row, top-k, heads, routing, stored attribution and components, and the Ranked
+    causes table with its status line, all of this run and this position."""
+    f = frames_of(s, run_id)
+    if f is None or pos is None:
+        return empty_table(TOKEN_COLUMNS), None, None, None, None, None, "", empty_table(CAUSE_COLUMNS)
+    pos = int(pos)
+    t = f.tokens
+    if not 0 <= pos < t.height:
+        raise gr.Error(f"position {pos} is outside this run (0..{t.height - 1})")
+    s.pos = pos
+    row = t.row(pos, named=True)
+    r4 = lambda x: None if x is None else round(x, 4)  # noqa: E731 - display rounding only
+    info = pl.DataFrame([{"pos": pos, "token": row["text"], "token_id": row["token_id"], "prompt": row["is_prompt"],
+                          "prob": r4(row["prob"]), "confidence": r4(row["confidence"]),
+                          "entropy": r4(row["entropy"]), "rank": row["rank"]}])
+    msg, causes = stored_causes(f, pos)
+    return (info, f.fig_topk(pos), f.fig_token_heads(pos), f.fig_token_routing(pos), f.fig_attribution(pos),
+            f.fig_components(pos), msg, causes)
+
+
+def reference_note(app: AppContext, s: Session, run_id: str | None, reference: str | None) -> str:
+    """What the chosen reference means for this run: none, itself, identical weights, another prompt."""
+    s.reference = reference or None
+    if not reference or not run_id:
+        return ""
+    if reference == run_id:
+        return "⚠️ A run is no reference for itself: choose another run."
+    try:
+        mine, ref = query.run_row(app.store, run_id), query.run_row(app.store, reference)
+    except query.RunNotFound as e:
+        return f"⚠️ {md_text(e)}"
+    notes = []
+    if mine["checkpoint_sha256"] and mine["checkpoint_sha256"] == ref["checkpoint_sha256"]:
+        notes.append("⚠️ The reference has identical weights: unless its dtype or tokens differ, every difference "
+                     "is zero.")
+    if mine["prompt"] != ref["prompt"]:
+        notes.append("⚠️ The reference has a different prompt: its positions hold other tokens.")
+    return "  \n".join(notes) or f"Reference {md_text(reference)}: other weights, same prompt."
+
+
+def explain(app: AppContext, s: Session, run_id: str | None, pos: float | None, steps: float,
+            reference: str | None = None, progress=gr.Progress()):
+    """Root cause of the token at ``pos`` (stored), against ``reference`` if chosen."""
+    if not run_id or pos is None:
+        return "Choose a run and a token first.", None, None, empty_table(CAUSE_COLUMNS)
+    run = app.run(run_id)
+    pos = int(pos)
+    progress(0.05, desc=f"root cause of the token at {pos}: integrated gradients + ablations")
+    try:
+        ranked = run.root_cause(pos, steps=int(steps), reference=app.run(reference) if reference else None)
+    except Exception as e:  # root cause is optional and model-dependent: say why, keep the app alive
+        return fail("Root cause", e), None, None, empty_table(CAUSE_COLUMNS)
+    progress(1.0, desc="done")
+    f = s.frames_for(run_id)
+    f.forget("attributions")  # just stored
+    methods = ", ".join(sorted(set(ranked["method"].drop_nulls().to_list()))) if ranked.height else ""
+    warn = ig_check(ranked, int(steps))
+    shown = ranked.select([c for c in CAUSE_COLUMNS if c in ranked.columns]).head(30)
+    return (f"Root cause of pos {pos}: {ranked.height} ranked causes ({md_text(methods)})."
+            + (f"  \n⚠️ {md_text(warn)}" if warn else ""), f.fig_attribution(pos), f.fig_components(pos), shown)
+
+
+def pick_token(evt: gr.SelectData):
+    return evt.index if isinstance(evt.index, int) else evt.index[0]
+
+
+def build(session: Page) -> None:
+    with gr.Tab("Run view", id="runview"):
+        run_head = gr.Markdown(elem_id="run-head")
+        strip = gr.HighlightedText(label="Tokens: colour = confidence of the prediction; click one",
+                                   color_map=COLOR_MAP, show_legend=True, show_inline_category=False,
+                                   elem_id="token-strip", interactive=False)
+        pos = gr.Number(value=0, precision=0, minimum=0, label="Token position (or click a token above)",
+                        elem_id="token-pos")
+        tok_info = table(TOKEN_COLUMNS, "Token", elem_id="token-info")
+        with gr.Row():
+            topk_plot = gr.Plot(label="Top-k alternatives", elem_id="topk-plot")
+            heads_plot = gr.Plot(label="Attention entropy, layer x head", elem_id="heads-plot")
+        with gr.Row():
+            route_plot = gr.Plot(label="Routing, layer x expert", elem_id="routing-plot")
+            attr_plot = gr.Plot(label="Attribution over the context", elem_id="attr-plot")
+        with gr.Row():
+            rc_steps = gr.Slider(4, 64, value=16, step=4, label="IG steps")
+            rc_ref = gr.Dropdown(label="Against a known-good run (optional: rank what differs from it)",
+                                 choices=[("none", "")], value="", allow_custom_value=True, elem_id="reference-picker")
+            rc_btn = gr.Button("Explain this token (root cause)", elem_id="explain-button")
+        ref_msg = gr.Markdown(elem_classes=["wb-message"], elem_id="reference-msg")
+        rc_msg = gr.Markdown(elem_classes=["wb-message"], elem_id="rc-msg")
+        with gr.Row():
+            comp_plot = gr.Plot(label="Components", elem_id="comp-plot")
+            rc_table = table(CAUSE_COLUMNS, "Ranked causes", elem_id="rc-table")
+        with gr.Accordion("Run overview", open=False):
+            conf_plot = gr.Plot(label="Confidence along the run", elem_id="conf-plot")
+            summary_json = gr.Code(label="Summary", language="json")
+    ui = session.ui
+    ui.update(pos=pos, rc_ref=rc_ref, run_head=run_head)
+    app, state, pick = session.app, session.state, session.run_pick
+    session.on_pick.append((partial(load_run, app), [state, pick],
+                            [ui["page_head"], run_head, strip, pos, conf_plot, summary_json, "step", rc_ref]))
+    tok_outputs = [tok_info, topk_plot, heads_plot, route_plot, attr_plot, comp_plot, rc_msg, rc_table]
+    session.on_pick.append((partial(token_views, app), [state, pick, pos], tok_outputs))
+    pos.change(partial(token_views, app), [state, pick, pos], tok_outputs, api_name=False, trigger_mode="always_last")
+    strip.select(pick_token, None, pos, api_name=False)
+    rc_ref.change(partial(reference_note, app), [state, pick, rc_ref], ref_msg, **LAST)
+    rc_btn.click(partial(explain, app), [state, pick, pos, rc_steps, rc_ref], [rc_msg, attr_plot, comp_plot, rc_table],
+                 api_name="explain")
