@@ -192,3 +192,15 @@ def test_figures_never_read_the_store_or_load_a_tokenizer(env, monkeypatch):
     seen = dict(zip(t["token_id"].to_list(), t["text"].to_list()))
     want = [figures.token_label(seen.get(i, f"#{i}"), 20) for i in t["topk_ids"][pos]]
     assert [y.split(". ", 1)[1] for y in list(fig.data[0].y)[::-1]] == want
+
+
+def test_no_findings_says_what_was_tested(env, monkeypatch):
+    from workbench.analysis.anomalies import what_was_tested
+    from workbench.run import Run
+
+    app, a = env["app"], env["a"]
+    real = Run.findings
+    monkeypatch.setattr(Run, "findings", lambda self, **kw: real(self, **kw).head(0))
+    found, rows, msg, _ = anomalies.anomaly_table(app, _session(env), a.run_id, False, "all", None, "")
+    assert found.height == 0 and msg.startswith("0 findings")
+    assert "Tested: " in msg and what_was_tested(env["store"], a.run_id).split(" ")[0] in msg

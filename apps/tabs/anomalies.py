@@ -8,30 +8,13 @@ import gradio as gr
 import polars as pl
 
 from workbench.apps.shared import AppContext, Page, empty_table, fail, md_text, table
-from workbench.analysis import anomalies as anomalies_mod
-from workbench.analysis import findings as findings_mod
 from workbench.analysis.anomalies import select as select_anomalies
+from workbench.analysis.anomalies import what_was_tested
 from workbench.views.session import Session
 
 FINDING_COLUMNS = ["rank", "severity", "explanation", "component", "layer", "head", "expert", "pos_start", "pos_end",
                    "score"]
 ANOMALY_COLUMNS = ["anomaly_id", "kind", "severity", "pos", "layer", "head", "expert", "score", "threshold", "explanation"]
-
-
-def tested_line(run) -> str | None:
-    """What the detectors tested when they found nothing ("412 tests against the baseline profile ..., none
-    significant at FDR 0.01").
-    # ISSUE 24 PLACEHOLDER: the analysis room is adding this function (``tested_summary`` / ``what_was_tested``
-    # in workbench.analysis.anomalies or findings); until it lands this returns None and nothing is shown."""
-    for mod in (anomalies_mod, findings_mod):
-        for name in ("tested_summary", "what_was_tested"):
-            fn = getattr(mod, name, None)
-            if callable(fn):
-                try:
-                    return str(fn(run.store, run.run_id))
-                except Exception:  # noqa: BLE001 - a summary line must never fail the tab
-                    return None
-    return None
 
 
 def anomaly_table(app: AppContext, s: Session, run_id: str | None, recompute: bool = False,
@@ -54,10 +37,11 @@ def anomaly_table(app: AppContext, s: Session, run_id: str | None, recompute: bo
     fshown = found.select(*FINDING_COLUMNS[:-1], pl.col("score").round(2))
     msg = (f"{found.height} finding{'s' if found.height != 1 else ''}; {rows.height} of {df.height} anomaly rows "
            "shown (click a row to jump to its token).")
-    if found.height == 0:
-        tested = tested_line(run)
-        if tested:
-            msg += f"  \n{md_text(tested)}"
+    if found.height == 0:  # what "nothing found" means: what the detectors tested
+        try:
+            msg += f"  \nTested: {md_text(what_was_tested(app.store, run_id))}"
+        except Exception as e:  # noqa: BLE001 - the line must never fail the tab
+            msg += f"  \n{fail('What was tested', e)}"
     return fshown, shown, msg, gr.Dropdown(choices=sorted(set(df["kind"].to_list())), value=kinds or [])
 
 
