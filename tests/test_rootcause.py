@@ -225,14 +225,14 @@ def test_root_cause_against_a_reference(tiny, tmp_path, capsys):
     ids = torch.tensor([run.tokens()["token_id"].to_list()[:pos]])
     target = run.tokens()["token_id"][pos]
     # an identical reference cancels everything
-    same = run.root_cause(pos, steps=8, reference=clean, store=False)
+    same = run.root_cause(pos, steps=8, reference=clean, store=False, method="attribution_diff")
     assert same["score"].abs().max() < 1e-5
     assert set(same["method"]) == {"ig_routing_frozen_vs_reference", "ablation_vs_reference"}
     # a router biased toward expert 6: removing expert 6 from the biased router's choice restores the clean
     # routing exactly, so its contrast score is the fault's whole effect on the target, f(x) - f_ref(x)
     f = target_fn(tiny, target)
     with faults.bias_router(tiny, 1, 6, amount=2.0):
-        df = run.root_cause(pos, steps=32, reference=clean, store=False)
+        df = run.root_cause(pos, steps=32, reference=clean, store=False, method="attribution_diff")
         with torch.no_grad():
             fault_effect = float(f(ids)[0] - target_fn(clean, target)(ids)[0])
         gap = integrated_gradients(tiny, ids, target, steps=2)[2]  # f(x) - f(baseline), routing frozen
@@ -257,7 +257,9 @@ def test_root_cause_against_a_reference(tiny, tmp_path, capsys):
         a.root_cause(pos, reference=str(ckpt))
     # the same weights in another dtype are the natural reference (bf16 against fp32)
     bf16 = workbench.record(list(range(30, 46)), model=str(ckpt), max_new_tokens=2, db=db, dtype="bfloat16")
-    assert a.root_cause(pos, steps=4, reference=bf16.run_id, store=False)["method"][0].endswith("_vs_reference")
+    assert a.root_cause(pos, steps=4, reference=bf16.run_id, store=False,
+                        method="attribution_diff")["method"][0].endswith("_vs_reference")
+    assert set(a.root_cause(pos, reference=bf16.run_id, store=False)["method"]) == {"patching"}
     edited = workbench.record(list(range(31, 47)), model=str(ckpt), max_new_tokens=2, db=db)  # other tokens
     assert a.root_cause(pos, steps=4, reference=edited.run_id, store=False).height > 0
     with pytest.raises(ValueError, match="neither a run"):
@@ -267,7 +269,7 @@ def test_root_cause_against_a_reference(tiny, tmp_path, capsys):
     assert cli_main(["explain", a.run_id, str(pos), "--json", "--steps", "4", "--reference",
                      str(tmp_path / "biased"), "--db", str(db)]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["method"] == "ig_routing_frozen_vs_reference" and out["reference"] == str(tmp_path / "biased")
+    assert out["method"] == "patching" and out["reference"] == str(tmp_path / "biased")
     assert cli_main(["explain", a.run_id, str(pos), "--reference", "nope", "--db", str(db)]) == 2
 
 

@@ -55,6 +55,7 @@ import polars as pl
 import torch
 from captum.attr import FeatureAblation, LayerIntegratedGradients
 
+from workbench.analysis.patching import patch_causes
 from workbench.capture.adapters import Adapter, Route, adapter_for, load_adapter
 from workbench.capture.resolve import load_for_run
 from workbench.data import query
@@ -62,7 +63,9 @@ from workbench.model import file_sha256
 
 MODES = ("auto", "frozen", "plain")
 METHOD = {"frozen": "ig_routing_frozen", "plain": "ig_plain"}
-COLUMNS = ["target_pos", "kind", "layer", "head", "expert", "source_pos", "score", "rank", "method", "delta"]
+COLUMNS = ["target_pos", "kind", "layer", "head", "expert", "source_pos", "score", "rank", "method", "delta",
+           "restored"]
+METHODS = ("patching", "attribution_diff", "ablation")  # with a reference: the first two; without: ablation
 
 
 def target_fn(adapter: Adapter, target_id: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -187,7 +190,7 @@ def rank_causes(token_scores: np.ndarray, token_method: str, delta: float, comps
                 effects: np.ndarray, target_pos: int, component_method: str = "ablation") -> pl.DataFrame:
     """One frame ranked by |score| across source tokens and components (NaN scores rank last)."""
     n = len(token_scores)
-    frame = pl.DataFrame({
+    return _ranked(pl.DataFrame({
         "target_pos": [target_pos] * (n + len(comps)),
         "kind": ["token"] * n + [c[0] for c in comps],
         "layer": [None] * n + [c[1] for c in comps],
@@ -197,11 +200,54 @@ def rank_causes(token_scores: np.ndarray, token_method: str, delta: float, comps
         "score": np.concatenate([token_scores, effects]).astype(np.float64),
         "method": [token_method] * n + [component_method] * len(comps),
         "delta": [delta] * n + [None] * len(comps),
-    }, schema={"target_pos": pl.Int32, "kind": pl.Utf8, "layer": pl.Int32, "head": pl.Int32, "expert": pl.Int32,
-               "source_pos": pl.Int32, "score": pl.Float64, "method": pl.Utf8, "delta": pl.Float64})
+        "restored": [None] * (n + len(comps)),
+    }, schema=_SCHEMA))
+
+
+_SCHEMA = {"target_pos": pl.Int32, "kind": pl.Utf8, "layer": pl.Int32, "head": pl.Int32, "expert": pl.Int32,
+           "source_pos": pl.Int32, "score": pl.Float64, "method": pl.Utf8, "delta": pl.Float64,
+           "restored": pl.Float64}
+
+
+def _ranked(frame: pl.DataFrame) -> pl.DataFrame:
     key = pl.col("score").fill_nan(None).abs()
     frame = frame.sort(key, descending=True, nulls_last=True, maintain_order=True)
     return frame.with_columns(pl.arange(1, frame.height + 1, dtype=pl.Int32).alias("rank")).select(COLUMNS)
+
+
+PARENTS = {"attn_block": ("head", "attn_norm", "kv_latent", "rotary"),
+           "mlp_block": ("expert", "shared_expert", "router", "mlp_norm"), "dense_mlp": ("mlp_norm",),
+           "resid": ("attn_block", "mlp_block", "dense_mlp")}
+EXPLAINED = 0.8  # a layer row one of its parts explains to this fraction ranks right after that part
+
+
+def _order(sites: list[tuple], scores: np.ndarray) -> np.ndarray:
+    """The value patching rows are ranked by: |score|, except that a layer row (attn_block, mlp_block,
+    dense_mlp, resid) whose score one of its own parts reaches to ``EXPLAINED`` takes a value just below that
+    part's, so the part (the head, the expert, the norm) is named first and the layer row follows it."""
+    v = np.abs(np.nan_to_num(np.asarray(scores, np.float64), nan=-1.0))
+    for n, k in enumerate(sites):
+        kids = PARENTS.get(k[0])
+        if not kids or v[n] <= 0:
+            continue
+        best = max((v[m] for m, c in enumerate(sites) if c[0] in kids and c[1] == k[1]), default=0.0)
+        if best >= EXPLAINED * v[n]:
+            v[n] = min(v[n], best) * (1 - 1e-9)
+    return v
+
+
+def rank_patching(sites: list[tuple], scores: np.ndarray, restored: np.ndarray, target_pos: int) -> pl.DataFrame:
+    """One frame of ``patch_causes`` results ranked by |score| (nats; tokens and components on one scale), a
+    layer row after the part of it that explains it (``_order``)."""
+    n = len(sites)
+    order = np.argsort(-_order(sites, scores), kind="stable")
+    sites = [sites[i] for i in order]
+    scores, restored = np.asarray(scores, np.float64)[order], np.asarray(restored, np.float64)[order]
+    frame = pl.DataFrame({
+        "target_pos": [target_pos] * n, "kind": [k[0] for k in sites], "layer": [k[1] for k in sites],
+        "head": [k[2] for k in sites], "expert": [k[3] for k in sites], "source_pos": [k[4] for k in sites],
+        "score": scores, "method": ["patching"] * n, "delta": [None] * n, "restored": restored}, schema=_SCHEMA)
+    return frame.with_columns(pl.arange(1, n + 1, dtype=pl.Int32).alias("rank")).select(COLUMNS)
 
 
 def reference_adapter(reference, store, info: dict, like: Adapter) -> Adapter:
@@ -210,6 +256,11 @@ def reference_adapter(reference, store, info: dict, like: Adapter) -> Adapter:
     Args:
         reference: a run id of ``store``, a module or adapter, or a checkpoint folder.
     """
+    return _reference(reference, store, info, like)[0]
+
+
+def _reference(reference, store, info: dict, like: Adapter) -> tuple[Adapter, list[int] | None]:
+    """(the reference model, the reference run's tokens when ``reference`` is a run, else None)."""
 
     same = (f"would be the same model on the same tokens as run {info['run_id']} (same weights, dtype and "
             "tokens): every score would be 0; pick a run or checkpoint of a different model, dtype or prompt")
@@ -226,21 +277,27 @@ def reference_adapter(reference, store, info: dict, like: Adapter) -> Adapter:
         if (ref_info.get("checkpoint_sha256") == info.get("checkpoint_sha256") and ref_info.get("dtype") == info.get("dtype")
                 and ref_ids == ids):
             raise ValueError(f"reference run {ref_info['run_id']} {same}")
-        ref = load_for_run(ref_info, verify=False)
+        if ref_info.get("checkpoint_sha256") == info.get("checkpoint_sha256") and ref_info.get("dtype") == info.get("dtype"):
+            ref = like  # the same model on another prompt: patching compares the two forwards
+        else:
+            ref = load_for_run(ref_info, verify=False)
+        tokens = ref_ids
     elif isinstance(reference, (str, Path)):
         if file_sha256(reference) == info.get("checkpoint_sha256") and info.get("dtype") == "float32":
             raise ValueError(f"reference checkpoint {reference} {same}")
         ref = load_adapter(reference)
     else:
         ref = adapter_for(reference)
-    if ref.module is like.module:
+    if not isinstance(reference, (str, Path)) or (Path(reference) / "config.json").exists():
+        tokens = None
+    if ref.module is like.module and tokens is None:
         raise ValueError("the reference is the run's own model: pass a different (known-good) model or run")
     if ref.summary.vocab_size != like.summary.vocab_size:
         raise ValueError("the reference model has a different vocabulary; root cause compares two models of one "
                          "architecture on the same tokens")
     if ref.components() != like.components():
         raise ValueError("the reference model has different layers, heads or experts than the run's model")
-    return ref
+    return ref, tokens
 
 
 def suspects(causes: pl.DataFrame, findings: pl.DataFrame) -> pl.DataFrame:
@@ -294,23 +351,36 @@ def ig_check(df: pl.DataFrame, steps: int | None = None, tolerance: float = 0.05
 
 
 def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, mode: str = "auto",
-               batch_size: int = 16, baseline_token: int = 0, save: bool = True, reference=None) -> pl.DataFrame:
-    """Ranked causes of the token at ``pos`` of run ``run_id``: source tokens (IG), heads, experts, routers.
+               batch_size: int = 16, baseline_token: int = 0, save: bool = True, reference=None,
+               method: str | None = None, top_layers: int = 2) -> pl.DataFrame:
+    """Ranked causes of the token at ``pos`` of run ``run_id``: source tokens, layers, heads, experts, routers, ...
 
     Args:
         adapter: the model (adapter or module) to explain with; None reloads the run's checkpoint (hash-checked).
         pos: position of the explained token, 1 <= pos < number of tokens.
         steps: IG integration steps (Gauss-Legendre points).
         mode: "auto" (frozen for MoE, plain for dense), "frozen" or "plain".
-        batch_size: forward rows per IG / ablation batch.
+        batch_size: forward rows per IG / ablation / patching batch.
         baseline_token: token id of the IG baseline sequence.
         save: replace the run's ``attributions`` rows for this position with the result.
-        reference: a known-good run id, module, adapter or checkpoint folder of the same architecture: scores
-            become this model's attributions minus the reference's on the same tokens (see the module doc).
-    Returns: columns target_pos, kind (token|head|expert|shared_expert|router), layer, head, expert,
-        source_pos, score (nats of the target logprob), rank (1 = most responsible), method, delta.
+        reference: a known-good run id, module, adapter or checkpoint folder of the same architecture (a run
+            is compared on its own tokens: another prompt of as many tokens, or the same prompt).
+        method: with a reference, "patching" (the default: activation patching, workbench.analysis.patching) or
+            "attribution_diff" (this model's IG and ablation minus the reference's, see the module doc);
+            without one, "ablation" (the default: IG over source tokens, ablation of components).
+        top_layers: patching: how many of the best-scoring layers to descend into (heads, experts, norms, ...).
+    Returns: columns target_pos, kind (token|head|expert|shared_expert|router, and with patching resid,
+        attn_block, mlp_block, dense_mlp, attn_norm, mlp_norm, kv_latent, rotary, embed, unembed), layer, head,
+        expert, source_pos, score (nats of the target logprob), restored (patching: the fraction of the gap to
+        the reference closed), rank (1 = most responsible), method, delta.
     """
 
+    method = method or ("patching" if reference is not None else "ablation")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if (reference is None) != (method == "ablation"):
+        raise ValueError(f"method {method!r} " + ("needs a reference" if reference is None else
+                                                   "takes no reference (use patching or attribution_diff)"))
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if steps < 1 or batch_size < 1:
@@ -332,7 +402,18 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
     ig_mode = ("frozen" if has_moe else "plain") if mode == "auto" else mode
     if not has_moe:
         ig_mode = "plain"  # nothing to freeze
-    ref = None if reference is None else reference_adapter(reference, store, info, model)
+    ref, ref_tokens = (None, None) if reference is None else _reference(reference, store, info, model)
+    if method == "patching":
+        if ref_tokens is not None and len(ref_tokens) < pos:
+            raise ValueError(f"reference run {reference} has {len(ref_tokens)} tokens: patching position {pos} needs "
+                             f"a reference of at least {pos} tokens")
+        ref_ids = torch.tensor([ref_tokens[:pos] if ref_tokens is not None else ids_all[:pos]], device=ref.device)
+        sites, pscores, restored, _, _ = patch_causes(model, ids, target, ref, ref_ids, batch_size=batch_size,
+                                                      top_layers=top_layers)
+        df = rank_patching(sites, pscores, restored, pos)
+        if save:
+            _save(store, run_id, pos, df)
+        return df
     scores, delta, _ = integrated_gradients(model, ids, target, steps=steps, mode=ig_mode, batch_size=batch_size,
                                             baseline_token=baseline_token)
     comps, effects = component_ablation(model, ids, target, batch_size=batch_size)
@@ -345,7 +426,11 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
         scores, delta, suffix = scores - r_scores, delta - r_delta, "_vs_reference"
     df = rank_causes(scores, token_method + suffix, delta, comps, effects, pos, "ablation" + suffix)
     if save:
-        stamp = datetime.now(timezone.utc).replace(tzinfo=None)
-        store.replace_rows("attributions", {"run_id": run_id, "target_pos": pos},
-                           df.with_columns(pl.lit(run_id).alias("run_id"), pl.lit(stamp).alias("created_at")))
+        _save(store, run_id, pos, df)
     return df
+
+
+def _save(store, run_id: str, pos: int, df: pl.DataFrame) -> None:
+    stamp = datetime.now(timezone.utc).replace(tzinfo=None)
+    store.replace_rows("attributions", {"run_id": run_id, "target_pos": pos},
+                       df.with_columns(pl.lit(run_id).alias("run_id"), pl.lit(stamp).alias("created_at")))
