@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import polars as pl
 
 from workbench.analysis.anomalies import detect
 from workbench.analysis.diff import first_divergence
 from workbench.capture.recorder import record_run
-from workbench.capture.resolve import load_for_run
+from workbench.capture.resolve import load_for_run, tokenizer_for
+from workbench.capture.settings import RecordSettings
 from workbench.data import query
-from workbench.data.signals import PROBES
 from workbench.data.store import Store
 
 
@@ -138,13 +137,10 @@ def replay_run(store: Store, run_id: str, *, model=None, tokenizer=None, tol: fl
     if not ids:
         raise ValueError(f"run {run_id} has no recorded prompt_ids in its params; it cannot be replayed")
     adapter = load_for_run(info, model)
-    if tokenizer is None and adapter.checkpoint_path is None and info.get("model") and Path(info["model"]).is_dir():
-        tokenizer = Path(info["model"]) / "tokenizer.json"
-    new_id = record_run(list(ids), model=adapter, tokenizer=tokenizer, db=store,
-                        max_new_tokens=int(params.get("max_new_tokens", 64)),
-                        temperature=float(params.get("temperature", 0.0)), top_p=float(params.get("top_p", 1.0)),
-                        seed=int(info["seed"] or 0), probes=params.get("probes") or PROBES,
-                        topk=int(params.get("topk", 5)), parent_run_id=run_id, progress=progress)[0]
+    # the run's own checkpoint folder names the tokenizer when the module given has none
+    tokenizer = tokenizer_for(adapter if adapter.checkpoint_path else info.get("model") or None, tokenizer)
+    new_id = record_run(list(ids), RecordSettings.of_run(info), model=adapter, tokenizer=tokenizer, db=store,
+                        parent_run_id=run_id, progress=progress)[0]
     detect(store, new_id)
     div = first_divergence(store, run_id, new_id, tol, n_prompt=len(ids))
     ta, tb = (query.table(store, "tokens", r, "pos", cols=["pos", "token_id"]) for r in (run_id, new_id))

@@ -19,11 +19,13 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import warnings
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from typing import Any
@@ -108,7 +110,7 @@ def _serve(address: str, authkey: bytes) -> None:
                 chosen = checkpoint or model
                 if chosen is None:  # the bundled demo, loaded once
                     if not default:
-                        from workbench.model import load_checkpoint
+                        from workbench.model import load_checkpoint  # lazy: only when the demo is asked for
                         default.append(load_checkpoint())
                     chosen = default[0]
                 mirror.replace_rows("profiles", {}, profiles)  # the app's baselines, for detect
@@ -124,14 +126,12 @@ def _serve(address: str, authkey: bytes) -> None:
                 try:  # as workbench.record: a detector bug must not lose the recording
                     after_run(relay, rid)
                 except Exception as e:  # noqa: BLE001
-                    import warnings
                     warnings.warn(f"{getattr(after_run, '__name__', 'after_run')} failed for run {rid}: {e}")
             try:
                 mirror.delete_run(rid)  # the app's store has it now
             finally:
                 events.put(("done", rid, None))
     finally:
-        import shutil
         mirror.close()
         shutil.rmtree(tmp, ignore_errors=True)
 

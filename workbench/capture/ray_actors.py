@@ -66,8 +66,8 @@ def record_many_ray(items: list[dict], *, out, batch_id: str, model=None, tokeni
     """Record the prompts of ``items`` not yet complete in ``out`` on a Ray Data actor pool; returns the rows
     (run_id, key, status, n_tokens, generated, error) of the prompts recorded."""
     try:
-        import ray
-        import ray.data
+        import ray  # optional: pip install 'moe-workbench[ray]'
+        import ray.data  # optional: as above
     except ImportError:
         raise ValueError("--ray needs Ray: pip install 'moe-workbench[ray]' (ray[data])") from None
 

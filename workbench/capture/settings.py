@@ -10,6 +10,7 @@ the run's id, parent and extra ``runs`` columns, and live consumers (``progress`
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +62,7 @@ class RecordSettings:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
-    def of(cls, settings: "RecordSettings | None" = None, **kw: Any) -> "RecordSettings":
+    def of(cls, settings: RecordSettings | None = None, **kw: Any) -> RecordSettings:
         """``settings`` (default: the defaults) with the keyword fields given; a TypeError names unknown ones."""
         unknown = set(kw) - set(cls.names())
         if unknown:
@@ -72,18 +73,27 @@ class RecordSettings:
         return dataclasses.replace(base, **kw) if kw else base
 
     @classmethod
-    def split(cls, kw: dict) -> tuple["RecordSettings", dict]:
+    def split(cls, kw: dict) -> tuple[RecordSettings, dict]:
         """(the settings among ``kw``'s keys, the other keys): for callers that pass settings as keywords."""
         mine = {k: v for k, v in kw.items() if k in cls.names()}
         return cls.of(**mine), {k: v for k, v in kw.items() if k not in mine}
 
-    def for_item(self, item: dict) -> "RecordSettings":
+    @classmethod
+    def of_run(cls, info: dict) -> RecordSettings:
+        """The settings a recorded run ran with, from its ``runs`` row (``params`` and ``seed``), to run it again
+        (replay). The dtype and backend are the reloaded model's own (``resolve.load_for_run``)."""
+        p = json.loads(info.get("params") or "{}")
+        return cls(max_new_tokens=int(p.get("max_new_tokens", 64)), temperature=float(p.get("temperature", 0.0)),
+                   top_p=float(p.get("top_p", 1.0)), seed=int(info.get("seed") or 0),
+                   probes=tuple(p.get("probes") or PROBES), topk=int(p.get("topk", 5)))
+
+    def for_item(self, item: dict) -> RecordSettings:
         """These settings with a prompt set item's own ``max_new_tokens`` / ``temperature`` / ``seed``."""
         over = {k: item[k] for k in PER_PROMPT if k in item}
         return dataclasses.replace(self, **over) if over else self
 
     # -- checking ---------------------------------------------------------------------------------
-    def check(self) -> "RecordSettings":
+    def check(self) -> RecordSettings:
         """ValueError (one line) for settings no recording can run with; returns self."""
         if self.dtype not in (None, *DTYPE_NAMES):
             raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")

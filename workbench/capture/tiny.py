@@ -63,7 +63,7 @@ def save_tokenizer(folder: Path) -> int:
 def make_folder(family: str, folder: str | Path, seed: int = 0, tokenizer: bool = True, std: float = 0.15) -> Path:
     """Save a tiny random ``family`` model (and a tokenizer) to ``folder``; weights are scaled up from the
     default init so routing, attention and the next token depend visibly on the input."""
-    import transformers
+    import transformers  # optional: tiny folders need transformers, importing this module does not
 
     cfg_name, lm_name, kw = FAMILIES[family]
     folder = Path(folder)

@@ -63,14 +63,14 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 
 if __package__:  # imported as workbench.data.sqlsafe; run as a script (the worker) it needs only duckdb/pyarrow/polars
-    import polars as pl
-    import pyarrow as pa
-    import pyarrow.ipc
+    import polars as pl  # lazy: the worker, run as a script, imports only what it needs
+    import pyarrow as pa  # lazy: as above
+    import pyarrow.ipc  # lazy: as above
 
-    from workbench.data.schema import TABLES, columns
-    from workbench.data.store import StoreError
+    from workbench.data.schema import TABLES, columns  # lazy: as above
+    from workbench.data.store import StoreError  # lazy: as above
 if TYPE_CHECKING:
-    from workbench.data.store import Store
+    from workbench.data.store import Store  # lazy: type checking only
 
 MAX_QUERY_CHARS = 100_000   # longer text is refused before anything is parsed
 WORKER_MEMORY_MB = 640      # what one query may allocate in the worker process (RLIMIT_DATA above its start)
@@ -293,14 +293,14 @@ class _Died(Exception):
 # -- the worker process -----------------------------------------------------------------------------
 
 def _worker_main(limits: dict) -> None:  # pragma: no cover - runs in the worker process
-    import resource
+    import resource  # lazy: the worker process's own imports (this module's importers need none of them)
     try:
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     except (ValueError, OSError):
         pass
-    import polars  # noqa: F401 - imported up front so that no query pays for it
-    import pyarrow
-    import pyarrow.ipc
+    import polars  # noqa: F401  # lazy: imported up front in the worker so that no query pays for it
+    import pyarrow  # lazy: the worker's own
+    import pyarrow.ipc  # lazy: the worker's own
     pyarrow.set_cpu_count(int(limits["threads"]))
     pyarrow.set_io_thread_count(int(limits["threads"]))
     page = os.sysconf("SC_PAGE_SIZE")

@@ -188,7 +188,7 @@ class HFAdapter(Adapter):
     def stream(self, prompt: Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
                top_p: float = 1.0, seed: int = 0, eos_id: int | None = None) -> Iterator:
         """The prefill step (in query blocks while attention is observed), then one step per token."""
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # lazy: transformers is optional; only its models get here
 
         prompt = check_prompt(prompt, max_new_tokens, self.summary.max_seq_len)
         cache = DynamicCache(config=self.module.config)
@@ -230,7 +230,7 @@ class HFAdapter(Adapter):
     # -- the KV what-if seam: eviction adds -inf to each layer's 4D attention mask (eager attention) --------
     @contextlib.contextmanager
     def kv_session(self, max_len: int) -> Iterator:
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # lazy: transformers is optional; only its models get here
 
         cache = DynamicCache(config=self.module.config)
         self._kv_keep: list[torch.Tensor | None] = [None] * len(self.layers)
@@ -296,7 +296,7 @@ class HFAdapter(Adapter):
 
     @contextlib.contextmanager
     def teacher_forcing(self, length: int) -> Iterator:
-        from transformers import DynamicCache  # lazy: only transformers models get here
+        from transformers import DynamicCache  # lazy: transformers is optional; only its models get here
 
         m = self.module
         quant = self.__dict__.setdefault("_kv_quant", {})
@@ -483,7 +483,7 @@ def load_hf(folder: str | Path, dtype: torch.dtype | None = None, device: str = 
     ``device_map`` ("auto", "balanced", a device, or {module path: device}) places the model across devices with
     accelerate, for a model larger than one device; inputs then go to the embedding's device and transformers'
     dispatch hooks move activations between devices."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: transformers is optional; only its folders get here
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
