@@ -83,3 +83,38 @@ def test_killed_worker_is_reported_and_replaced(ckpt, tmp_path):
         assert error is None and query.run_row(store, "rnext")["status"] == "complete"
     finally:
         rp.close()
+
+
+def test_relay_store_messages_rebuild_the_same_rows_elsewhere(tmp_path):
+    """``RelayStore``: every write is made in its own file, then sent; applying the messages in order to another
+    store (as ``RecordingProcess._pump`` does) gives that store the same rows: recording, detectors and all."""
+    from helpers import tiny_model
+
+    from workbench.capture.background import RelayStore
+    from workbench.capture.recorder import record_run
+
+    class Events:
+        def __init__(self):
+            self.got: list = []
+
+        def put(self, message):
+            self.got.append(message)
+
+    events = Events()
+    relay = RelayStore(tmp_path / "mirror.duckdb", events)
+    rid = record_run([1, 2, 3], model=tiny_model(), db=relay, max_new_tokens=4)[0]
+    detect(relay, rid)
+    kinds = [k for k, _, _ in events.got]
+    assert kinds[0] == "append" and "replace_rows" in kinds and kinds.count("update") >= 2
+    app = Store(tmp_path / "app.duckdb")
+    for kind, run_id, payload in events.got:
+        if kind == "append":
+            app.append(payload)
+        elif kind == "update":
+            app.update_run(run_id, **payload)
+        else:
+            app.replace_rows(*payload)
+    for table, order in [("runs", "run_id"), ("tokens", "pos"), ("routing", "pos, layer"), ("anomalies", "anomaly_id")]:
+        a, b = (s.sql(f"SELECT * FROM {table} ORDER BY {order}") for s in (relay, app))
+        assert (a.height > 0 or table == "anomalies") and a.equals(b), table
+    assert query.run_row(app, rid)["status"] == "complete" and query.run_row(app, rid)["detection"] is not None

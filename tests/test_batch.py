@@ -470,3 +470,15 @@ def test_ui_serves_a_shard_folder(env, shards):
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_record_batch_rows_share_what_one_generation_shares(tmp_path):
+    from workbench.capture.recorder import RecordSettings, record_batch
+
+    for rows, message in [([RecordSettings(topk=3), RecordSettings(topk=4)], "share dtype, probes, topk"),
+                          ([RecordSettings(device_map="auto")] * 2, "single recordings"),
+                          ([RecordSettings()], "one settings, run id")]:
+        with pytest.raises(ValueError, match=message):
+            record_batch(["a", "b"], rows, model=tiny_model(), db=tmp_path / "w.duckdb", run_ids=["r1", "r2"],
+                         run_fields=[None, None])
+    assert not (tmp_path / "w.duckdb").exists()

@@ -339,3 +339,44 @@ def test_cli_flags_build_the_settings():
                                       "0.9", "--seed", "2", "--dtype", "bfloat16", "--backend", "native"])
     assert settings(args) == RecordSettings(max_new_tokens=3, temperature=0.5, top_p=0.9, seed=2, dtype="bfloat16",
                                             backend="native")
+
+
+def test_one_tokenizer_rule(tmp_path, checkpoint):
+    """``capture.resolve.tokenizer_for``: the tokenizer given; else the folder's; a folder without one is an error;
+    else the bundled demo's (with a warning for a live module, silently for a stored run's label)."""
+    import warnings
+
+    from workbench.capture.adapters import adapter_for
+    from workbench.capture.resolve import tokenizer_for
+    from workbench.model import load_tokenizer
+    from workbench.model.tokenizer import train_tokenizer
+
+    bundled = load_tokenizer(None).to_str()
+    given = load_tokenizer(DEFAULT_TOKENIZER)
+    assert tokenizer_for(checkpoint, given) is given
+    assert tokenizer_for(None, DEFAULT_TOKENIZER).to_str() == given.to_str()
+    own = tmp_path / "own"
+    own.mkdir()
+    small = train_tokenizer(["def f(x):\n    return x\n"] * 10, vocab_size=300)
+    small.save(str(own / "tokenizer.json"))
+    n = small.get_vocab_size()
+    assert n != given.get_vocab_size()
+    for model in (own, str(own)):  # a folder, or a run's label naming it
+        assert tokenizer_for(model).get_vocab_size() == n and tokenizer_for(model).to_str() != bundled
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        tokenizer_for(empty)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tokenizer_for(None).to_str() == bundled
+        assert tokenizer_for("Transformer").to_str() == bundled  # a stored run's label naming no folder here
+    with pytest.warns(UserWarning, match="in-memory Transformer"):
+        assert tokenizer_for(tiny()).to_str() == bundled
+    adapter = adapter_for(tiny())
+    adapter.checkpoint_path = str(own)  # a module loaded from a folder: the folder's
+    assert tokenizer_for(adapter).get_vocab_size() == n
+    # Run.tokenizer() of a stored run follows the same rule: the folder's tokenizer
+    run = workbench.record("def f(x):", model=checkpoint, max_new_tokens=2, db=tmp_path / "w.duckdb", detect=False)
+    fresh = workbench.open(run.store).run(run.run_id)
+    assert fresh.tokenizer().to_str() == load_tokenizer(checkpoint / "tokenizer.json").to_str()
