@@ -143,11 +143,17 @@ def test_an_error_toast_quoting_a_run_id_is_text(server, page):
     """A run id typed into the picker reaches gr.Error's message (which Gradio renders as HTML): text."""
     requests = _watch_requests(page)
     _open(page, server["url"])
+    shown = page.locator("#run-picker input").input_value().split(" ")[0]
+    page.get_by_role("tab", name="Run view").click()
+    _wait_text(page, "run-head", shown)
     page.locator("#run-picker input").fill(IMG)
     page.locator("#run-picker input").press("Enter")
     page.wait_for_selector(".toast-body", timeout=15_000)
     assert "no run" in page.locator(".toast-body").first.inner_text()
     assert IMG in page.locator(".toast-body").first.inner_text()
+    # and the views are cleared: the run picked before is gone from the header and the token strip
+    _wait_text(page, "run-head", "Choose a run")
+    assert shown not in _strip_text(page, "run-head") and page.locator("#token-strip .token").count() == 0
     _no_markup_ran(page, requests)
 
 
@@ -196,7 +202,8 @@ def test_recording_selects_the_new_run_everywhere(server, page):
     page.get_by_role("tab", name="Compare").click()
     assert rid in _options(page, "compare-a") and rid in _options(page, "compare-b")
     page.get_by_role("tab", name="Run view").click()
-    assert rid in _options(page, "reference-picker")
+    refs = _options(page, "reference-picker")  # every other run; the picked one is no reference for itself
+    assert rid not in refs and server["a"].run_id in refs
     # never all digits (a Parquet/Hive export would read such an id back as an integer)
     assert re.fullmatch(r"r[0-9a-f]{11}", rid), rid
 
