@@ -9,23 +9,34 @@ alarms among the alarms is at most alpha, and on a run where nothing is wrong (e
 chance of any false alarm at all is at most alpha, however many positions, layers, heads and experts it
 has. Rows whose BH-adjusted q-value is <= alpha are warnings, <= ``critical_q`` critical.
 
-What each test asks (upper tail unless said), against the profile cell, else (no profile, or a cell the
-calibration never saw) against this run's own robust statistics (median / MAD, normal tail), which every
-explanation then says:
+What each test asks, against the profile cell (a context-length bucket the calibration never reached is judged
+against the nearest calibrated bucket of the same cell; a value with no cell is not tested, never judged
+against the run itself). Two-sided tests (twice the smaller tail) say in their explanation which way the
+value broke, since a component can fail both ways: blown up, or collapsed, gone, starved.
 
-- ``low_confidence`` (lower tail) / ``high_surprise``: a generated token's max probability / -logprob,
-  by position bucket;
-- ``entropy_spike``: normalised attention entropy of a layer x head at a position, by context bucket;
+- ``low_confidence`` (lower tail) / ``high_surprise`` (upper): a generated token's max probability /
+  -logprob, by position bucket;
+- ``entropy_spike`` / ``entropy_collapse`` (two-sided): normalised attention entropy of a layer x head at a
+  position, by context bucket: the head spread its attention, or collapsed onto a few keys;
   ``entropy_shift``: the same against a reference run's median / MAD for that head;
-- ``resid_norm_outlier``: the residual stream's norm after a block (a broken head or expert blows it up);
-- ``head_norm_outlier``: an attention head's output norm (names a broken head);
-- ``kv_norm_outlier``: a cached token's KV norm at the last step (cache corruption);
-- ``overloaded_expert`` / ``dead_expert``: the tokens routed to an expert, against the profile's share
-  (uniform without one), as binomial tests widened by the layer's calibrated overdispersion (tokens of one
-  prompt route alike); ``routing_collapse``: a G-test of the layer's whole load against the profile shares,
-  scaled by the same dispersion. A layer with few tokens simply cannot reach significance: the test
-  accounts for the number of slots the run had.
+- ``resid_norm_outlier`` (two-sided): the residual stream's norm after a block (a broken head or expert blows
+  it up, a missing contribution shrinks it);
+- ``head_norm_outlier`` (two-sided): an attention head's output norm (names a broken or dead head);
+- ``kv_norm_outlier`` (two-sided): a cached token's KV norm at the last step (cache corruption);
+- ``overloaded_expert`` / ``dead_expert`` / ``starved_expert``: the tokens routed to an expert, against the
+  profile's share, as binomial tests widened by the overdispersion clean runs of a similar length show (the
+  95th percentile of the profile's ``load_dispersion``: tokens of one prompt route alike);
+  ``routing_collapse``: the layer's load concentration (G per degree of freedom against the profile shares)
+  against its distribution over the calibration runs, prompts of several kinds, so another kind of text is
+  not a collapse. A layer with few tokens simply cannot reach significance.
+- ``repetition`` (no test: read off the generated ids, severity warning): a loop, a repeated n-gram, a verbatim
+  copy of a span of the prompt (``repetition``);
 - ``non_finite``: NaN or Inf in a recorded signal: always critical (no test needed).
+
+Without a profile the same tests run against the run's own robust statistics (median / MAD, normal tail) and
+a uniform expert load, but every row they raise is ``info`` (so are repetition rows), with one ``no_profile``
+row saying to run ``workbench profile``: nothing is a warning on a model nobody calibrated.
+``what_was_tested(store, run_id)`` words what a run's detection tested, for a "nothing found".
 
 Informational rows (severity ``info``, outside the correction): ``routing_near_tie`` (a margin in the
 profile's lowest 0.1%) and ``diffuse_head`` (a head in its profile's top 1% where a flagged low-confidence
@@ -46,6 +57,7 @@ import polars as pl
 from scipy.stats import binom, chi2, false_discovery_control, norm
 
 from workbench.analysis.baseline import BUCKETS, PROBS, bucket_of, load_profile, load_statistic, tail_p
+from workbench.analysis.repetition import covered_positions, spans
 from workbench.data import query
 from workbench.data.schema import columns
 
@@ -74,11 +86,12 @@ WORDS = {
     "overloaded_expert": "layer {layer} expert {expert}: chosen by {v:.0f} tokens",
     "dead_expert": "layer {layer} expert {expert}: chosen by no token",
     "starved_expert": "layer {layer} expert {expert}: chosen by only {v:.0f} tokens",
-    "routing_collapse": "layer {layer}: expert load concentrated (G = {v:.1f} per degree of freedom)",
+    "routing_collapse": "layer {layer}: expert load concentrated (G = {v:.3f} per routed slot)",
 }
 
 
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+LOG_TAIL = 0.1  # beyond the profile's 99.9% quantile a log norm's p falls by e per 0.1 (a 10% larger norm)
 
 
 def select(df: pl.DataFrame, kinds: list[str] | None = None, severity: str | None = None,
@@ -180,7 +193,7 @@ class Baseline:
         return c
 
     def judge(self, df: pl.DataFrame, signal: str, value: str, keys: list[str], tail: str,
-              min_positions: int) -> tuple[np.ndarray, list[str], list[str]]:
+              min_positions: int, min_scale: float = 0.0) -> tuple[np.ndarray, list[str], list[str]]:
         """(p-values, side "high" / "low", basis) of ``df[value]`` per row against the profile cell of ``keys``
         (``bucket`` computed by the caller). ``tail``: "upper", "lower" or "two" (twice the smaller tail)."""
         if tail not in TAILS:
@@ -198,7 +211,7 @@ class Baseline:
                 if j.height:  # every row against its own cell's quantiles, in one vectorised call
                     q = j["quantiles"].explode().to_numpy().astype(np.float64).reshape(j.height, -1)
                     i = j["_i"].to_numpy()
-                    p[i], side[i] = _sided(j[value].to_numpy(), q, tail)
+                    p[i], side[i] = _sided(j[value].to_numpy(), q, tail, min_scale)
                     basis[i] = np.where(j["filled"].to_numpy(), "the baseline profile (its nearest context-length "
                                         "bucket)", "the baseline profile")
             return p, list(side), list(basis)
@@ -245,10 +258,15 @@ def _pick(hi: np.ndarray, lo: np.ndarray, tail: str) -> tuple[np.ndarray, np.nda
     return np.clip(2 * np.minimum(hi, lo), 1e-300, 1.0), np.where(hi <= lo, "high", "low").astype(object)
 
 
-def _sided(x: np.ndarray, q: np.ndarray, tail: str) -> tuple[np.ndarray, np.ndarray]:
-    hi = tail_p(x, q, upper=True) if tail != "lower" else np.ones(x.size)
-    lo = tail_p(x, q, upper=False) if tail != "upper" else np.ones(x.size)
+def _sided(x: np.ndarray, q: np.ndarray, tail: str, min_scale: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    hi = tail_p(x, q, upper=True, min_scale=min_scale) if tail != "lower" else np.ones(x.size)
+    lo = tail_p(x, q, upper=False, min_scale=min_scale) if tail != "upper" else np.ones(x.size)
     return _pick(hi, lo, tail)
+
+
+def _log(col: str, alias: str) -> pl.Expr:
+    """log of a norm (floored at 1e-30; the profile's norm cells are of log norms)."""
+    return pl.col(col).clip(lower_bound=1e-30).log().alias(alias)
 
 
 def _norm_sf(z: np.ndarray) -> np.ndarray:
@@ -296,31 +314,33 @@ def entropy_shift_tests(attention: pl.DataFrame, reference: pl.DataFrame, min_po
 def resid_tests(resid: pl.DataFrame, base: Baseline, min_positions: int = 8) -> pl.DataFrame:
     """``resid_norm_outlier``: the residual norm after every block at every position (two-sided: a block that
     blows the stream up, or one whose contribution went missing)."""
-    r = resid.filter(_finite("norm")).with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"))
-    p, side, basis = base.judge(r, "resid_norm", "norm", ["layer", "bucket"], "two", min_positions)
+    r = resid.filter(_finite("norm")).with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"), _log("norm", "_log"))
+    p, side, basis = base.judge(r, "log_resid_norm", "_log", ["layer", "bucket"], "two", min_positions, LOG_TAIL)
     return _tests(kind="resid_norm_outlier", pos=r["pos"], layer=r["layer"], value=r["norm"], p=p, side=side,
                   basis=basis)
 
 
 def head_norm_tests(head_norm: pl.DataFrame, base: Baseline, min_positions: int = 8) -> pl.DataFrame:
     """``head_norm_outlier``: each head's output norm at every position (two-sided: blown up, or gone)."""
-    h = head_norm.filter(_finite("norm"))
-    p, side, basis = base.judge(h, "head_norm", "norm", ["layer", "head"], "two", min_positions)
+    h = head_norm.filter(_finite("norm")).with_columns(_log("norm", "_log"))
+    p, side, basis = base.judge(h, "log_head_norm", "_log", ["layer", "head"], "two", min_positions, LOG_TAIL)
     return _tests(kind="head_norm_outlier", pos=h["pos"], layer=h["layer"], head=h["head"], value=h["norm"], p=p,
                   side=side, basis=basis)
 
 
 def kv_tests(kv_tokens: pl.DataFrame, base: Baseline, min_positions: int = 8) -> pl.DataFrame:
-    """``kv_norm_outlier``: each cached token's KV norm at the run's last recorded step (two-sided)."""
+    """``kv_norm_outlier``: each cached token's KV norm at the run's last recorded step (upper tail: a corrupted
+    entry blows up; a cached norm varies too much with its token for a low one to mean much)."""
     if kv_tokens.height == 0:
         return _tests()
-    k = kv_tokens.filter((pl.col("step") == pl.col("step").max()) & _finite("latent_norm"))
-    p, side, basis = base.judge(k, "latent_norm", "latent_norm", ["layer"], "two", min_positions)
+    k = kv_tokens.filter((pl.col("step") == pl.col("step").max()) & _finite("latent_norm")) \
+        .with_columns(_log("latent_norm", "_log"))
+    p, side, basis = base.judge(k, "log_latent_norm", "_log", ["layer"], "upper", min_positions, LOG_TAIL)
     return _tests(kind="kv_norm_outlier", pos=k["pos"], layer=k["layer"], value=k["latent_norm"], p=p, side=side,
                   basis=basis)
 
 
-def expert_tests(routing: pl.DataFrame, n_experts: int, base: Baseline) -> pl.DataFrame:
+def expert_tests(routing: pl.DataFrame, n_experts: int, base: Baseline, exclude: set[int] | None = None) -> pl.DataFrame:
     """Per (layer, expert): ``overloaded_expert`` (chosen by far more tokens than the profile's share) and
     ``dead_expert`` / ``starved_expert`` (chosen by none / far fewer); per layer ``routing_collapse``: the load's
     concentration (G per degree of freedom) against its distribution over the clean calibration runs of a
@@ -329,8 +349,11 @@ def expert_tests(routing: pl.DataFrame, n_experts: int, base: Baseline) -> pl.Da
     Tokens of one prompt route alike, so the expert counts are widened by the 95th percentile of the
     calibration's load statistic (overdispersion) at the run's length; a layer with few tokens simply cannot
     reach significance. Without a profile: a uniform load, plain binomial and chi-squared tests (info only).
+    ``exclude``: positions left out (inside repetition loops: their routing repeats with their tokens).
     """
 
+    if exclude:
+        routing = routing.filter(~pl.col("pos").is_in(sorted(exclude)))
     if routing.height == 0 or n_experts < 2:
         return _tests()
     rows: list[dict] = []
@@ -341,7 +364,9 @@ def expert_tests(routing: pl.DataFrame, n_experts: int, base: Baseline) -> pl.Da
         slots = np.bincount(g["expert"].to_numpy(), minlength=n_experts)[:n_experts]
         share, profiled = base.shares(int(layer), n_experts)
         disp = base.dispersion(int(layer), n_tok) if profiled else None
-        phi = max(float(np.interp(0.95, PROBS, disp)), 1.0) if disp is not None else 1.0
+        # G / df of a run at the calibration's 95th-percentile concentration: the overdispersion at this length
+        phi = max(float(np.interp(0.95, PROBS, disp)) * g.height / max(n_experts - 1, 1), 1.0) \
+            if disp is not None else 1.0
         basis = ("the baseline profile" if disp is not None else "the baseline profile's shares (no load statistics)") \
             if profiled else "a uniform load (no baseline profile for this model)"
         pi = np.clip(share * k_slots, 1e-9, 1 - 1e-9)  # chance a token picks the expert
@@ -355,7 +380,7 @@ def expert_tests(routing: pl.DataFrame, n_experts: int, base: Baseline) -> pl.Da
                          "value": float(chosen[e]), "p": float(under[e]), "side": "low", "basis": basis})
         stat = load_statistic(slots.astype(np.float64), share)
         p = float(tail_p(np.array([stat]), disp)[0]) if disp is not None else \
-            float(chi2.sf(stat * max(n_experts - 1, 1), n_experts - 1))
+            float(chi2.sf(stat * g.height, n_experts - 1))
         rows.append({"kind": "routing_collapse", "layer": layer, "value": stat, "p": p, "side": "high",
                      "basis": basis})
     return pl.DataFrame(rows, schema=TESTS)
@@ -380,102 +405,12 @@ def near_ties(routing: pl.DataFrame, base: Baseline, info_p: float = 1e-3, min_p
 
 
 # -- degenerate generation -------------------------------------------------------------------------
-def repetition(tokens: pl.DataFrame, min_loop: int = 12, ngram: int = 8, min_copies: int = 3,
-               min_copy: int = 32) -> pl.DataFrame:
-    """``repetition`` rows (severity warning): degenerate generation, read off the generated token ids.
-
-    - a loop: a stretch of generated tokens that repeats a unit of 1-32 tokens at least three times over, with
-      at least ``min_loop`` tokens repeated (``_path_to_path_to_path_to...``);
-    - a repeated n-gram: the same ``ngram`` tokens generated ``min_copies`` times or more (not inside a loop);
-    - a copy: ``min_copy`` or more generated tokens in a row that repeat a span of the prompt verbatim.
-
-    ``pos`` is where it starts, ``score`` how many tokens it covers, ``threshold`` the minimum that counts.
-    """
-    t = tokens.filter(pl.col("pos") > 0).sort("pos")
-    if t.height == 0:
-        return empty()
-    col = "token_id" if "token_id" in t.columns and t["token_id"].null_count() == 0 else "text"
-    ids = t[col].to_list()
-    pos = t["pos"].to_list()
-    texts = t["text"].to_list() if "text" in t.columns else [str(i) for i in ids]
-    gen = [i for i, x in enumerate(t["is_prompt"].to_list()) if not x]
-    if not gen:
-        return empty()
-    g0 = gen[0]
-    out, covered = [], set()
-
-    def say_unit(a: int, b: int) -> str:
-        s = "".join(str(x) for x in texts[a:b])
-        return s if len(s) <= 40 else s[:37] + "..."
-
-    # loops: the smallest period p with ids[i] == ids[i - p] over a long stretch of generated positions
-    i = g0
-    n = len(ids)
-    while i < n:
-        best = None
-        for p in range(1, 33):
-            j = i
-            while j < n and j - p >= 0 and ids[j] == ids[j - p]:
-                j += 1
-            run = j - i
-            if run >= max(2 * p, min_loop) and (best is None or run > best[1] + p):
-                best = (p, run)
-        if best is None:
-            i += 1
-            continue
-        p, run = best
-        start = max(i - p, 0)
-        end = i + run
-        out.append({"kind": "repetition", "severity": "warning", "pos": pos[start], "score": float(end - start),
-                    "threshold": float(min_loop),
-                    "explanation": f"generation loops from position {pos[start]}: the {p}-token unit "
-                                   f"{escape_repr(say_unit(start, start + p))} repeated {(end - start) / p:.1f} times "
-                                   f"({end - start} tokens, to position {pos[end - 1]})"})
-        covered.update(range(start, end))
-        i = end
-    # repeated n-grams outside the loops
-    seen: dict[tuple, list[int]] = {}
-    for k in range(g0, n - ngram + 1):
-        if any(x in covered for x in range(k, k + ngram)):
-            continue
-        key = tuple(ids[k:k + ngram])
-        if not seen.get(key) or seen[key][-1] + ngram <= k:  # non-overlapping copies
-            seen.setdefault(key, []).append(k)
-    for key, at in seen.items():
-        if len(at) >= min_copies and not any(x in covered for a in at for x in range(a, a + ngram)):
-            out.append({"kind": "repetition", "severity": "warning", "pos": pos[at[0]],
-                        "score": float(len(at) * ngram), "threshold": float(min_copies * ngram),
-                        "explanation": f"the {ngram}-token span {escape_repr(say_unit(at[0], at[0] + ngram))} is "
-                                       f"generated {len(at)} times (positions {', '.join(str(pos[a]) for a in at[:6])})"})
-            covered.update(x for a in at for x in range(a, a + ngram))
-    # copies of the prompt
-    prompt = ids[:g0]
-    if len(prompt) >= min_copy:
-        index: dict[tuple, list[int]] = {}
-        for k in range(len(prompt) - min_copy + 1):
-            index.setdefault(tuple(prompt[k:k + min_copy]), []).append(k)
-        k = g0
-        while k <= n - min_copy:
-            src = index.get(tuple(ids[k:k + min_copy]))
-            if not src or any(x in covered for x in range(k, k + min_copy)):
-                k += 1
-                continue
-            length = min_copy
-            s0 = src[0]
-            while k + length < n and s0 + length < g0 and ids[k + length] == ids[s0 + length]:
-                length += 1
-            out.append({"kind": "repetition", "severity": "warning", "pos": pos[k], "score": float(length),
-                        "threshold": float(min_copy),
-                        "explanation": f"generation copies {length} tokens of the prompt verbatim (positions "
-                                       f"{pos[k]}-{pos[k + length - 1]} repeat {pos[s0]}-{pos[s0 + length - 1]})"})
-            covered.update(range(k, k + length))
-            k += length
-    return _rows(out)
-
-
-def escape_repr(s: str) -> str:
-    """A generated span quoted for a one-line explanation (newlines and quotes escaped)."""
-    return repr(s)
+def repetition(tokens: pl.DataFrame, **kw) -> pl.DataFrame:
+    """``repetition`` rows (severity warning), one per loop, repeated n-gram or copy of the prompt
+    (``workbench.analysis.repetition.spans``). ``pos`` is where it starts, ``score`` how many tokens it covers,
+    ``threshold`` the minimum that counts."""
+    return _rows([{"kind": "repetition", "severity": "warning", "pos": s.pos, "score": float(s.tokens),
+                   "threshold": float(s.threshold), "explanation": s.explanation} for s in spans(tokens, **kw)])
 
 
 def non_finite(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
@@ -578,7 +513,7 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
              kv_tests(kv_tokens if kv_tokens is not None else pl.DataFrame(), base, mp),
              head_norm_tests(head_norm if head_norm is not None else _empty_signal("pos", "layer", "head", "norm"),
                              base, mp),
-             expert_tests(routing, n_experts, base)]
+             expert_tests(routing, n_experts, base, covered_positions(tokens))]
     if reference_attention is not None:
         parts.append(entropy_shift_tests(attention, reference_attention, mp))
     tests = pl.concat([p for p in parts if p.height], how="vertical_relaxed") if any(p.height for p in parts) \

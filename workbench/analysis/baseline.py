@@ -11,9 +11,13 @@ probabilities against it (``tail_p``). Signals:
 - ``expert_share``: each expert's share of a layer's routed slots (``mean``; ``n`` = slots seen);
 - ``load_dispersion``: per MoE layer x run-length bucket (routed tokens), the distribution over calibration
   runs of a run's load concentration (G per degree of freedom against the pooled shares);
-- ``latent_norm``: cached KV norms at the last step, per layer;
-- ``resid_norm``: the residual stream's norm after each block, per layer x position bucket;
-- ``head_norm``: each attention head's output norm, per layer x head.
+- ``latent_norm`` / ``log_latent_norm``: cached KV norms at the last step (and their logs), per layer;
+- ``resid_norm`` / ``log_resid_norm``: the residual stream's norm after each block (and its log), per layer x
+  position bucket;
+- ``head_norm`` / ``log_head_norm``: each attention head's output norm (and its log), per layer x head.
+
+The detectors judge norms on the log scale (``log_*``: light tails, a vanished output far down the lower tail);
+the plain cells' mean / std serve the root cause's profile evidence.
 
 Buckets: context length ``pos + 1`` falls in bucket b when ``BUCKETS[b] <= pos + 1 < BUCKETS[b + 1]``.
 
@@ -30,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from workbench.analysis.repetition import covered_positions
 from workbench.data import query
 from workbench.data.store import Store
 
@@ -79,6 +84,10 @@ def build_profile(store: Store, run_ids: list[str]) -> pl.DataFrame:
         gen = tok.filter(~pl.col("is_prompt") & (pl.col("pos") > 0)).with_columns(
             bucket_of(pl.col("pos")).alias("bucket"), (-pl.col("logprob")).alias("surprise"))
         parts += [_cells(gen, "confidence", "confidence", ["bucket"]), _cells(gen, "surprise", "surprise", ["bucket"])]
+    if rt.height and tok.height:  # routing inside repetition loops repeats with the tokens: left out
+        loops = pl.DataFrame([{"run_id": r, "pos": p} for (r,), g in tok.group_by("run_id")
+                              for p in covered_positions(g)], schema={"run_id": pl.String, "pos": rt.schema["pos"]})
+        rt = rt.join(loops, on=["run_id", "pos"], how="anti")
     if rt.height:
         parts.append(_cells(rt.filter(pl.col("slot") == 0), "margin", "margin", ["layer"]))
         share = rt.group_by("layer", "expert").agg(pl.len().alias("k")).with_columns(
@@ -92,29 +101,39 @@ def build_profile(store: Store, run_ids: list[str]) -> pl.DataFrame:
     if kvt.height:
         last = kvt.filter(pl.col("step") == pl.col("step").max().over("run_id")) if "run_id" in kvt.columns else kvt
         parts.append(_cells(last, "latent_norm", "latent_norm", ["layer"]))
+        parts.append(_cells(last.with_columns(_log("latent_norm")), "log_latent_norm", "latent_norm", ["layer"]))
     if rn.height:
-        parts.append(_cells(rn.with_columns(bucket_of(pl.col("pos") + 1).alias("bucket")), "resid_norm", "norm",
-                            ["layer", "bucket"]))
+        rn = rn.with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"))
+        parts.append(_cells(rn, "resid_norm", "norm", ["layer", "bucket"]))
+        parts.append(_cells(rn.with_columns(_log("norm")), "log_resid_norm", "norm", ["layer", "bucket"]))
     if hn.height:
         parts.append(_cells(hn, "head_norm", "norm", ["layer", "head"]))
+        parts.append(_cells(hn.with_columns(_log("norm")), "log_head_norm", "norm", ["layer", "head"]))
     return pl.concat(parts, how="vertical_relaxed") if parts else pl.DataFrame(schema={k: SCHEMA[k] for k in KEYS})
 
 
 def load_statistic(chosen_slots: np.ndarray, share: np.ndarray) -> float:
-    """G statistic of a layer's slot counts against expected shares, per degree of freedom (the profile's
+    """A layer's load concentration: G of its slot counts against expected shares per routed slot (twice the
+    KL divergence of the run's load from the shares), so runs of any length compare (the profile's
     ``load_dispersion`` is its distribution over clean calibration runs)."""
     expected = chosen_slots.sum() * share
     nz = chosen_slots > 0
     g = float(2 * (chosen_slots[nz] * np.log(chosen_slots[nz] / expected[nz])).sum())
-    return g / max(len(share) - 1, 1)
+    return g / max(float(chosen_slots.sum()), 1.0)
+
+
+def _log(col: str) -> pl.Expr:
+    """log of a norm (floored at 1e-30): norms are judged on a log scale, where their tails are light (a
+    massive activation is not a 1e-10 event) and a vanished output is far down the lower tail."""
+    return pl.col(col).clip(lower_bound=1e-30).log()
 
 
 def _dispersion(rt: pl.DataFrame, share: pl.DataFrame, n_experts: int) -> pl.DataFrame:
     """``load_dispersion`` per MoE layer and run-length bucket (the run's routed tokens): quantiles over the
-    calibration runs of a run's load statistic, G of its slot counts against the pooled shares per degree of
-    freedom. Tokens of one prompt route alike, and prompts of different kinds route differently, so clean runs
-    sit well above the 1 of independent draws; the detectors judge a run's concentration against this
-    distribution, and widen their per-expert count tests by its 95th percentile."""
+    calibration runs of a run's load concentration (``load_statistic``, positions inside repetition loops left
+    out). Tokens of one prompt route alike, and prompts of different kinds route differently; the detectors
+    judge a run's concentration against this distribution, and widen their per-expert count tests by its 95th
+    percentile."""
     rows = []
     for (layer,), g in rt.group_by("layer", maintain_order=True):
         p = np.full(n_experts, 1e-9)
@@ -178,22 +197,24 @@ def export_profile(store: Store, sha: str, path: str | Path) -> Path:
     return Path(path)
 
 
-def tail_p(x: np.ndarray, quantiles: np.ndarray, upper: bool = True) -> np.ndarray:
+def tail_p(x: np.ndarray, quantiles: np.ndarray, upper: bool = True, min_scale: float = 0.0) -> np.ndarray:
     """P(X >= x) (``upper``) or P(X <= x) under the profile's empirical distribution (quantiles at PROBS).
 
     ``quantiles`` is one cell's [K] quantiles, or [N, K]: each value against its own cell's (one vectorised
     pass for a whole run instead of one call per cell). Between quantiles the CDF is linear; beyond the
     0.1% / 99.9% quantiles the tail decays exponentially with the scale the 1%..0.1% stretch shows (floored at
-    1% of the 1%..99% range, so a near-constant cell does not turn float noise into certainty).
+    1% of the 1%..99% range, so a near-constant cell does not turn float noise into certainty, and at
+    ``min_scale``: a log norm's tail beyond what calibration saw decays by e per ``min_scale``, since its
+    extreme tail, a rare token's massive activation, is what a calibration set samples worst).
     """
     x = np.asarray(x, dtype=np.float64)
     q = np.asarray(quantiles, dtype=np.float64)
     if not upper:
-        return tail_p(-x, -q[..., ::-1], upper=True)
+        return tail_p(-x, -q[..., ::-1], upper=True, min_scale=min_scale)
     q2 = np.maximum.accumulate(np.atleast_2d(q), axis=-1)  # [1 or N, K]
     span = np.maximum(q2[:, -3] - q2[:, 2], 0.0)
     scale = np.maximum(np.maximum((q2[:, -1] - q2[:, -3]) / math.log((1 - PROBS[-3]) / (1 - PROBS[-1])), 0.01 * span),
-                       1e-9)
+                       max(min_scale, 1e-9))
     if q.ndim == 1:
         inside = 1.0 - np.interp(x, q2[0], PROBS, left=0.0, right=PROBS[-1])
         scale, lo, hi = scale[0], q2[0, 0], q2[0, -1]

@@ -1,0 +1,111 @@
+"""Degenerate generation read off a run's generated token ids: the commonest visible failure of a language model.
+
+- a loop: a stretch of generated tokens that repeats a unit of 1-32 tokens at least three times over, with at
+  least ``min_loop`` tokens repeated (``_path_to_path_to_path_to...``);
+- a repeated n-gram: the same ``ngram`` tokens generated ``min_copies`` times or more (not inside a loop);
+- a copy: ``min_copy`` or more generated tokens in a row that repeat a span of the prompt verbatim.
+
+``spans(tokens)`` lists them (the anomaly detectors' ``repetition`` rows); ``covered_positions(tokens)`` is the
+set of positions they cover (the routing tests leave those out: a loop's routing repeats with its tokens, and
+the loop is already reported).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import polars as pl
+
+
+@dataclass(frozen=True)
+class Span:
+    what: str  # "loop" | "ngram" | "copy"
+    pos: int  # first position
+    tokens: int  # tokens it covers
+    threshold: int  # the minimum that counts
+    positions: tuple[int, ...]
+    explanation: str
+
+
+def _quote(texts: list, a: int, b: int) -> str:
+    s = "".join(str(x) for x in texts[a:b])
+    return repr(s if len(s) <= 40 else s[:37] + "...")
+
+
+def spans(tokens: pl.DataFrame, min_loop: int = 12, ngram: int = 8, min_copies: int = 3,
+          min_copy: int = 32) -> list[Span]:
+    """Loops, repeated n-grams and copies of the prompt in a run's tokens (``pos``, ``token_id`` or ``text``,
+    ``is_prompt``), in that order."""
+    t = tokens.filter(pl.col("pos") > 0).sort("pos")
+    if t.height == 0:
+        return []
+    col = "token_id" if "token_id" in t.columns and t["token_id"].null_count() == 0 else "text"
+    ids = t[col].to_list()
+    pos = t["pos"].to_list()
+    texts = t["text"].to_list() if "text" in t.columns else [str(i) for i in ids]
+    gen = [i for i, x in enumerate(t["is_prompt"].to_list()) if not x]
+    if not gen:
+        return []
+    g0, n = gen[0], len(ids)
+    out: list[Span] = []
+    covered: set[int] = set()
+    # loops: the smallest period p with ids[i] == ids[i - p] over a long stretch of generated positions
+    i = g0
+    while i < n:
+        best = None
+        for p in range(1, 33):
+            j = i
+            while j < n and j - p >= 0 and ids[j] == ids[j - p]:
+                j += 1
+            run = j - i
+            if run >= max(2 * p, min_loop) and (best is None or run > best[1] + p):
+                best = (p, run)
+        if best is None:
+            i += 1
+            continue
+        p, run = best
+        start, end = max(i - p, 0), i + run
+        out.append(Span("loop", pos[start], end - start, min_loop, tuple(pos[start:end]),
+                        f"generation loops from position {pos[start]}: the {p}-token unit {_quote(texts, start, start + p)} "
+                        f"repeated {(end - start) / p:.1f} times ({end - start} tokens, to position {pos[end - 1]})"))
+        covered.update(range(start, end))
+        i = end
+    # repeated n-grams outside the loops
+    seen: dict[tuple, list[int]] = {}
+    for k in range(g0, n - ngram + 1):
+        if any(x in covered for x in range(k, k + ngram)):
+            continue
+        key = tuple(ids[k:k + ngram])
+        if not seen.get(key) or seen[key][-1] + ngram <= k:  # non-overlapping copies
+            seen.setdefault(key, []).append(k)
+    for key, at in seen.items():
+        if len(at) >= min_copies and not any(x in covered for a in at for x in range(a, a + ngram)):
+            idx = [x for a in at for x in range(a, a + ngram)]
+            out.append(Span("ngram", pos[at[0]], len(at) * ngram, min_copies * ngram, tuple(pos[x] for x in idx),
+                            f"the {ngram}-token span {_quote(texts, at[0], at[0] + ngram)} is generated {len(at)} times "
+                            f"(positions {', '.join(str(pos[a]) for a in at[:6])})"))
+            covered.update(idx)
+    # copies of the prompt
+    if g0 >= min_copy:
+        index: dict[tuple, list[int]] = {}
+        for k in range(g0 - min_copy + 1):
+            index.setdefault(tuple(ids[k:k + min_copy]), []).append(k)
+        k = g0
+        while k <= n - min_copy:
+            src = index.get(tuple(ids[k:k + min_copy]))
+            if not src or any(x in covered for x in range(k, k + min_copy)):
+                k += 1
+                continue
+            length, s0 = min_copy, src[0]
+            while k + length < n and s0 + length < g0 and ids[k + length] == ids[s0 + length]:
+                length += 1
+            out.append(Span("copy", pos[k], length, min_copy, tuple(pos[k:k + length]),
+                            f"generation copies {length} tokens of the prompt verbatim (positions {pos[k]}-"
+                            f"{pos[k + length - 1]} repeat {pos[s0]}-{pos[s0 + length - 1]})"))
+            covered.update(range(k, k + length))
+            k += length
+    return out
+
+
+def covered_positions(tokens: pl.DataFrame) -> set[int]:
+    """Every position inside a loop, a repeated n-gram or a copy of the prompt."""
+    return {p for s in spans(tokens) for p in s.positions}
