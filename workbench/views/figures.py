@@ -15,6 +15,7 @@ from __future__ import annotations
 import html
 from functools import lru_cache
 
+import numpy as np
 import plotly.graph_objects as go
 import plotly.io as pio
 import polars as pl
@@ -157,12 +158,13 @@ def fig_tokens(tokens: pl.DataFrame, step: int | None = None) -> go.Figure:
     hover = [f"pos {p}: {token_label(x, 40)}<br>confidence {c:.3f}<br>prob {pr:.3f}, rank {r}"
              for p, x, c, pr, r in zip(t["pos"], t["text"], t["confidence"].fill_null(float("nan")),
                                        t["prob"].fill_null(float("nan")), t["rank"])]
+    conf = t["confidence"].cast(pl.Float64).to_numpy()  # numpy: plotly takes an array whole (a list value by value)
     fig = go.Figure(go.Bar(
-        x=t["pos"].to_list(), y=t["confidence"].to_list(), hovertext=hover, hoverinfo="text",
-        marker={"color": t["confidence"].to_list(), "colorscale": CONFIDENCE_SCALE, "cmin": 0, "cmax": 1,
-                "opacity": [0.45 if p else 1.0 for p in t["is_prompt"]],
+        x=t["pos"].to_numpy(), y=conf, hovertext=hover, hoverinfo="text",
+        marker={"color": conf, "colorscale": CONFIDENCE_SCALE, "cmin": 0, "cmax": 1,
+                "opacity": np.where(t["is_prompt"].to_numpy(), 0.45, 1.0),
                 "colorbar": {"title": "confidence"}}, name="confidence (top probability)"))
-    fig.add_trace(go.Scatter(x=t["pos"].to_list(), y=t["prob"].to_list(), mode="markers",
+    fig.add_trace(go.Scatter(x=t["pos"].to_numpy(), y=t["prob"].cast(pl.Float64).to_numpy(), mode="markers",
                              name="probability of the token that came", marker={"color": "black", "size": 4},
                              hoverinfo="skip"))
     _layout(fig, "Token confidence per position (faded: prompt)", yaxis={"range": [0, 1], "title": "probability"},
@@ -195,15 +197,18 @@ def fig_topk(tokens: pl.DataFrame, pos: int, tokenizer=None) -> go.Figure:
 # -- attention -----------------------------------------------------------------------------------
 
 def _heatmap(z: pl.DataFrame, row: str, col: str, val: str, n_rows: int | None = None,
-             n_cols: int | None = None, fill: float | None = None) -> tuple[list, list, list]:
-    """Dense (rows x cols) matrix of ``val`` from long rows; missing cells are ``fill``."""
+             n_cols: int | None = None, fill: float | None = None) -> tuple[np.ndarray, list, list]:
+    """Dense (rows x cols) matrix of ``val`` from long rows; missing cells are ``fill`` (None: a gap). A numpy
+    matrix (plotly takes it as one array; a list of lists it checks value by value), or lists where gaps are."""
     rows = list(range(n_rows)) if n_rows is not None else sorted(set(z[row].to_list()))
     cols = list(range(n_cols)) if n_cols is not None else sorted(set(z[col].to_list()))
     ri, ci = {r: i for i, r in enumerate(rows)}, {c: i for i, c in enumerate(cols)}
-    m = [[fill] * len(cols) for _ in rows]
+    m = np.full((len(rows), len(cols)), np.nan if fill is None else fill, dtype=float)
     for r, c, v in zip(z[row].to_list(), z[col].to_list(), z[val].to_list()):
-        if r in ri and c in ci:
-            m[ri[r]][ci[c]] = v
+        if r in ri and c in ci and v is not None:
+            m[ri[r], ci[c]] = v
+    if fill is None and np.isnan(m).any():  # gaps: None in a list (null in the page; NaN would be a number)
+        return [[None if x != x else float(x) for x in r] for r in m.tolist()], rows, cols
     return m, rows, cols
 
 
@@ -264,7 +269,7 @@ def fig_entropy_along(attention: pl.DataFrame, tokens: pl.DataFrame | None = Non
             raise ValueError(f"no attention rows for layer {layer}, head {head}")
         name = f"layer {layer}, head {head}"
         fig.add_trace(go.Scatter(
-            x=s["pos"].to_list(), y=s[col].to_list(), mode="lines+markers", name=name,
+            x=s["pos"].to_numpy(), y=s[col].cast(pl.Float64).to_numpy(), mode="lines+markers", name=name,
             hovertext=[f"{name}, pos {p}: {token_label(text.get(p), 30)}<br>"
                        f"{'normalised entropy' if normalised else 'entropy'} {v:.3f}"
                        if v is not None else f"pos {p}" for p, v in zip(s["pos"], s[col])], hoverinfo="text"))
@@ -391,8 +396,8 @@ def fig_kv_bytes(kv: pl.DataFrame, step: int | None = None) -> go.Figure:
     fig = go.Figure()
     for layer in sorted(set(kv["layer"].to_list())):
         s = kv.filter(pl.col("layer") == layer).sort("step")
-        fig.add_trace(go.Scatter(x=s["step"].to_list(), y=s["bytes"].to_list(), name=f"layer {layer}",
-                                 stackgroup="kv", mode="lines", customdata=s["cached_tokens"].to_list(),
+        fig.add_trace(go.Scatter(x=s["step"].to_numpy(), y=s["bytes"].to_numpy(), name=f"layer {layer}",
+                                 stackgroup="kv", mode="lines", customdata=s["cached_tokens"].to_numpy(),
                                  hovertemplate=f"layer {layer}" + ", step %{x}<br>%{y} bytes, "
                                  "%{customdata} tokens<extra></extra>"))
     _layout(fig, "KV cache bytes per layer over steps (stacked)", xaxis={"title": "step (0 = prefill)"},
