@@ -16,6 +16,7 @@ from pathlib import Path
 import gradio as gr
 import polars as pl
 
+from workbench.capture.resolve import tokenizer_for
 from workbench.data import query
 from workbench.data.store import Store
 from workbench.model import state_sha256
@@ -107,11 +108,35 @@ class AppContext:
         self.store, self.model, self.tokenizer = store, model, tokenizer
         self.live: dict[str, Run] = {}  # runs recorded in this app keep their module, so root cause uses it
         self._model_sha: str | None = None
+        self._tokenizers: dict[str, object] = {}  # runs.model -> its tokenizer (None: none fits)
         self.recorder = None  # the Record tab's worker (workbench.views.recording), made on the first recording
 
     def session(self) -> Session:
-        """A new user's state over this app's store."""
-        return Session(self.store, self.tokenizer)
+        """A new user's state over this app's store (top-k texts by ``tokenizer_for`` each run)."""
+        return Session(self.store, tokenizer_for=self.tokenizer_for)
+
+    def _same_model(self, info: dict) -> bool:
+        if self.model is None or isinstance(self.model, (str, Path)):
+            return False
+        if self._model_sha is None:
+            self._model_sha = state_sha256(self.model)
+        return info["checkpoint_sha256"] == self._model_sha
+
+    def tokenizer_for(self, info: dict):
+        """The tokenizer for a run's top-k texts: the app's for a run of the app's model, else its checkpoint
+        folder's (or the bundled one for a run that names no folder here), loaded once; None where none fits the
+        run's vocabulary (the figures then show the run's own texts, else ``#id``)."""
+        if self.tokenizer is not None and self._same_model(info):
+            return self.tokenizer
+        key = str(info.get("model") or "")
+        if key not in self._tokenizers:
+            try:
+                tok = tokenizer_for(key or None)
+                vocab = query.model_summary(info).vocab_size
+                self._tokenizers[key] = tok if tok.get_vocab_size() >= vocab else None
+            except Exception:  # noqa: BLE001 - no tokenizer here: the run's own texts instead
+                self._tokenizers[key] = None
+        return self._tokenizers[key]
 
     def run(self, run_id: str | None) -> Run:
         """The ``Run`` to analyse (root cause, anomalies, KV what-if): recorded here, or with the app's module
@@ -124,11 +149,8 @@ class AppContext:
             run = Run(self.store, run_id)
         except query.RunNotFound as e:
             raise gr.Error(error_text(e)) from None
-        if self.model is not None and not isinstance(self.model, (str, Path)):
-            if self._model_sha is None:
-                self._model_sha = state_sha256(self.model)
-            if run.info["checkpoint_sha256"] == self._model_sha:
-                run = Run(self.store, run_id, model=self.model, tokenizer=self.tokenizer)
+        if self._same_model(run.info):
+            run = Run(self.store, run_id, model=self.model, tokenizer=self.tokenizer)
         return run
 
 

@@ -204,3 +204,20 @@ def test_no_findings_says_what_was_tested(env, monkeypatch):
     found, rows, msg, _ = anomalies.anomaly_table(app, _session(env), a.run_id, False, "all", None, "")
     assert found.height == 0 and msg.startswith("0 findings")
     assert "Tested: " in msg and what_was_tested(env["store"], a.run_id).split(" ")[0] in msg
+
+
+def test_topk_texts_come_from_a_fitting_tokenizer_the_app_passes(env):
+    import json
+
+    app, a = env["app"], env["a"]
+    s = _session(env)
+    run_view.load_run(app, s, a.run_id)
+    assert s.frames.tokenizer is app.tokenizer  # a run of the app's own model: the app's tokenizer
+    pos = a.info["n_prompt_tokens"] + 1
+    fig = run_view.token_views(app, s, a.run_id, pos)[1]
+    want = [figures.token_label(app.tokenizer.decode([i]), 20) for i in a.tokens()["topk_ids"][pos]]
+    assert [y.split(". ", 1)[1] for y in list(fig.data[0].y)[::-1]] == want
+    # a run whose vocabulary no tokenizer here covers gets none (its own texts, else #id)
+    summary = json.loads(a.info["summary"]) | {"vocab_size": 10**9}
+    info = a.info | {"checkpoint_sha256": "other", "model": "Elsewhere", "summary": json.dumps(summary)}
+    assert app.tokenizer_for(info) is None

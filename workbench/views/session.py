@@ -184,9 +184,10 @@ class Session:
     over the same store.
     """
 
-    def __init__(self, store: Store, tokenizer=None):
+    def __init__(self, store: Store, tokenizer=None, tokenizer_for=None):
         self.store = store
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # for every run's top-k texts; or per run: ``tokenizer_for(info)`` (None: none)
+        self.tokenizer_for = tokenizer_for
         self.frames: RunFrames | None = None
         self.pos: int | None = None
         self.reference: str | None = None
@@ -208,6 +209,8 @@ class Session:
         except query.RunNotFound:
             self.clear()
             raise
+        if self.tokenizer_for is not None:
+            fresh.tokenizer = self.tokenizer_for(fresh.info)
         if self.frames is not None and self.frames.run_id != run_id:
             self._previous = self.frames
             self.reference = None if self.reference == run_id else self.reference
@@ -222,7 +225,7 @@ class Session:
         return self.pick(run_id)
 
     def __deepcopy__(self, memo) -> "Session":
-        return Session(self.store, self.tokenizer)
+        return Session(self.store, self.tokenizer, self.tokenizer_for)
 
     def __repr__(self) -> str:
         return f"Session(run={self.run_id}, pos={self.pos}, reference={self.reference})"
