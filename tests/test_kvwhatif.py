@@ -237,12 +237,14 @@ def test_policy_results_round_trip_through_the_store(native, tmp_path):
 def test_ui_tab_runs_policies_and_escapes_errors(native):
     import os
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    from workbench.apps.app import build_app
+    from workbench.apps.shared import AppContext
+    from workbench.apps.tabs.kv_whatif import kv_whatif_run
 
-    app = build_app(native.store, model=native.model())
-    fns = app.fns.values() if isinstance(app.fns, dict) else app.fns
-    run_fn = next(f.fn for f in fns if getattr(f, "api_name", None) == "kv_whatif")
-    msg, table, fig = run_fn(native.run_id, ["full"], "window:sink=1,recent=2", progress=lambda *a, **k: None)
+    app = AppContext(native.store, model=native.model())
+    s = app.session()
+    msg, table, fig = kv_whatif_run(app, s, native.run_id, ["full"], "window:sink=1,recent=2",
+                                    progress=lambda *a, **k: None)
     assert table["policy"].to_list() == ["full", "window:sink=1,recent=2"] and fig.data
-    msg, table, fig = run_fn(native.run_id, [], "nope<img src=x onerror=alert(1)>", progress=lambda *a, **k: None)
-    assert table is None and "<img" not in msg and "&lt;img" in msg
+    msg, table, fig = kv_whatif_run(app, s, native.run_id, [], "nope<img src=x onerror=alert(1)>",
+                                    progress=lambda *a, **k: None)
+    assert table.height == 0 and "<img" not in msg and "&lt;img" in msg

@@ -221,3 +221,30 @@ def test_topk_texts_come_from_a_fitting_tokenizer_the_app_passes(env):
     summary = json.loads(a.info["summary"]) | {"vocab_size": 10**9}
     info = a.info | {"checkpoint_sha256": "other", "model": "Elsewhere", "summary": json.dumps(summary)}
     assert app.tokenizer_for(info) is None
+
+
+def test_apps_hold_short_functions_no_sql_and_no_recording_machinery():
+    """Issue 24: one module per tab, no function in apps/ longer than about 80 lines, no SQL run and no process
+    or thread loop written there (the Record tab uses workbench.views.recording)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(app_mod.__file__).parent
+    files = sorted(root.rglob("*.py"))
+    assert {p.stem for p in (root / "tabs").glob("*.py")} >= {
+        "runs", "record", "run_view", "attention", "experts", "kv_cache", "kv_whatif", "code", "anomalies", "compare",
+        "replay", "sql", "batches", "search"}
+    for path in files:
+        text = path.read_text()
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert node.end_lineno - node.lineno + 1 <= 85, f"{path.name}:{node.name}"
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                assert not {"threading", "multiprocessing", "subprocess", "duckdb", "torch"} & set(names), path.name
+            if isinstance(node, ast.Attribute):
+                assert node.attr not in ("sql", "execute", "Thread"), f"{path.name}:{node.lineno}"
+    for tab in (anomalies, attention, batches, code, compare, experts, kv_cache, kv_whatif, replay, run_view, runs,
+                search, sql):
+        assert callable(tab.build)

@@ -707,7 +707,7 @@ def batch_entropy_figure(per_run: pl.DataFrame, batch_id: str = "", value: str =
     fig = go.Figure()
     for (layer,), grp in per_run.sort("layer", "head").group_by("layer", maintain_order=True):
         fig.add_trace(go.Box(x=[f"L{layer}H{h}" for h in grp["head"].to_list()], y=grp[value].to_list(),
-                             name=f"L{layer}", boxpoints="outliers",
+                             name=f"layer {layer}", boxpoints="outliers",
                              text=[html.escape(r) for r in grp["run_id"].to_list()],
                              hovertemplate="%{x}: %{y:.3f}<br>run %{text}<extra></extra>"))
     _layout(fig, f"Per-head {'normalised ' if value == 'norm_entropy' else ''}entropy across the runs of batch "
