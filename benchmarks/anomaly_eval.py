@@ -141,7 +141,7 @@ def names(kind: str, layer: int, index: int, f: dict) -> tuple[bool, bool]:
 
 
 def fault_eval(model, store, prompts: list[list[int]], args) -> list[dict]:
-    kinds = list(faults.KINDS) + list(EXTRA)
+    kinds = [k for k in list(faults.KINDS) + list(EXTRA) if not args.kinds or k in args.kinds.split(",")]
     results = []
     for n_kind, kind in enumerate(kinds):
         rng = random.Random(args.seed * 1000 + n_kind)
@@ -205,12 +205,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration-tokens", type=int, default=32)
     ap.add_argument("--min-effect", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kinds", default="", help="fault kinds to run (default: all of faults.KINDS and " + ",".join(EXTRA) + ")")
     ap.add_argument("--make-profile", action="store_true", help="rebuild the bundled profile first")
     ap.add_argument("--db", default=None, help="keep the runs in this database (default: a temporary one)")
-    ap.add_argument("--skip", default="", help="parts to skip: comma-separated of clean,tiny,faults")
+    ap.add_argument("--skip", default="", help="parts to skip: comma-separated of clean,tiny,faults,loop")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--merge", nargs="+", default=None,
+                    help="write the section from --json outputs of parts run separately (e.g. in parallel)")
     args = ap.parse_args(argv)
+    if args.merge:
+        parts = [json.loads(Path(f).read_text()) for f in args.merge]
+        got = {k: next((p[k] for p in parts if p.get(k)), [] if k != "loop" else {})
+               for k in ("clean", "tiny", "faults", "loop")}
+        text = markdown(got["clean"], got["tiny"], got["faults"], got["loop"], args,
+                        max(p.get("seconds", 0) for p in parts))
+        print(text)
+        if not args.no_write:
+            write_section(ROOT / "benchmarks" / "RESULTS.md", text, SECTION)
+        return 0
     skip = set(filter(None, args.skip.split(",")))
     t0 = time.perf_counter()
     model = load_adapter(None)
@@ -227,13 +240,14 @@ def main(argv: list[str] | None = None) -> int:
             run_ids, kinds = record_set(items, model, store, args.max_new_tokens)
             clean = clean_runs(store, run_ids, kinds)
             print(json.dumps(summary(clean)), flush=True)
-        demo = workbench.record((ROOT / "data" / "prompts" / "04_is_prime.txt").read_text(), model=model, db=store,
-                                max_new_tokens=64)
-        f = demo.findings()
-        loop = {"text": "".join(demo.tokens().filter(~pl.col("is_prompt"))["text"].to_list()),
-                "findings": [r for r in f.filter(pl.col("component") == "generation")["explanation"]],
-                "all": f.height, "tested": what_was_tested(store, demo.run_id)}
-        print(json.dumps(loop), flush=True)
+        if "loop" not in skip:
+            demo = workbench.record((ROOT / "data" / "prompts" / "04_is_prime.txt").read_text(), model=model,
+                                    db=store, max_new_tokens=64)
+            f = demo.findings()
+            loop = {"text": "".join(demo.tokens().filter(~pl.col("is_prompt"))["text"].to_list()),
+                    "findings": [r for r in f.filter(pl.col("component") == "generation")["explanation"]],
+                    "all": f.height, "tested": what_was_tested(store, demo.run_id)}
+            print(json.dumps(loop), flush=True)
         if "tiny" not in skip:
             tiny = tiny_clean(items, args, tmp)
             print(json.dumps(summary(tiny)), flush=True)
@@ -246,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(clean, tiny, results, loop, args, seconds)
     print(text)
     if args.json:
-        Path(args.json).write_text(json.dumps({"clean": clean, "tiny": tiny, "faults": results, "loop": loop}))
+        Path(args.json).write_text(json.dumps({"clean": clean, "tiny": tiny, "faults": results, "loop": loop,
+                                               "seconds": seconds}))
     if not args.no_write:
         write_section(ROOT / "benchmarks" / "RESULTS.md", text, SECTION)
         print("wrote the anomaly section of benchmarks/RESULTS.md")

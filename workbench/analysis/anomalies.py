@@ -26,9 +26,9 @@ value broke, since a component can fail both ways: blown up, or collapsed, gone,
 - ``overloaded_expert`` / ``dead_expert`` / ``starved_expert``: the tokens routed to an expert, against the
   profile's share, as binomial tests widened by the overdispersion clean runs of a similar length show (the
   95th percentile of the profile's ``load_dispersion``: tokens of one prompt route alike);
-  ``routing_collapse``: the layer's load concentration (G per degree of freedom against the profile shares)
-  against its distribution over the calibration runs, prompts of several kinds, so another kind of text is
-  not a collapse. A layer with few tokens simply cannot reach significance.
+  ``routing_collapse``: the layer's load concentration (``load_statistic``: (G - df) per routed slot against
+  the profile shares) against its distribution over the calibration runs, prompts of several kinds and
+  lengths, so another kind of text is not a collapse. A layer with few tokens simply cannot reach significance.
 - ``repetition`` (no test: read off the generated ids, severity warning): a loop, a repeated n-gram, a verbatim
   copy of a span of the prompt (``repetition``);
 - ``non_finite``: NaN or Inf in a recorded signal: always critical (no test needed).
@@ -56,7 +56,8 @@ import numpy as np
 import polars as pl
 from scipy.stats import binom, chi2, false_discovery_control, norm
 
-from workbench.analysis.baseline import BUCKETS, PROBS, bucket_of, load_profile, load_statistic, tail_p
+from workbench.analysis.baseline import (BUCKETS, PROBS, bucket_of, load_profile, load_statistic, resid_growth,
+                                         tail_p)
 from workbench.analysis.repetition import covered_positions, spans
 from workbench.data import query
 from workbench.data.schema import columns
@@ -80,13 +81,13 @@ WORDS = {
     "entropy_spike": "layer {layer} head {head} at {pos}: normalised attention entropy {v:.3f}",
     "entropy_collapse": "layer {layer} head {head} at {pos}: normalised attention entropy {v:.3f}",
     "entropy_shift": "layer {layer} head {head} at {pos}: normalised attention entropy {v:.3f}",
-    "resid_norm_outlier": "layer {layer} at {pos}: residual-stream norm {v:.3g} after the block",
+    "resid_norm_outlier": "layer {layer} at {pos}: the residual stream's norm changed x{v:.3g} over the block",
     "kv_norm_outlier": "layer {layer}: cached KV norm {v:.3g} of the token at {pos}",
     "head_norm_outlier": "layer {layer} head {head} at {pos}: output norm {v:.3g}",
     "overloaded_expert": "layer {layer} expert {expert}: chosen by {v:.0f} tokens",
     "dead_expert": "layer {layer} expert {expert}: chosen by no token",
     "starved_expert": "layer {layer} expert {expert}: chosen by only {v:.0f} tokens",
-    "routing_collapse": "layer {layer}: expert load concentrated (G = {v:.3f} per routed slot)",
+    "routing_collapse": "layer {layer}: expert load concentrated ((G - df) per routed slot {v:.3f})",
 }
 
 
@@ -230,14 +231,12 @@ class Baseline:
             basis[idx] = NO_PROFILE
         return p, list(side), list(basis)
 
-    def dispersion(self, layer: int, n_tok: int) -> np.ndarray | None:
-        """The calibration's quantiles of a run's load statistic (G per degree of freedom) for ``layer``,
-        at the run's token-count bucket (nearest calibrated one), or None."""
+    def dispersion(self, layer: int) -> np.ndarray | None:
+        """The calibration's quantiles of a run's load concentration (``load_statistic``) at ``layer``, or None."""
         d = self.cells("load_dispersion", min_n=8)  # one value per calibration run
         if d.height == 0 or "quantiles" not in d.columns:
             return None
-        b = int(pl.select(bucket_of(pl.lit(max(n_tok, 1)))).item())
-        d = d.filter((pl.col("layer") == layer) & (pl.col("bucket") == b) & pl.col("quantiles").is_not_null())
+        d = d.filter((pl.col("layer") == layer) & pl.col("quantiles").is_not_null())
         return np.asarray(d["quantiles"][0], dtype=np.float64) if d.height else None
 
     def shares(self, layer: int, n_experts: int) -> tuple[np.ndarray, bool]:
@@ -312,11 +311,12 @@ def entropy_shift_tests(attention: pl.DataFrame, reference: pl.DataFrame, min_po
 
 
 def resid_tests(resid: pl.DataFrame, base: Baseline, min_positions: int = 8) -> pl.DataFrame:
-    """``resid_norm_outlier``: the residual norm after every block at every position (two-sided: a block that
-    blows the stream up, or one whose contribution went missing)."""
-    r = resid.filter(_finite("norm")).with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"), _log("norm", "_log"))
-    p, side, basis = base.judge(r, "log_resid_norm", "_log", ["layer", "bucket"], "two", min_positions, LOG_TAIL)
-    return _tests(kind="resid_norm_outlier", pos=r["pos"], layer=r["layer"], value=r["norm"], p=p, side=side,
+    """``resid_norm_outlier``: what every block did to the residual norm at every position, the log ratio of
+    the norm after it to the norm before it (two-sided: a block that blows the stream up, or one whose
+    contribution went missing; the token's own scale cancels, so the first block out of range is the one)."""
+    r = resid_growth(resid.filter(_finite("norm"))).with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"))
+    p, side, basis = base.judge(r, "log_resid_growth", "growth", ["layer", "bucket"], "two", min_positions, LOG_TAIL)
+    return _tests(kind="resid_norm_outlier", pos=r["pos"], layer=r["layer"], value=r["growth"].exp(), p=p, side=side,
                   basis=basis)
 
 
@@ -343,12 +343,12 @@ def kv_tests(kv_tokens: pl.DataFrame, base: Baseline, min_positions: int = 8) ->
 def expert_tests(routing: pl.DataFrame, n_experts: int, base: Baseline, exclude: set[int] | None = None) -> pl.DataFrame:
     """Per (layer, expert): ``overloaded_expert`` (chosen by far more tokens than the profile's share) and
     ``dead_expert`` / ``starved_expert`` (chosen by none / far fewer); per layer ``routing_collapse``: the load's
-    concentration (G per degree of freedom) against its distribution over the clean calibration runs of a
-    similar length (prompts of several kinds: another kind of text is not a collapse).
+    concentration (``load_statistic``) against its distribution over the clean calibration runs (prompts of
+    several kinds and lengths: another kind of text is not a collapse).
 
-    Tokens of one prompt route alike, so the expert counts are widened by the 95th percentile of the
-    calibration's load statistic (overdispersion) at the run's length; a layer with few tokens simply cannot
-    reach significance. Without a profile: a uniform load, plain binomial and chi-squared tests (info only).
+    Tokens of one prompt route alike, so the expert counts are widened by the overdispersion a run of this
+    length would show at the calibration's 95th-percentile concentration; a layer with few tokens simply
+    cannot reach significance. Without a profile: a uniform load, plain binomial and chi-squared tests (info only).
     ``exclude``: positions left out (inside repetition loops: their routing repeats with their tokens).
     """
 
@@ -363,9 +363,9 @@ def expert_tests(routing: pl.DataFrame, n_experts: int, base: Baseline, exclude:
         chosen = np.bincount(g.unique(["pos", "expert"])["expert"].to_numpy(), minlength=n_experts)[:n_experts]
         slots = np.bincount(g["expert"].to_numpy(), minlength=n_experts)[:n_experts]
         share, profiled = base.shares(int(layer), n_experts)
-        disp = base.dispersion(int(layer), n_tok) if profiled else None
-        # G / df of a run at the calibration's 95th-percentile concentration: the overdispersion at this length
-        phi = max(float(np.interp(0.95, PROBS, disp)) * g.height / max(n_experts - 1, 1), 1.0) \
+        disp = base.dispersion(int(layer)) if profiled else None
+        # G / df of a run of this length at the calibration's 95th-percentile concentration: the overdispersion
+        phi = 1.0 + max(float(np.interp(0.95, PROBS, disp)), 0.0) * g.height / max(n_experts - 1, 1) \
             if disp is not None else 1.0
         basis = ("the baseline profile" if disp is not None else "the baseline profile's shares (no load statistics)") \
             if profiled else "a uniform load (no baseline profile for this model)"
@@ -380,7 +380,7 @@ def expert_tests(routing: pl.DataFrame, n_experts: int, base: Baseline, exclude:
                          "value": float(chosen[e]), "p": float(under[e]), "side": "low", "basis": basis})
         stat = load_statistic(slots.astype(np.float64), share)
         p = float(tail_p(np.array([stat]), disp)[0]) if disp is not None else \
-            float(chi2.sf(stat * g.height, n_experts - 1))
+            float(chi2.sf(stat * g.height + n_experts - 1, n_experts - 1))
         rows.append({"kind": "routing_collapse", "layer": layer, "value": stat, "p": p, "side": "high",
                      "basis": basis})
     return pl.DataFrame(rows, schema=TESTS)

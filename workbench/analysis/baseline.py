@@ -9,11 +9,11 @@ probabilities against it (``tail_p``). Signals:
 - ``confidence`` and ``surprise`` (-logprob) of generated tokens, per position bucket;
 - ``margin``: the router's margin (slot 0 rows), per MoE layer;
 - ``expert_share``: each expert's share of a layer's routed slots (``mean``; ``n`` = slots seen);
-- ``load_dispersion``: per MoE layer x run-length bucket (routed tokens), the distribution over calibration
-  runs of a run's load concentration (G per degree of freedom against the pooled shares);
+- ``load_dispersion``: per MoE layer, the distribution over calibration runs of a run's load concentration
+  (``load_statistic``: (G - df) per routed slot against the pooled shares, about twice the KL divergence);
 - ``latent_norm`` / ``log_latent_norm``: cached KV norms at the last step (and their logs), per layer;
 - ``resid_norm`` / ``log_resid_norm``: the residual stream's norm after each block (and its log), per layer x
-  position bucket;
+  position bucket; ``log_resid_growth``: its log change over each block (``resid_growth``);
 - ``head_norm`` / ``log_head_norm``: each attention head's output norm (and its log), per layer x head.
 
 The detectors judge norms on the log scale (``log_*``: light tails, a vanished output far down the lower tail);
@@ -106,6 +106,7 @@ def build_profile(store: Store, run_ids: list[str]) -> pl.DataFrame:
         rn = rn.with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"))
         parts.append(_cells(rn, "resid_norm", "norm", ["layer", "bucket"]))
         parts.append(_cells(rn.with_columns(_log("norm")), "log_resid_norm", "norm", ["layer", "bucket"]))
+        parts.append(_cells(resid_growth(rn), "log_resid_growth", "growth", ["layer", "bucket"]))
     if hn.height:
         parts.append(_cells(hn, "head_norm", "norm", ["layer", "head"]))
         parts.append(_cells(hn.with_columns(_log("norm")), "log_head_norm", "norm", ["layer", "head"]))
@@ -113,13 +114,23 @@ def build_profile(store: Store, run_ids: list[str]) -> pl.DataFrame:
 
 
 def load_statistic(chosen_slots: np.ndarray, share: np.ndarray) -> float:
-    """A layer's load concentration: G of its slot counts against expected shares per routed slot (twice the
-    KL divergence of the run's load from the shares), so runs of any length compare (the profile's
-    ``load_dispersion`` is its distribution over clean calibration runs)."""
+    """A layer's load concentration: G of its slot counts against expected shares, less its degrees of freedom
+    (what independent draws would give), per routed slot: an estimate of twice the KL divergence of the run's
+    load from the shares that does not grow or shrink with the run's length (the profile's ``load_dispersion``
+    is its distribution over clean calibration runs)."""
     expected = chosen_slots.sum() * share
     nz = chosen_slots > 0
     g = float(2 * (chosen_slots[nz] * np.log(chosen_slots[nz] / expected[nz])).sum())
-    return g / max(float(chosen_slots.sum()), 1.0)
+    return (g - (len(share) - 1)) / max(float(chosen_slots.sum()), 1.0)
+
+
+def resid_growth(rn: pl.DataFrame) -> pl.DataFrame:
+    """``growth``: log of the residual norm after a block minus after the block before (after layer 0: its log
+    norm), per position: what one block did to the stream, with the token's own scale cancelled."""
+    keys = [k for k in ("run_id", "pos") if k in rn.columns]
+    return rn.sort(*keys, "layer").with_columns(
+        (pl.col("norm").clip(lower_bound=1e-30).log()
+         - pl.col("norm").clip(lower_bound=1e-30).log().shift(1).over(keys).fill_null(0.0)).alias("growth"))
 
 
 def _log(col: str) -> pl.Expr:
@@ -129,9 +140,8 @@ def _log(col: str) -> pl.Expr:
 
 
 def _dispersion(rt: pl.DataFrame, share: pl.DataFrame, n_experts: int) -> pl.DataFrame:
-    """``load_dispersion`` per MoE layer and run-length bucket (the run's routed tokens): quantiles over the
-    calibration runs of a run's load concentration (``load_statistic``, positions inside repetition loops left
-    out). Tokens of one prompt route alike, and prompts of different kinds route differently; the detectors
+    """``load_dispersion`` per MoE layer: quantiles over the calibration runs of a run's load concentration
+    (``load_statistic``, positions inside repetition loops left out). Tokens of one prompt route alike, and prompts of different kinds route differently; the detectors
     judge a run's concentration against this distribution, and widen their per-expert count tests by its 95th
     percentile."""
     rows = []
@@ -142,9 +152,8 @@ def _dispersion(rt: pl.DataFrame, share: pl.DataFrame, n_experts: int) -> pl.Dat
         p /= p.sum()
         for (run,), r in g.group_by("run_id"):
             c = np.bincount(r["expert"].to_numpy(), minlength=n_experts)[:n_experts].astype(np.float64)
-            rows.append({"layer": int(layer), "n_tok": r["pos"].n_unique(), "stat": load_statistic(c, p)})
-    df = pl.DataFrame(rows).with_columns(bucket_of(pl.col("n_tok")).alias("bucket"))
-    return _cells(df, "load_dispersion", "stat", ["layer", "bucket"])
+            rows.append({"layer": int(layer), "stat": load_statistic(c, p)})
+    return _cells(pl.DataFrame(rows), "load_dispersion", "stat", ["layer"])
 
 
 def save_profile(store: Store, sha: str, rows: pl.DataFrame, source: str) -> int:
