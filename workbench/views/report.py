@@ -28,6 +28,8 @@ import polars as pl
 from plotly.offline import get_plotlyjs
 
 from workbench.analysis.anomalies import what_was_tested
+from workbench.analysis.codeview import code_view, run_compile_check
+from workbench.analysis.findings import group_findings
 from workbench.data import query
 from workbench.data.schema import SCHEMA_VERSION
 from workbench.views.session import RunFrames
@@ -127,7 +129,6 @@ def _findings(run, anomalies, rep: Report):
     if anomalies is None:
         return None
     try:
-        from workbench.analysis.findings import group_findings
         s = run.model_summary
         return group_findings(anomalies, run.routing(), shared_experts=bool(s.n_shared_experts))
     except Exception as e:  # noqa: BLE001 - a report still comes out
@@ -140,7 +141,6 @@ def _code_facts(rep: Report, toks: pl.DataFrame) -> None:
     if toks.height == 0:
         return
     try:
-        from workbench.analysis.codeview import code_view, run_compile_check
         rep.facts["code"] = {"compile": _plain(run_compile_check(toks)), "classes": _records(code_view(toks))}
     except Exception as e:  # noqa: BLE001 - a report still comes out
         rep.notes.append(f"code view failed: {type(e).__name__}: {e}")
