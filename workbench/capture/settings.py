@@ -73,12 +73,6 @@ class RecordSettings:
         return dataclasses.replace(base, **kw) if kw else base
 
     @classmethod
-    def split(cls, kw: dict) -> tuple[RecordSettings, dict]:
-        """(the settings among ``kw``'s keys, the other keys): for callers that pass settings as keywords."""
-        mine = {k: v for k, v in kw.items() if k in cls.names()}
-        return cls.of(**mine), {k: v for k, v in kw.items() if k not in mine}
-
-    @classmethod
     def of_run(cls, info: dict) -> RecordSettings:
         """The settings a recorded run ran with, from its ``runs`` row (``params`` and ``seed``), to run it again
         (replay). The dtype and backend are the reloaded model's own (``resolve.load_for_run``)."""
