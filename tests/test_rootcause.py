@@ -134,8 +134,11 @@ def test_root_cause_on_a_recorded_run(tiny, tmp_path):
                               "method"]
     assert df["rank"].to_list() == list(range(1, df.height + 1))
     assert set(df["kind"]) == {"token", "head", "expert", "shared_expert", "router"}
-    scores = df["score"].abs().to_list()
-    assert scores == sorted(scores, reverse=True)
+    # no reference, no profile: components (by ablation) and tokens (by IG) take turns, each in its own order
+    for part in (df.filter(pl.col("kind") == "token"), df.filter(pl.col("kind") != "token")):
+        scores = part["score"].abs().to_list()
+        assert scores == sorted(scores, reverse=True)
+    assert df["kind"].head(4).to_list()[1::2] == ["token", "token"] and "token" not in df["kind"].head(4)[::2]
     tok = df.filter(pl.col("kind") == "token")
     assert sorted(tok["source_pos"].to_list()) == list(range(pos))
     assert set(tok["method"]) == {"ig_routing_frozen"} and tok["delta"].is_not_null().all()
@@ -298,3 +301,81 @@ def test_suspects_put_what_a_finding_names_first():
     assert s.select("kind", "layer", "expert").rows()[:2] == [("expert", 1, 3), ("router", 1, None)]
     assert s["rank"].to_list() == [1, 2, 3, 4] and s["cause_rank"][2] == 1  # the rest keep their order
     assert suspects(causes, f.clear())["kind"].to_list() == ["head", "head", "expert", "router"]
+
+
+# -- activation patching, the fault registry ---------------------------------------------------------------------
+def _lp(a, ids, target) -> float:
+    with torch.no_grad():
+        return float(torch.log_softmax(a.forward(ids)[0, -1].float(), -1)[target])
+
+
+def test_patching_the_residual_stream_gives_the_reference_logprob(tiny, ids):
+    import copy
+
+    from workbench.analysis.patching import patch_causes
+    from workbench.capture.adapters import adapter_for
+
+    a, clean = adapter_for(tiny), adapter_for(copy.deepcopy(tiny))
+    target = _target(tiny, ids)
+    with faults.break_head(tiny, 0, 1, scale=5.0):
+        f_run = _lp(a, ids, target)
+        sites, score, restored, gap, stats = patch_causes(a, ids, target, clean, ids, top_layers=2)
+    f_ref = _lp(clean, ids, target)
+    assert gap == pytest.approx(f_ref - f_run, abs=1e-5) and abs(gap) > 0.05
+    row = {k: n for n, k in enumerate(sites)}
+    # identity: the whole residual stream after the last layer from the reference is the reference's logprob
+    # (resid rows are marginal: their sum over layers is the last layer's restoration)
+    resid = sum(restored[row[("resid", i, None, None, None)]] for i in range(tiny.args.n_layers))
+    assert resid == pytest.approx(1.0, abs=1e-4)
+    assert restored[row[("head", 0, 1, None, None)]] == pytest.approx(1.0, abs=1e-4)
+    # components the fault did not touch: nothing to restore (heads of layer 0 feed nothing the fault changed)
+    for h in (0, 2, 3):
+        assert abs(restored[row[("head", 0, h, None, None)]]) < 1e-4
+    assert abs(restored[row[("unembed", None, None, None, None)]]) < 1e-4
+    assert stats.layers[0] == 0 and stats.forwards >= 4
+
+
+def test_every_fault_kind_changes_the_output_and_is_undone(tiny, ids):
+    from workbench.capture.adapters import adapter_for
+
+    a = adapter_for(tiny)
+    with torch.no_grad():
+        base = a.forward(ids)
+    assert len(faults.KINDS) >= 10
+    for name, kind in faults.KINDS.items():
+        layer = kind.layers(a)[0]
+        index = int(ids[0, 3]) if kind.index == "token" else 1
+        with torch.no_grad(), kind(a, layer, index):
+            broken = a.forward(ids)
+        with torch.no_grad():
+            after = a.forward(ids)
+        assert (broken - base).abs().max() > 1e-3, name
+        assert torch.equal(after, base), name
+    with pytest.raises(ValueError, match="dense layer"), faults.KINDS["starved"](a, 0, 1):
+        pass
+
+
+@pytest.mark.parametrize("kind,layer,index", [("norm", 1, 0), ("expert_flip", 1, None), ("starved", 1, None),
+                                              ("rotary", 1, 0), ("kv_latent", 0, 5)])
+def test_hierarchical_descent_finds_the_fault(tiny, ids, kind, layer, index):
+    import copy
+
+    from workbench.analysis.patching import patch_causes
+    from workbench.analysis.rootcause import rank_patching
+    from workbench.capture.adapters import adapter_for
+
+    a, clean = adapter_for(tiny), adapter_for(copy.deepcopy(tiny))
+    fk = faults.KINDS[kind]
+    if index is None:  # the expert the explained (last) position is routed to first
+        index = int(a.routing_of(ids)[layer][-1, 0])
+    with torch.no_grad():
+        lp0 = torch.log_softmax(a.forward(ids)[0, -1], -1)
+        with fk(a, layer, index):
+            lp1 = torch.log_softmax(a.forward(ids)[0, -1], -1)
+    target = int((lp1 - lp0).abs().argmax())  # the token the fault moved most
+    with fk(a, layer, index):
+        sites, score, restored, gap, stats = patch_causes(a, ids, target, clean, ids, top_layers=1)
+    df = rank_patching(sites, score, restored, ids.size(1))
+    assert stats.layers == [layer]
+    top = df.head(3).to_dicts()
+    assert any(fk.names(r, layer, index) and r["kind"] in fk.culprit for r in top), (kind, top)

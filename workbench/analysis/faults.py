@@ -306,24 +306,36 @@ def push_affinity(model, layer: int, expert: int, amount: float = 1.0, gain: flo
     return _edited(w, edit)
 
 
+def _block_output(a: Adapter, layer: int, fn: Callable) -> list:
+    """Hooks that replace block ``layer``'s output by ``fn(output, block input)``; where the block ends in a
+    ``hook_resid_post`` seam (ours) the edit goes there, so what the resid_post seam reports is the edited stream."""
+    block = a.parts(layer)["block"]
+    seen: dict = {}
+
+    def pre(_m, args, kwargs):
+        seen["x"] = args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
+
+    end = getattr(block, "hook_resid_post", None)
+    handles = [block.register_forward_pre_hook(pre, with_kwargs=True)]
+    if end is not None:
+        handles.append(end.register_forward_hook(lambda _m, _a, out: fn(out, seen["x"]), prepend=True))
+    else:
+        handles.append(block.register_forward_hook(lambda _m, _a, out: _replace_first(out, fn(_first(out), seen["x"]))))
+    return handles
+
+
 def scale_resid(model, layer: int, scale: float = 3.0) -> contextlib.AbstractContextManager:
     """Multiply the residual stream after block ``layer`` by ``scale``."""
     a = adapter_for(model)
     _check_layer(a, layer)
-    block = a.parts(layer)["block"]
-    return _hooked([block.register_forward_hook(lambda _m, _a, out: _replace_first(out, _first(out) * scale))])
+    return _hooked(_block_output(a, layer, lambda out, _x: out * scale))
 
 
 def skip_layer(model, layer: int) -> contextlib.AbstractContextManager:
     """Block ``layer`` passes its input on unchanged (the whole layer is gone)."""
     a = adapter_for(model)
     _check_layer(a, layer)
-    block = a.parts(layer)["block"]
-
-    def hook(_m, args, kwargs, out):
-        x = args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
-        return _replace_first(out, x)
-    return _hooked([block.register_forward_hook(hook, with_kwargs=True)])
+    return _hooked(_block_output(a, layer, lambda _out, x: x))
 
 
 def _token_row(a: Adapter, token: int) -> None:
@@ -358,7 +370,7 @@ class FaultKind:
         name: its key in ``KINDS``.
         index: what ``index`` selects ("head", "expert", "channel", "token") or None (unused).
         where: the layers it applies to: "any", "moe" (MoE layers), "shared" (MoE layers with shared experts),
-            "model" (not a layer: ``layer`` is ignored, pass 0).
+            "not_last" (every layer but the last), "model" (not a layer: ``layer`` is ignored, pass 0).
         strength: the default scale, amount or factor.
         culprit: the root-cause kinds (``root_cause``'s ``kind`` column) that name it, at its layer and index.
         layer_wide: a whole-layer fault: a row of ``LAYER_ROWS`` at its layer names it too.
@@ -386,6 +398,8 @@ class FaultKind:
             return list(summ.moe_layers)
         if self.where == "shared":
             return list(summ.moe_layers) if summ.n_shared_experts else []
+        if self.where == "not_last":  # the final norm undoes a scale of the last block's output
+            return list(range(summ.n_layers - 1))
         return list(range(summ.n_layers))
 
     def n_index(self, model, layer: int) -> int:
@@ -446,7 +460,7 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in [
               doc="the router never chooses one expert"),
     FaultKind("router_affinity", lambda m, l, i, s: push_affinity(m, l, i, amount=s), "expert", "moe", 1.0,
               ("router", "expert"), doc="one expert's router row pushed toward another expert's"),
-    FaultKind("resid", lambda m, l, i, s: scale_resid(m, l, scale=s), None, "any", 3.0, ("resid",), True,
+    FaultKind("resid", lambda m, l, i, s: scale_resid(m, l, scale=s), None, "not_last", 3.0, ("resid",), True,
               doc="the residual stream after one block multiplied"),
     FaultKind("layer", lambda m, l, i, s: skip_layer(m, l), None, "any", None, (), True,
               doc="one whole block skipped"),

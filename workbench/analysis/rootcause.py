@@ -35,8 +35,28 @@ is its IG attribution (the token rows of a frozen run add up to f(x) - f(baselin
 f(x) - f(x without it), the drop in the target's logprob when it is removed (negative: removing it
 would make the token more likely). Rows are ranked by absolute score (rank 1 = most responsible).
 
+Without a reference, one more kind of evidence: how unusual each component's activations are against the
+model's baseline profile (workbench.analysis.baseline, ``load_profile``; rows of method ``profile``), two-sided,
+from the signals the run recorded over the explained token's context: a head's output norm (``head_norm``,
+too large or too small, a dead head; every head of a layer off the same way: kind ``attn_block``), the residual norm after each block (``resid_norm``, scored by the jump
+from the block before, so a layer-wide fault stands out at its own layer: kind ``resid``), the cached KV
+latent's norm (``latent_norm``, kind ``kv_latent``) and each expert's share of its layer's routed slots
+(``expert_share``: an expert never chosen where the profile expects it, or chosen far more often). A profile
+row's score is its surprise in nats, signed (+ too large, - too small): z^2 / 2 for a Gaussian cell
+(z = (mean over the context - profile mean) / profile std), the Poisson log-likelihood ratio
+k log(k / m) - k + m for k slots where m were expected.
+
+The ranking rule without a reference, so that no kind of row crowds out another: three lists, each ordered
+by its own |score| (profile rows with at least 2 nats of surprise, components by ablation, source tokens
+by IG), take turns: rank 1 is the most unusual component, rank 2 the component whose removal moves the
+target most, rank 3 the most responsible token, then round again (a list that runs out drops out;
+profile rows under 2 nats follow at the end). A token's +6 nats can then never push every component out of
+the top 3, nor a component every token.
+
 Against a reference (``reference=``: a known-good run, module or checkpoint of the same architecture,
-e.g. the model before a fine-tune, quantisation or routing change): the same attributions are computed
+e.g. the model before a fine-tune, quantisation or routing change) the default is activation patching
+(workbench.analysis.patching: which component, taken from the reference, gives the token back; columns
+score and restored). With ``method="attribution_diff"`` the same attributions are computed
 under the reference model on this run's tokens and subtracted, so a score says how much more (or
 less) that token or component pushes the target here than in the reference. Components that matter
 as much in both (the model's ordinary machinery) cancel; what changed stands out, even when the
@@ -55,6 +75,7 @@ import polars as pl
 import torch
 from captum.attr import FeatureAblation, LayerIntegratedGradients
 
+from workbench.analysis.baseline import bucket_of, load_profile
 from workbench.analysis.patching import patch_causes
 from workbench.capture.adapters import Adapter, Route, adapter_for, load_adapter
 from workbench.capture.resolve import load_for_run
@@ -350,6 +371,89 @@ def ig_check(df: pl.DataFrame, steps: int | None = None, tolerance: float = 0.05
             f"f(x) - f(baseline) = {gap:+.3g} (over {tolerance:.0%}){more}")
 
 
+SIGNIFICANT = 2.0  # nats of surprise: profile rows under it follow the interleaved ranking instead of leading it
+
+
+def _surprise(z: np.ndarray) -> np.ndarray:
+    return np.sign(z) * z * z / 2
+
+
+def profile_evidence(store, run_id: str, pos: int, profile: pl.DataFrame) -> list[tuple[tuple, float]]:
+    """((kind, layer, head, expert, source_pos), signed surprise in nats) of every component the profile covers,
+    from the run's recorded signals over the context of the token at ``pos`` (positions < pos)."""
+    out: list[tuple[tuple, float]] = []
+
+    def cells(signal: str) -> pl.DataFrame:
+        return profile.filter(pl.col("signal") == signal).select(
+            "layer", "head", "expert", "bucket", "mean", pl.col("std").clip(lower_bound=1e-6))
+
+    def read(table: str) -> pl.DataFrame:
+        got = query.signal(store, table, run_id)  # empty for a run recorded without that probe
+        return got.filter(pl.col("pos") < pos) if got.height else got
+
+    hn, hp = read("head_norm"), cells("head_norm")
+    if hn.height and hp.height:
+        z = hn.join(hp.drop("expert", "bucket"), on=["layer", "head"]).group_by("layer", "head").agg(
+            ((pl.col("norm") - pl.col("mean")) / pl.col("std")).mean().alias("z")).sort("layer", "head")
+        out += [(("head", r["layer"], r["head"], None, None), float(_surprise(np.array(r["z"]))))
+                for r in z.iter_rows(named=True)]
+        # every head of a layer off together: the attention block (its norm, rotation or KV latent), not a head
+        both = z.group_by("layer").agg(pl.col("z").mean().alias("m"), (pl.col("z").sign().abs().sum()
+                                                                        == pl.col("z").sign().sum().abs()).alias("same"))
+        out += [(("attn_block", layer, None, None, None), float(_surprise(np.array(m))))
+                for layer, m, same in both.sort("layer").iter_rows() if same]
+    rn, rp = read("resid_norm"), cells("resid_norm")
+    if rn.height and rp.height:
+        rn = rn.with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"))
+        z = rn.join(rp.drop("head", "expert"), on=["layer", "bucket"]).group_by("layer").agg(
+            ((pl.col("norm") - pl.col("mean")) / pl.col("std")).mean().alias("z")).sort("layer")
+        prev = 0.0
+        for layer, zl in z.iter_rows():  # the jump from the block before: where the stream went off
+            out.append((("resid", layer, None, None, None), float(_surprise(np.array(zl - prev)))))
+            prev = zl
+    kv, kp = read("kv_tokens"), cells("latent_norm")
+    if kv.height and kp.height:
+        kv = kv.filter(pl.col("step") == pl.col("step").min())  # the prefill's cache: the prompt's tokens
+        z = kv.join(kp.drop("head", "expert", "bucket"), on="layer").group_by("layer").agg(
+            ((pl.col("latent_norm") - pl.col("mean")) / pl.col("std")).mean().alias("z")).sort("layer")
+        out += [(("kv_latent", layer, None, None, None), float(_surprise(np.array(zl)))) for layer, zl in z.iter_rows()]
+    rt, ep = read("routing"), cells("expert_share")
+    if rt.height and ep.height:
+        slots = rt.group_by("layer").agg(pl.len().alias("slots"))
+        got = rt.group_by("layer", "expert").agg(pl.len().alias("k"))
+        z = ep.select("layer", "expert", "mean").join(slots, on="layer").join(got, on=["layer", "expert"], how="left")
+        for layer, expert, share, n, k in z.select("layer", "expert", "mean", "slots", "k").sort(
+                "layer", "expert").iter_rows():
+            m, k = max(share * n, 1e-9), float(k or 0)
+            llr = (k * np.log(k / m) if k else 0.0) - k + m  # Poisson log-likelihood ratio
+            out.append((("expert", layer, None, expert, None), float(np.sign(k - m) * llr)))
+    return out
+
+
+def interleave(df: pl.DataFrame, evidence: list[tuple[tuple, float]]) -> pl.DataFrame:
+    """The no-reference ranking rule (module doc): profile rows, components and tokens take turns."""
+    prof = pl.DataFrame({
+        "target_pos": [int(df["target_pos"][0])] * len(evidence) if df.height else [],
+        "kind": [k[0] for k, _ in evidence], "layer": [k[1] for k, _ in evidence], "head": [k[2] for k, _ in evidence],
+        "expert": [k[3] for k, _ in evidence], "source_pos": [k[4] for k, _ in evidence],
+        "score": [v for _, v in evidence], "method": ["profile"] * len(evidence), "delta": [None] * len(evidence),
+        "restored": [None] * len(evidence)}, schema=_SCHEMA)
+    key = pl.col("score").fill_nan(None).abs()
+    prof = prof.sort(key, descending=True, nulls_last=True, maintain_order=True)
+    lists = [prof.filter(key >= SIGNIFICANT),
+             df.filter(pl.col("kind") != "token").sort(key, descending=True, nulls_last=True, maintain_order=True),
+             df.filter(pl.col("kind") == "token").sort(key, descending=True, nulls_last=True, maintain_order=True)]
+    order, at = [], [0, 0, 0]
+    while any(at[i] < lists[i].height for i in range(3)):
+        for i in range(3):
+            if at[i] < lists[i].height:
+                order.append(lists[i][at[i]])
+                at[i] += 1
+    order.append(prof.filter(~(key >= SIGNIFICANT) | key.is_null()))
+    frame = pl.concat([f.select(list(_SCHEMA)) for f in order], how="vertical")
+    return frame.with_columns(pl.arange(1, frame.height + 1, dtype=pl.Int32).alias("rank")).select(COLUMNS)
+
+
 def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, mode: str = "auto",
                batch_size: int = 16, baseline_token: int = 0, save: bool = True, reference=None,
                method: str | None = None, top_layers: int = 2) -> pl.DataFrame:
@@ -425,6 +529,9 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
         effects = effects - component_ablation(ref, ref_ids, target, batch_size=batch_size)[1]
         scores, delta, suffix = scores - r_scores, delta - r_delta, "_vs_reference"
     df = rank_causes(scores, token_method + suffix, delta, comps, effects, pos, "ablation" + suffix)
+    if ref is None:
+        profile = load_profile(store, info.get("checkpoint_sha256"))
+        df = interleave(df, profile_evidence(store, run_id, pos, profile) if profile is not None else [])
     if save:
         _save(store, run_id, pos, df)
     return df
