@@ -26,12 +26,12 @@ from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-import workbench  # noqa: E402
-from workbench.data.store import Store  # noqa: E402
+import workbench
+from workbench.data.store import Store
 
 # the store_scale.py of the checkout whose workbench is imported (for its store builder and its old views)
 sys.path.insert(0, str(Path(workbench.__file__).resolve().parents[1] / "benchmarks"))
-import store_scale  # noqa: E402
+import store_scale
 
 
 def new_chain(store: Store):

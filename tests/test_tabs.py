@@ -13,8 +13,21 @@ from helpers import tiny_model
 import workbench
 from workbench.apps import app as app_mod
 from workbench.apps.shared import AppContext
-from workbench.apps.tabs import (anomalies, attention, batches, code, compare, experts, kv_cache, kv_whatif, replay,
-                                 run_view, runs, search, sql)
+from workbench.apps.tabs import (
+    anomalies,
+    attention,
+    batches,
+    code,
+    compare,
+    experts,
+    kv_cache,
+    kv_whatif,
+    replay,
+    run_view,
+    runs,
+    search,
+    sql,
+)
 from workbench.data import query
 from workbench.model import load_tokenizer
 from workbench.views import figures

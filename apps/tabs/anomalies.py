@@ -7,9 +7,9 @@ from functools import partial
 import gradio as gr
 import polars as pl
 
-from workbench.apps.shared import AppContext, Page, empty_table, fail, md_text, table
 from workbench.analysis.anomalies import select as select_anomalies
 from workbench.analysis.anomalies import what_was_tested
+from workbench.apps.shared import AppContext, Page, empty_table, fail, md_text, table
 from workbench.views.session import Session
 
 FINDING_COLUMNS = ["rank", "severity", "explanation", "component", "layer", "head", "expert", "pos_start", "pos_end",

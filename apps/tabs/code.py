@@ -6,8 +6,8 @@ from functools import partial
 import gradio as gr
 import polars as pl
 
-from workbench.apps.shared import READ, AppContext, Page, empty_table, fail, frames_of, md_text, table
 from workbench.analysis.codeview import code_view, run_compile_check, token_classes
+from workbench.apps.shared import READ, AppContext, Page, empty_table, fail, frames_of, md_text, table
 from workbench.views.session import Session
 
 CODE_COLOR_MAP = {"keyword": "#c77dff", "name": "#a2d2ff", "number": "#ffb703", "string": "#95d5b2",

@@ -7,8 +7,8 @@ from functools import partial
 import gradio as gr
 import polars as pl
 
-from workbench.apps.shared import AppContext, Page, empty_table, fail, md_text, table
 from workbench.analysis.diff import diff_runs
+from workbench.apps.shared import AppContext, Page, empty_table, fail, md_text, table
 
 COLUMNS = ["what", "value"]
 FIGURES = [("confidence", "Confidence of both runs along positions"), ("delta", "Change in logprob and confidence"),

@@ -5,7 +5,7 @@ from functools import partial
 
 import gradio as gr
 
-from workbench.apps.shared import AppContext, Page, frames_of
+from workbench.apps.shared import AppContext, Page, error_text, frames_of
 from workbench.views.session import Session
 
 
@@ -16,11 +16,11 @@ def kv_views(app: AppContext, s: Session, run_id: str | None, layer: str | None)
         return None, None
     text = str(layer or "").strip()
     if text not in ("", "all") and not text.isdigit():
-        raise gr.Error(f"layer must be a number or empty, not {text[:40]!r}".replace("<", "&lt;"))
+        raise gr.Error(error_text(f"layer must be a number or empty, not {text[:40]!r}"))
     try:
         received = f.fig_kv_received(None if text in ("", "all") else int(text))
     except ValueError as e:
-        raise gr.Error(str(e)) from None
+        raise gr.Error(error_text(e)) from None
     return f.fig_kv_bytes(), received
 
 

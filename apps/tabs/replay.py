@@ -6,8 +6,8 @@ from functools import partial
 import gradio as gr
 import polars as pl
 
-from workbench.apps.shared import COLOR_MAP, AppContext, Page, fail, frames_of, strip_value
 from workbench.analysis.replay import at_step
+from workbench.apps.shared import COLOR_MAP, AppContext, Page, fail, frames_of, strip_value
 from workbench.views.session import Session
 
 PLAY, PAUSE = "▶ Play", "❚❚ Pause"  # U+275A: in every font the page may fall back to (U+23F8 is not)

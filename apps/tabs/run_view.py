@@ -8,9 +8,21 @@ from functools import partial
 import gradio as gr
 import polars as pl
 
-from workbench.apps.shared import COLOR_MAP, LAST, AppContext, Page, empty_table, fail, frames_of, md_text, strip_value, table
-from workbench.apps.tabs.runs import reference_choices
 from workbench.analysis.rootcause import ig_check
+from workbench.apps.shared import (
+    COLOR_MAP,
+    LAST,
+    AppContext,
+    Page,
+    empty_table,
+    error_text,
+    fail,
+    frames_of,
+    md_text,
+    strip_value,
+    table,
+)
+from workbench.apps.tabs.runs import reference_choices
 from workbench.data import query
 from workbench.views.session import RunFrames, Session
 
@@ -67,7 +79,7 @@ def load_run(app: AppContext, s: Session, run_id: str | None):
     try:
         f = s.pick(run_id)
     except query.RunNotFound as e:
-        gr.Warning(md_text(e))
+        gr.Warning(error_text(e))  # a toast renders HTML: escaped
         return cleared(app, s)
     t = f.tokens
     n = t.height
@@ -104,7 +116,7 @@ def token_views(app: AppContext, s: Session, run_id: str | None, pos: float | No
         raise gr.Error(f"position {pos} is outside this run (0..{t.height - 1})")
     s.pos = pos
     row = t.row(pos, named=True)
-    r4 = lambda x: None if x is None else round(x, 4)  # noqa: E731 - display rounding only
+    r4 = lambda x: None if x is None else round(x, 4)
     info = pl.DataFrame([{"pos": pos, "token": row["text"], "token_id": row["token_id"], "prompt": row["is_prompt"],
                           "prob": r4(row["prob"]), "confidence": r4(row["confidence"]),
                           "entropy": r4(row["entropy"]), "rank": row["rank"]}])

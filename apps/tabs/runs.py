@@ -52,7 +52,7 @@ def refresh_runs(app: AppContext, s: Session, current: str | None, ref: str | No
     choices = run_choices(app.store, runs)
     s.runs = choices
     ids = [v for _, v in choices]
-    keep = lambda v: v if v in ids else None  # noqa: E731
+    keep = lambda v: v if v in ids else None
     value = keep(select) or keep(current) or (ids[0] if ids else None)
     if s.frames is not None:
         s.frames.forget()

@@ -343,7 +343,7 @@ def render_html(rep: Report) -> str:
             "n_prompt_tokens", "n_tokens", "error"]
     rows = [(k, run.get(k)) for k in keys] + [(k, v) for k, v in summary.items() if k != "run_id" and k not in keys]
     rows += [(k, f["params"].get(k)) for k in ("max_new_tokens", "temperature", "top_p")]
-    cell = lambda v: _e(json.dumps(v)) if isinstance(v, dict) else _num(v)  # noqa: E731
+    cell = lambda v: _e(json.dumps(v)) if isinstance(v, dict) else _num(v)
     parts.append("<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{cell(v)}</td></tr>" for k, v in rows) + "</table>")
     parts.append("<h2>Text</h2><p class='muted'>coloured by confidence (red: unsure, green: confident); "
                  "faded: prompt; outlined: anomalous position. Hover a token for its numbers.</p>")
@@ -490,7 +490,7 @@ def render_md(rep: Report) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_report(run, out: str | Path | None = None, format: str = "html", *, explain: int = 3,  # noqa: A002
+def write_report(run, out: str | Path | None = None, format: str = "html", *, explain: int = 3,
                  root_cause_kw: dict | None = None, explain_budget_s: float | None = EXPLAIN_BUDGET_S) -> Path:
     """Write ``run``'s anomaly report and return its path.
 

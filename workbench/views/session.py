@@ -224,7 +224,7 @@ class Session:
                 return f
         return self.pick(run_id)
 
-    def __deepcopy__(self, memo) -> "Session":
+    def __deepcopy__(self, memo) -> Session:
         return Session(self.store, self.tokenizer, self.tokenizer_for)
 
     def __repr__(self) -> str:
