@@ -42,6 +42,7 @@ import torch  # noqa: E402
 
 import workbench  # noqa: E402
 from workbench.analysis import faults  # noqa: E402
+from workbench.analysis.baseline import build_profile, load_profile, save_profile  # noqa: E402
 from workbench.capture.adapters import Adapter, adapter_for, load_adapter  # noqa: E402
 from workbench.model import load_tokenizer  # noqa: E402
 
@@ -55,6 +56,18 @@ PROMPTS = [
     "    try:\n        result = func(*args, **kwargs)\n    except Exception as e:\n",
     "def __repr__(self):\n    return '%s(%r)' % (self.__class__.__name__, ",
     "    if not isinstance(key, str):\n        raise TypeError(",
+]
+
+# profile calibration for a model without one (the tiny random models): prompts the faults are not drawn on
+CALIBRATION = [
+    "def load(path):\n    data = []\n    for line in open(path):\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n",
+    "    while queue:\n        node = queue.pop(0)\n        if node in seen:\n",
+    "import json\n\n\ndef dump(obj, path):\n    with open(path, 'w') as f:\n",
+    "    return {k: v for k, v in items if v is not None}\n",
+    "def main():\n    args = parse()\n    print(args.name)\n",
+    "    except KeyError:\n        return default\n    finally:\n",
+    "for x, y in zip(xs, ys):\n    total += x * y\n",
 ]
 
 
@@ -199,7 +212,8 @@ def markdown(summary: dict, results: list[dict], meta: dict) -> str:
         f"prompts, greedy generation of {meta['max_new_tokens']} tokens. A fault has a symptom when it moves some "
         f"token's logprob (teacher-forced) by >= {meta['min_effect']:g} nat; that token is explained. \"alone\": "
         f"`run.root_cause(pos)` (IG with {meta['steps']} steps over source tokens, ablation of heads, experts, "
-        "shared experts and routers); \"vs reference\": `run.root_cause(pos, reference=clean_model)`, activation "
+        f"shared experts and routers, unusual activations against {meta['profile']}); \"vs reference\": "
+        "`run.root_cause(pos, reference=clean_model)`, activation "
         f"patching (layers, then {meta['top_layers']} layers descended into). Named: a top-3 row is the faulted "
         "component (router faults: the router or the expert; starved: the expert or the router), or for a "
         "layer-wide fault (norm, rotary, KV latent, residual scale, skipped layer) a row of its layer "
@@ -314,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
         clean = [workbench.record(ids, model=model, tokenizer=tok, max_new_tokens=args.max_new_tokens, db=db)
                  for ids in prompts]
         routing = {i: r.routing() for i, r in enumerate(clean)}
+        sha = clean[0].info["checkpoint_sha256"]
+        profiled = load_profile(db, sha) is not None
+        if not profiled:  # root cause alone compares with the model's profile: calibrate one on other prompts
+            calib = [workbench.record(tok.encode(p).ids, model=model, tokenizer=tok,
+                                      max_new_tokens=args.max_new_tokens, db=db) for p in CALIBRATION]
+            save_profile(db, sha, build_profile(db, [r.run_id for r in calib]), "root_cause_eval calibration")
         for n_kind, kind in enumerate(kinds):
             rng = random.Random(args.seed * 1000 + list(faults.KINDS).index(kind))
             found, seen = 0, set()
@@ -348,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             "min_effect": args.min_effect, "architecture": model.summary.describe(),
             "section": SECTION if demo else f"{SECTION}: tiny random {model.summary.family}",
             "target_ref": 0.9 if demo else 0.8, "target_alone": 0.7 if demo else 0.0,
+            "profile": "the bundled profile" if profiled else f"a profile calibrated on {len(CALIBRATION)} other prompts",
             "notes": NOTES if demo else TINY_NOTES}
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "results": results}, indent=1))

@@ -43,7 +43,8 @@ from the block before, so a layer-wide fault stands out at its own layer: kind `
 latent's norm (``latent_norm``, kind ``kv_latent``) and each expert's share of its layer's routed slots
 (``expert_share``: an expert never chosen where the profile expects it, or chosen far more often). A profile
 row's score is its surprise in nats, signed (+ too large, - too small): z^2 / 2 for a Gaussian cell
-(z = (mean over the context - profile mean) / profile std), the Poisson log-likelihood ratio
+(z = (mean over the context - profile mean) / profile std, norms on the log scale where the profile has
+their ``log_*`` cells), the Poisson log-likelihood ratio
 k log(k / m) - k + m for k slots where m were expected.
 
 The ranking rule without a reference, so that no kind of row crowds out another: three lists, each ordered
@@ -387,14 +388,21 @@ def profile_evidence(store, run_id: str, pos: int, profile: pl.DataFrame) -> lis
         return profile.filter(pl.col("signal") == signal).select(
             "layer", "head", "expert", "bucket", "mean", pl.col("std").clip(lower_bound=1e-6))
 
+    def norm_cells(signal: str, col: str) -> tuple[pl.DataFrame, pl.Expr]:
+        """A norm's cells on the log scale where the profile has them (norms have heavy tails), else raw."""
+        logged = cells("log_" + signal)
+        if logged.height:
+            return logged, pl.col(col).clip(lower_bound=1e-30).log()
+        return cells(signal), pl.col(col)
+
     def read(table: str) -> pl.DataFrame:
         got = query.signal(store, table, run_id)  # empty for a run recorded without that probe
         return got.filter(pl.col("pos") < pos) if got.height else got
 
-    hn, hp = read("head_norm"), cells("head_norm")
+    hn, (hp, hv) = read("head_norm"), norm_cells("head_norm", "norm")
     if hn.height and hp.height:
         z = hn.join(hp.drop("expert", "bucket"), on=["layer", "head"]).group_by("layer", "head").agg(
-            ((pl.col("norm") - pl.col("mean")) / pl.col("std")).mean().alias("z")).sort("layer", "head")
+            ((hv - pl.col("mean")) / pl.col("std")).mean().alias("z")).sort("layer", "head")
         out += [(("head", r["layer"], r["head"], None, None), float(_surprise(np.array(r["z"]))))
                 for r in z.iter_rows(named=True)]
         # every head of a layer off together: the attention block (its norm, rotation or KV latent), not a head
@@ -402,20 +410,20 @@ def profile_evidence(store, run_id: str, pos: int, profile: pl.DataFrame) -> lis
                                                                         == pl.col("z").sign().sum().abs()).alias("same"))
         out += [(("attn_block", layer, None, None, None), float(_surprise(np.array(m))))
                 for layer, m, same in both.sort("layer").iter_rows() if same]
-    rn, rp = read("resid_norm"), cells("resid_norm")
+    rn, (rp, rv) = read("resid_norm"), norm_cells("resid_norm", "norm")
     if rn.height and rp.height:
         rn = rn.with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"))
         z = rn.join(rp.drop("head", "expert"), on=["layer", "bucket"]).group_by("layer").agg(
-            ((pl.col("norm") - pl.col("mean")) / pl.col("std")).mean().alias("z")).sort("layer")
+            ((rv - pl.col("mean")) / pl.col("std")).mean().alias("z")).sort("layer")
         prev = 0.0
         for layer, zl in z.iter_rows():  # the jump from the block before: where the stream went off
             out.append((("resid", layer, None, None, None), float(_surprise(np.array(zl - prev)))))
             prev = zl
-    kv, kp = read("kv_tokens"), cells("latent_norm")
+    kv, (kp, kv_v) = read("kv_tokens"), norm_cells("latent_norm", "latent_norm")
     if kv.height and kp.height:
         kv = kv.filter(pl.col("step") == pl.col("step").min())  # the prefill's cache: the prompt's tokens
         z = kv.join(kp.drop("head", "expert", "bucket"), on="layer").group_by("layer").agg(
-            ((pl.col("latent_norm") - pl.col("mean")) / pl.col("std")).mean().alias("z")).sort("layer")
+            ((kv_v - pl.col("mean")) / pl.col("std")).mean().alias("z")).sort("layer")
         out += [(("kv_latent", layer, None, None, None), float(_surprise(np.array(zl)))) for layer, zl in z.iter_rows()]
     rt, ep = read("routing"), cells("expert_share")
     if rt.height and ep.height:
