@@ -123,7 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=32, help="integration steps")
     p.add_argument("--mode", default="auto", choices=["auto", "frozen", "plain"])
     p.add_argument("--reference", default=None, metavar="RUN_ID|CHECKPOINT",
-                   help="a known-good run (its model) or checkpoint folder: rank what differs from it")
+                   help="a known-good run (its model, its tokens) or checkpoint folder: which component taken "
+                        "from it gives the token back (activation patching)")
+    p.add_argument("--method", default=None, choices=["patching", "attribution_diff", "ablation"],
+                   help="with --reference: patching (default) or attribution_diff; without: ablation")
     p.add_argument("--json", action="store_true")
     _db(p)
 

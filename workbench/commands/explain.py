@@ -1,4 +1,5 @@
-"""workbench explain RUN_ID POS: root cause of one token (source tokens by IG, heads and experts by ablation)."""
+"""workbench explain RUN_ID POS: root cause of one token (source tokens by IG, heads and experts by ablation and
+against the baseline profile; with --reference, every component kind by activation patching)."""
 from __future__ import annotations
 
 import json
@@ -19,7 +20,8 @@ def _num(v):
 def main(args) -> int:
 
     run = Workbench(args.db).run(args.run_id)
-    df = run.root_cause(args.pos, steps=args.steps, mode=args.mode, reference=args.reference)
+    kw = {"method": args.method} if getattr(args, "method", None) else {}
+    df = run.root_cause(args.pos, steps=args.steps, mode=args.mode, reference=args.reference, **kw)
     tokens = run.tokens()
     texts = dict(zip(tokens["pos"].to_list(), tokens["text"].to_list()))
     target = tokens.filter(tokens["pos"] == args.pos).row(0, named=True)
@@ -43,21 +45,16 @@ def main(args) -> int:
     if args.reference is not None:
         title += f", against reference {args.reference}"
     t = Table(title=escape(title))
-    for c in ("rank", "kind", "where", "score (nats)", "method"):
+    patching = "patching" in set(df["method"])
+    for c in ("rank", "kind", "where", "score (nats)") + (("restored",) if patching else ()) + ("method",):
         t.add_column(c)
     for r in df.head(15).iter_rows(named=True):
-        if r["kind"] == "token":
-            where = f"pos {r['source_pos']} {texts.get(r['source_pos'], '')!r}"
-        elif r["kind"] == "head":
-            where = f"layer {r['layer']} head {r['head']}"
-        elif r["kind"] == "expert":
-            where = f"layer {r['layer']} expert {r['expert']}"
-        elif r["kind"] == "router":
-            where = f"layer {r['layer']} router (balancing bias)"
-        else:
-            where = f"layer {r['layer']} shared experts"
         score = "nan" if r["score"] is None or not math.isfinite(r["score"]) else f"{r['score']:+.4f}"
-        t.add_row(*(escape(str(v)) for v in (r["rank"], r["kind"], where, score, r["method"])))
+        cells = [r["rank"], r["kind"], _where(r, texts), score]
+        if patching:
+            rest = r.get("restored")
+            cells.append("-" if rest is None or not math.isfinite(rest) else f"{rest:.0%}")
+        t.add_row(*(escape(str(v)) for v in cells + [r["method"]]))
     con = Console()
     con.print(t)
     if ig.height:
@@ -66,3 +63,24 @@ def main(args) -> int:
     if warning:
         con.print(escape(f"warning: {warning}"), style="bold yellow")
     return 0
+
+
+WHAT = {"router": "router", "shared_expert": "shared experts", "attn_block": "attention block",
+        "mlp_block": "MoE block", "dense_mlp": "dense MLP", "resid": "residual stream after the block",
+        "attn_norm": "attention input norm", "mlp_norm": "MLP input norm", "kv_latent": "KV latent",
+        "rotary": "rotary part"}
+
+
+def _where(r: dict, texts: dict) -> str:
+    kind = r["kind"]
+    if kind == "token":
+        return f"pos {r['source_pos']} {texts.get(r['source_pos'], '')!r}"
+    if kind == "head":
+        return f"layer {r['layer']} head {r['head']}"
+    if kind == "expert":
+        return f"layer {r['layer']} expert {r['expert']}"
+    if kind == "embed":
+        return "input embedding"
+    if kind == "unembed":
+        return "output projection"
+    return f"layer {r['layer']} {WHAT.get(kind, kind)}"
