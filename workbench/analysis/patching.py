@@ -14,8 +14,9 @@ MoE block output, the residual stream after it), the embedding (``embed``), the 
 embedding at that position); then, inside the ``top_layers`` layers that scored highest, the heads, the
 input norms' outputs, the KV latent (MLA's latent norm output, else the value projection's), the rotary
 part (the rotation the layer's attention uses), the shared experts, the router's choice (the layer's
-final (experts, weights), taken whole) and each routed expert (its weights and its routing: every token
-either forward sends to it gets the reference's choice). A residual row scores the layer *marginally*:
+final (experts, weights), taken whole) and each routed expert (its weights and its part of the routing:
+its weight where both forwards choose it; where only one does, it takes or gives up the slot of an expert
+only the other chose). A residual row scores the layer *marginally*:
 patching the stream after block L closes every gap made up to L, so its score is that of L minus that
 of L - 1 (what block L itself changed), and a layer-wide fault stands out at its own layer only.
 
@@ -136,12 +137,12 @@ class _Taps:
         mask = torch.zeros(n, dtype=torch.bool, device=r.indices.device)
         for b in self.rows.get(("router", layer, None, None, None), []):
             mask[b * t:(b + 1) * t] = True
-        if self.expert is not None and self.expert[0] == layer:
-            j = self.expert[1]
-            own_i = self.cache[("route", layer)][0]
-            mask |= ((src_i == j).any(-1) | (own_i == j).any(-1)).to(mask.device).repeat(self.batch)
         if mask.any():
             r.force(mask, src_i.repeat(self.batch, 1), src_w.repeat(self.batch, 1))
+        if self.expert is not None and self.expert[0] == layer and self.batch == 1:
+            rows, idx, w = _expert_slot(self.expert[1], *self.cache[("route", layer)], src_i, src_w)
+            if rows.any():
+                r.force(rows, idx, w)
 
     def _rotary(self, layer: int):
         def fn(rot, _start):
@@ -176,6 +177,33 @@ class _Taps:
         finally:
             for h in handles:
                 h.remove()
+
+
+def _expert_slot(j: int, own_i: torch.Tensor, own_w: torch.Tensor, src_i: torch.Tensor, src_w: torch.Tensor):
+    """Routing [T, K] that is this forward's except for expert ``j``'s part, which is the source's: where both
+    choose j, its weight is the source's; where only this forward does, j gives its slot to an expert only the
+    source chose (with the source's weight); where only the source does, j takes the slot of an expert only
+    this forward chose. Returns (rows changed [T] bool, indices, weights)."""
+    idx, w = own_i.clone(), own_w.clone()
+    mine, theirs = (own_i == j), (src_i == j)
+    rows = mine.any(-1) | theirs.any(-1)
+    for t in torch.nonzero(rows).flatten().tolist():
+        a, b = own_i[t].tolist(), src_i[t].tolist()
+        if j in a and j in b:
+            w[t, a.index(j)] = src_w[t, b.index(j)]
+        elif j in a:  # j leaves: the slot goes to what the source chose instead
+            alt = [e for e in b if e not in a]
+            s = a.index(j)
+            if alt:
+                idx[t, s], w[t, s] = alt[0], src_w[t, b.index(alt[0])]
+            else:
+                w[t, s] = 0.0
+        else:  # j comes in, in place of an expert the source did not choose
+            out = [e for e in a if e not in b]
+            if out:
+                s = a.index(out[0])
+                idx[t, s], w[t, s] = j, src_w[t, b.index(j)]
+    return rows, idx, w
 
 
 def _logprob(a: Adapter, ids: torch.Tensor, target: int) -> torch.Tensor:
