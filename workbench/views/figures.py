@@ -197,9 +197,8 @@ def fig_topk(tokens: pl.DataFrame, pos: int, tokenizer=None) -> go.Figure:
 # -- attention -----------------------------------------------------------------------------------
 
 def _heatmap(z: pl.DataFrame, row: str, col: str, val: str, n_rows: int | None = None,
-             n_cols: int | None = None, fill: float | None = None) -> tuple[np.ndarray, list, list]:
-    """Dense (rows x cols) matrix of ``val`` from long rows; missing cells are ``fill`` (None: a gap). A numpy
-    matrix (plotly takes it as one array; a list of lists it checks value by value), or lists where gaps are."""
+             n_cols: int | None = None, fill: float | None = None) -> tuple[list, list, list]:
+    """Dense (rows x cols) matrix of ``val`` from long rows, as lists; missing cells are ``fill`` (None: a gap)."""
     rows = list(range(n_rows)) if n_rows is not None else sorted(set(z[row].to_list()))
     cols = list(range(n_cols)) if n_cols is not None else sorted(set(z[col].to_list()))
     ri, ci = {r: i for i, r in enumerate(rows)}, {c: i for i, c in enumerate(cols)}
@@ -207,9 +206,9 @@ def _heatmap(z: pl.DataFrame, row: str, col: str, val: str, n_rows: int | None =
     for r, c, v in zip(z[row].to_list(), z[col].to_list(), z[val].to_list()):
         if r in ri and c in ci and v is not None:
             m[ri[r], ci[c]] = v
-    if fill is None and np.isnan(m).any():  # gaps: None in a list (null in the page; NaN would be a number)
-        return [[None if x != x else float(x) for x in r] for r in m.tolist()], rows, cols
-    return m, rows, cols
+    # lists, not the numpy matrix: the page's plot then holds plain nested arrays (plotly would send a numpy
+    # matrix base64-encoded), and a gap is None (null), not NaN
+    return [[None if x != x else x for x in r] for r in m.tolist()], rows, cols
 
 
 def fig_token_heads(attention: pl.DataFrame, pos: int) -> go.Figure:
