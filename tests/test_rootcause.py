@@ -273,6 +273,9 @@ def test_root_cause_against_a_reference(tiny, tmp_path, capsys):
                      str(tmp_path / "biased"), "--db", str(db)]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["method"] == "patching" and out["reference"] == str(tmp_path / "biased")
+    assert {"resid", "attn_block", "unembed", "token"} <= {c["kind"] for c in out["causes"]}
+    assert cli_main(["explain", a.run_id, str(pos), "--reference", str(tmp_path / "biased"), "--db", str(db)]) == 0
+    assert "restored" in capsys.readouterr().out
     assert cli_main(["explain", a.run_id, str(pos), "--reference", "nope", "--db", str(db)]) == 2
 
 

@@ -57,7 +57,7 @@ def main(args) -> int:
         t.add_row(*(escape(str(v)) for v in cells + [r["method"]]))
     con = Console()
     con.print(t)
-    if ig.height:
+    if ig.height and delta is not None:
         con.print(escape(f"token attributions: {method}, {args.steps} steps, sum {ig['score'].sum():+.4f} nats, "
                          f"convergence delta {delta:+.2e}"))
     if warning:
