@@ -99,6 +99,8 @@ def test_every_tab_callback_on_a_recorded_store(env):
     assert "No KV what-if results" in kmsg and kdf.columns == kv_whatif.COLUMNS and kdf.height == 0
     rows, smsg = sql.sql(app, "SELECT count(*) AS n FROM runs")
     assert rows["n"][0] == query.runs(env["store"]).height and "1 rows" in smsg
+    rows, smsg = sql.sql(app, "DELETE FROM runs")  # refused: a message, and an empty table under a header
+    assert "only SELECT" in smsg and rows.height == 0 and rows.columns == ["rows"]
     df, smsg = search.search_runs(app, "omega", False)
     assert df["run_id"].to_list() == [b.run_id]
     brows, blow, bl, be, bmsg = batches.batch_views(app, None)

@@ -5,7 +5,7 @@ from functools import partial
 
 import gradio as gr
 
-from workbench.apps.shared import SQL, AppContext, Page, md_text
+from workbench.apps.shared import SQL, AppContext, Page, empty_table, md_text
 from workbench.data.sqlsafe import SqlError, run_readonly
 
 DEFAULT_SQL = "SELECT run_id, status, n_tokens, prompt FROM runs ORDER BY created_at DESC"
@@ -16,7 +16,7 @@ def sql(app: AppContext, text: str):
     try:
         r = run_readonly(app.store, text)
     except SqlError as e:  # DuckDB's message quotes the data (a token's text, say): text only
-        return None, f"⚠️ {md_text(e)}"
+        return empty_table(["rows"]), f"⚠️ {md_text(e)}"
     note = " (cut at the row limit)" if r.truncated else ""
     return r.frame, f"{r.frame.height} rows in {r.elapsed_ms:.0f} ms{note}"
 
