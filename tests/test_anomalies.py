@@ -395,3 +395,31 @@ def test_what_was_tested_says_what_a_nothing_found_means(tmp_path, capsys):
     assert line.endswith("none significant at FDR 0.01") if loud == 0 else "at FDR 0.01" in line
     assert cli_main(["findings", run2.run_id, "--db", str(tmp_path / "w.duckdb")]) == 0
     assert expect in " ".join(capsys.readouterr().out.split())  # rich wraps lines
+
+
+def test_residual_tests_name_the_block_that_changed_the_stream_not_the_ones_after():
+    """Blocks each growing the stream by ~1.2x on tokens of very different scales: clean, nothing; layer 2
+    scaled x3 (or removed, x1/3 of its usual growth) at every position: rows at layer 2 only, both ways."""
+    rng = np.random.default_rng(11)
+    growth = lambda n: np.log(1.2) + 0.03 * rng.standard_normal(n)  # noqa: E731
+    base = an.Baseline(profile_frame([cell("log_resid_growth", rng.normal(3, 0.5, 4000) if layer == 0
+                                           else growth(4000), layer=layer, bucket=b)
+                                      for layer in range(4) for b in range(4)]))
+
+    def frame(factor: float) -> pl.DataFrame:
+        rows = []
+        for p in range(40):
+            norm = float(np.exp(rng.normal(3, 0.5)))  # the token's own scale: 7-55 (2 sd)
+            for layer in range(4):
+                norm *= 1.0 if layer == 0 else float(np.exp(growth(1)[0])) * (factor if layer == 2 else 1.0)
+                rows.append({"pos": p, "layer": layer, "norm": norm})
+        return pl.DataFrame(rows, schema_overrides={"pos": pl.Int32, "layer": pl.Int32})
+
+    assert an.decide(an.resid_tests(frame(1.0), base)).height == 0
+    for factor, side in ((3.0, "high"), (1 / 3, "low")):
+        got = an.decide(an.resid_tests(frame(factor), base))
+        assert set(got["layer"]) == {2} and got.height == 40, factor
+        assert all(f"unusually {side}" in e for e in got["explanation"])
+        f = fd.group_findings(got)
+        assert f.select("component", "layer").rows() == [("mlp", 2)]
+        assert ("drops" if side == "low" else "jumps") in f["explanation"][0]
