@@ -34,6 +34,16 @@ sys.path.insert(0, str(Path(workbench.__file__).resolve().parents[1] / "benchmar
 import store_scale
 
 
+VIEW_MS: dict[str, list[float]] = {}  # view name -> ms of each call
+
+
+def _timed(name: str, fn, *a):
+    t = time.perf_counter()
+    out = fn(*a)
+    VIEW_MS.setdefault(name, []).append((time.perf_counter() - t) * 1e3)
+    return out
+
+
 def new_chain(store: Store):
     """(pick, click) through the tab callbacks."""
     from workbench.apps.shared import AppContext
@@ -43,14 +53,14 @@ def new_chain(store: Store):
 
     def pick(rid: str):
         s = app.session()
-        out = run_view.load_run(app, s, rid)
+        out = _timed("load_run", run_view.load_run, app, s, rid)
         last = out[6].value
-        replay.replay(app, s, rid, last // 2)
-        run_view.token_views(app, s, rid, out[3].value)
-        attention.attention_views(app, s, rid, None, False)
-        experts.expert_views(app, s, rid, None, 16)
-        kv_cache.kv_views(app, s, rid, "")
-        code.code_views(app, s, rid, True)
+        _timed("replay", replay.replay, app, s, rid, last // 2)
+        _timed("token_views", run_view.token_views, app, s, rid, out[3].value)
+        _timed("attention_views", attention.attention_views, app, s, rid, None, False)
+        _timed("expert_views", experts.expert_views, app, s, rid, None, 16)
+        _timed("kv_views", kv_cache.kv_views, app, s, rid, "")
+        _timed("code_views", code.code_views, app, s, rid, True)
         return app, s
 
     def click(rid: str, state) -> None:
@@ -62,7 +72,13 @@ def new_chain(store: Store):
 
 def old_chain(store: Store):
     v = store_scale.views(store)
-    return (lambda rid: v["view: run picked (whole chain)"](rid, rid)), (lambda rid, _: v["view: token_views"](rid, rid))
+    names = ["load_run", "replay", "token_views", "attention_views", "expert_views", "kv_views", "code_views"]
+
+    def pick(rid: str) -> None:
+        for n in names:
+            _timed(n, v[f"view: {n}"], rid, rid)
+
+    return pick, (lambda rid, _: v["view: token_views"](rid, rid))
 
 
 def pct(xs: list[float], q: int) -> float:
@@ -95,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     picked = [rng.choice(run_ids) for _ in range(args.samples)]
     state = pick(picked[0])  # warm-up: imports, first-call costs
+    VIEW_MS.clear()
     pick_ms, pick_reads, click_ms, click_reads = [], [], [], []
     for rid in picked:
         reads["n"] = 0
@@ -113,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
            "pick_ms": {"p50": round(statistics.median(pick_ms), 1), "p95": round(pct(pick_ms, 95), 1)},
            "store_reads_per_pick": statistics.median(pick_reads),
            "token_click_ms": {"p50": round(statistics.median(click_ms), 1), "p95": round(pct(click_ms, 95), 1)},
-           "store_reads_per_token_click": statistics.median(click_reads)}
+           "store_reads_per_token_click": statistics.median(click_reads),
+           "views_ms_p50_p95": {n: [round(statistics.median(v), 1), round(pct(v, 95), 1)] for n, v in VIEW_MS.items()}}
     print(json.dumps(res, indent=1))
     return 0
 
