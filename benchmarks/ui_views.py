@@ -33,7 +33,6 @@ from workbench.data.store import Store
 sys.path.insert(0, str(Path(workbench.__file__).resolve().parents[1] / "benchmarks"))
 import store_scale
 
-
 VIEW_MS: dict[str, list[float]] = {}  # view name -> ms of each call
 
 
