@@ -378,7 +378,7 @@ def test_hierarchical_descent_finds_the_fault(tiny, ids, kind, layer, index):
     target = int((lp1 - lp0).abs().argmax())  # the token the fault moved most
     with fk(a, layer, index):
         sites, score, restored, gap, stats = patch_causes(a, ids, target, clean, ids, top_layers=1)
-    df = rank_patching(sites, score, restored, ids.size(1))
+    df = rank_patching(sites, score, restored, ids.size(1), gap)
     assert stats.layers == [layer]
     top = df.head(3).to_dicts()
     assert any(fk.names(r, layer, index) and r["kind"] in fk.culprit for r in top), (kind, top)

@@ -243,26 +243,38 @@ PARENTS = {"attn_block": ("head", "attn_norm", "kv_latent", "rotary"),
 EXPLAINED = 0.8  # a layer row one of its parts explains to this fraction ranks right after that part
 
 
-def _order(sites: list[tuple], scores: np.ndarray) -> np.ndarray:
-    """The value patching rows are ranked by: |score|, except that a layer row (attn_block, mlp_block,
-    dense_mlp, resid) whose score one of its own parts reaches to ``EXPLAINED`` takes a value just below that
-    part's, so the part (the head, the expert, the norm) is named first and the layer row follows it."""
-    v = np.abs(np.nan_to_num(np.asarray(scores, np.float64), nan=-1.0))
-    for n, k in enumerate(sites):
-        kids = PARENTS.get(k[0])
-        if not kids or v[n] <= 0:
-            continue
-        best = max((v[m] for m, c in enumerate(sites) if c[0] in kids and c[1] == k[1]), default=0.0)
-        if best >= EXPLAINED * v[n]:
-            v[n] = min(v[n], best) * (1 - 1e-9)
+def _order(sites: list[tuple], scores: np.ndarray, gap: float | None = None) -> np.ndarray:
+    """The value patching rows are ranked by.
+
+    With the gap known, a row's value is how exactly its patch reproduces the reference: |gap| (1 - |1 - c|),
+    c = score / |gap| the fraction of the gap it closes (a patch that overshoots to 150% explains the token no
+    better than one that closes 50%), floored at 0; without it, |score|. Then a layer row (attn_block, mlp_block,
+    dense_mlp; resid last) that parts of its own layer explain (each part at ``EXPLAINED`` of its value or more)
+    takes a value just below the lowest of those parts, so the parts (the head, the expert, the norm) are named
+    first and the layer row follows them."""
+    s = np.nan_to_num(np.asarray(scores, np.float64), nan=0.0)
+    if gap is not None and abs(gap) > 1e-6:
+        v = abs(gap) * np.clip(1 - np.abs(1 - s / abs(gap)), 0.0, None)
+    else:
+        v = np.abs(s)
+    for parent in ("attn_block", "mlp_block", "dense_mlp", "resid"):
+        for n, k in enumerate(sites):
+            if k[0] != parent or v[n] <= 0:
+                continue
+            kids = [v[m] for m, c in enumerate(sites) if c[1] == k[1] and c[0] != "resid"
+                    and (c[0] in PARENTS[parent] or (parent == "resid" and c[0] != k[0]))
+                    and v[m] >= EXPLAINED * v[n]]
+            if kids:
+                v[n] = min(kids) * (1 - 1e-9)
     return v
 
 
-def rank_patching(sites: list[tuple], scores: np.ndarray, restored: np.ndarray, target_pos: int) -> pl.DataFrame:
-    """One frame of ``patch_causes`` results ranked by |score| (nats; tokens and components on one scale), a
-    layer row after the part of it that explains it (``_order``)."""
+def rank_patching(sites: list[tuple], scores: np.ndarray, restored: np.ndarray, target_pos: int,
+                  gap: float | None = None) -> pl.DataFrame:
+    """One frame of ``patch_causes`` results ranked by how much of the gap they close (nats; tokens and
+    components on one scale), a layer row after the parts of it that explain it (``_order``)."""
     n = len(sites)
-    order = np.argsort(-_order(sites, scores), kind="stable")
+    order = np.argsort(-_order(sites, scores, gap), kind="stable")
     sites = [sites[i] for i in order]
     scores, restored = np.asarray(scores, np.float64)[order], np.asarray(restored, np.float64)[order]
     frame = pl.DataFrame({
@@ -520,9 +532,9 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
             raise ValueError(f"reference run {reference} has {len(ref_tokens)} tokens: patching position {pos} needs "
                              f"a reference of at least {pos} tokens")
         ref_ids = torch.tensor([ref_tokens[:pos] if ref_tokens is not None else ids_all[:pos]], device=ref.device)
-        sites, pscores, restored, _, _ = patch_causes(model, ids, target, ref, ref_ids, batch_size=batch_size,
-                                                      top_layers=top_layers)
-        df = rank_patching(sites, pscores, restored, pos)
+        sites, pscores, restored, gap, _ = patch_causes(model, ids, target, ref, ref_ids, batch_size=batch_size,
+                                                        top_layers=top_layers)
+        df = rank_patching(sites, pscores, restored, pos, gap)
         if save:
             _save(store, run_id, pos, df)
         return df
