@@ -38,14 +38,18 @@ would make the token more likely). Rows are ranked by absolute score (rank 1 = m
 Without a reference, one more kind of evidence: how unusual each component's activations are against the
 model's baseline profile (workbench.analysis.baseline, ``load_profile``; rows of method ``profile``), two-sided,
 from the signals the run recorded over the explained token's context: a head's output norm (``head_norm``,
-too large or too small, a dead head; every head of a layer off the same way: kind ``attn_block``), the residual norm after each block (``resid_norm``, scored by the jump
-from the block before, so a layer-wide fault stands out at its own layer: kind ``resid``), the cached KV
-latent's norm (``latent_norm``, kind ``kv_latent``) and each expert's share of its layer's routed slots
-(``expert_share``: an expert never chosen where the profile expects it, or chosen far more often). A profile
+too large or too small, a dead head), its attention's normalised entropy (``norm_entropy``: collapsed or
+flattened; every head of a layer off the same way gives an ``attn_block`` row scored with their surprises
+summed), each block's log change of
+the residual norm (``log_resid_growth``, kind ``resid``: where the stream went off, the token's own scale
+cancels; older profiles: the jump of the norm's z from the block before), the cached KV latent's norm
+(``latent_norm``, kind ``kv_latent``) and each expert's share of its layer's routed slots (``expert_share``:
+only an expert never chosen where the profile expects 3 slots or more: routing counts vary between prompts
+far more than Poisson draws, so an expert chosen 3 times its share is ordinary on a repetitive prompt). A profile
 row's score is its surprise in nats, signed (+ too large, - too small): z^2 / 2 for a Gaussian cell
 (z = (mean over the context - profile mean) / profile std, norms on the log scale where the profile has
-their ``log_*`` cells), the Poisson log-likelihood ratio
-k log(k / m) - k + m for k slots where m were expected.
+their ``log_*`` cells), m for a never-chosen expert where m slots were expected (the Poisson log-likelihood
+ratio at k = 0).
 
 The ranking rule without a reference, so that no kind of row crowds out another: three lists, each ordered
 by its own |score| (profile rows with at least 2 nats of surprise, components by ablation, source tokens
@@ -76,7 +80,7 @@ import polars as pl
 import torch
 from captum.attr import FeatureAblation, LayerIntegratedGradients
 
-from workbench.analysis.baseline import bucket_of, load_profile
+from workbench.analysis.baseline import bucket_of, load_profile, resid_growth
 from workbench.analysis.patching import patch_causes
 from workbench.capture.adapters import Adapter, Route, adapter_for, load_adapter
 from workbench.capture.resolve import load_for_run
@@ -387,8 +391,26 @@ def ig_check(df: pl.DataFrame, steps: int | None = None, tolerance: float = 0.05
 SIGNIFICANT = 2.0  # nats of surprise: profile rows under it follow the interleaved ranking instead of leading it
 
 
+STARVED = 3.0  # expert-share evidence: the slots the profile expects of an expert this run never chose
+
+
 def _surprise(z: np.ndarray) -> np.ndarray:
     return np.sign(z) * z * z / 2
+
+
+def _heads_and_block(z: pl.DataFrame) -> list[tuple[tuple, float]]:
+    """Rows for each head's z (columns layer, head, z), and an ``attn_block`` row for a layer whose heads are
+    all off the same way (its input norm, rotation or KV latent, not one head)."""
+    out = [(("head", r["layer"], r["head"], None, None), float(_surprise(np.array(r["z"]))))
+           for r in z.iter_rows(named=True)]
+    both = z.group_by("layer").agg(pl.col("z").mean().alias("m"),
+                                   (pl.col("z").sign().sum().abs() == pl.len()).alias("same"))
+    total = {}
+    for (_, layer, *_), v in out:
+        total[layer] = total.get(layer, 0.0) + v
+    # the block's surprise: its heads' together (they are off the same way, so one cause explains them all)
+    return out + [(("attn_block", layer, None, None, None), float(total[layer]))
+                  for layer, _m, same in both.sort("layer").iter_rows() if same]
 
 
 def profile_evidence(store, run_id: str, pos: int, profile: pl.DataFrame) -> list[tuple[tuple, float]]:
@@ -415,14 +437,21 @@ def profile_evidence(store, run_id: str, pos: int, profile: pl.DataFrame) -> lis
     if hn.height and hp.height:
         z = hn.join(hp.drop("expert", "bucket"), on=["layer", "head"]).group_by("layer", "head").agg(
             ((hv - pl.col("mean")) / pl.col("std")).mean().alias("z")).sort("layer", "head")
-        out += [(("head", r["layer"], r["head"], None, None), float(_surprise(np.array(r["z"]))))
-                for r in z.iter_rows(named=True)]
-        # every head of a layer off together: the attention block (its norm, rotation or KV latent), not a head
-        both = z.group_by("layer").agg(pl.col("z").mean().alias("m"), (pl.col("z").sign().abs().sum()
-                                                                        == pl.col("z").sign().sum().abs()).alias("same"))
-        out += [(("attn_block", layer, None, None, None), float(_surprise(np.array(m))))
-                for layer, m, same in both.sort("layer").iter_rows() if same]
-    rn, (rp, rv) = read("resid_norm"), norm_cells("resid_norm", "norm")
+        out += _heads_and_block(z)
+    at, ap = read("attention"), cells("norm_entropy")
+    if at.height and ap.height:  # collapsed (too low) or flattened (too high) attention
+        at = at.filter(pl.col("norm_entropy").is_not_null()).with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"))
+        z = at.join(ap.drop("expert"), on=["layer", "head", "bucket"]).group_by("layer", "head").agg(
+            ((pl.col("norm_entropy") - pl.col("mean")) / pl.col("std")).mean().alias("z")).sort("layer", "head")
+        out += _heads_and_block(z)
+    rn, gp = read("resid_norm"), cells("log_resid_growth")
+    if rn.height and gp.height:  # each block's log change of the norm: the token's own scale cancels
+        g = resid_growth(rn.with_columns(bucket_of(pl.col("pos") + 1).alias("bucket")))
+        z = g.join(gp.drop("head", "expert"), on=["layer", "bucket"]).group_by("layer").agg(
+            ((pl.col("growth") - pl.col("mean")) / pl.col("std")).mean().alias("z")).sort("layer")
+        out += [(("resid", layer, None, None, None), float(_surprise(np.array(zl)))) for layer, zl in z.iter_rows()]
+        rn = pl.DataFrame()
+    rn, (rp, rv) = rn, norm_cells("resid_norm", "norm")
     if rn.height and rp.height:
         rn = rn.with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"))
         z = rn.join(rp.drop("head", "expert"), on=["layer", "bucket"]).group_by("layer").agg(
@@ -445,8 +474,11 @@ def profile_evidence(store, run_id: str, pos: int, profile: pl.DataFrame) -> lis
         for layer, expert, share, n, k in z.select("layer", "expert", "mean", "slots", "k").sort(
                 "layer", "expert").iter_rows():
             m, k = max(share * n, 1e-9), float(k or 0)
-            llr = (k * np.log(k / m) if k else 0.0) - k + m  # Poisson log-likelihood ratio
-            out.append((("expert", layer, None, expert, None), float(np.sign(k - m) * llr)))
+            # routing counts vary between prompts far more than Poisson draws (an expert chosen 3x its share is
+            # ordinary on a repetitive prompt): only a never-chosen expert the profile expects counts
+            if k == 0 and m >= STARVED:
+                llr = (k * np.log(k / m) if k else 0.0) - k + m  # Poisson log-likelihood ratio
+                out.append((("expert", layer, None, expert, None), float(np.sign(k - m) * llr)))
     return out
 
 
