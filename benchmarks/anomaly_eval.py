@@ -284,12 +284,16 @@ def _cells(runs: list[dict], key) -> list[tuple[str, dict]]:
 
 
 def markdown(clean, tiny, results, loop, args, seconds) -> str:
-    n_cal = len(load_prompts(CALIBRATION))
+    n_all = len(load_prompts(CALIBRATION))
+    try:
+        n_cal = json.loads(pl.read_parquet(BUNDLED, columns=["source"])["source"][0])["runs"]
+    except (OSError, ValueError, KeyError, IndexError):
+        n_cal = n_all
     lines = [SECTION, "",
              f"`benchmarks/anomaly_eval.py` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {seconds:.0f} s, "
              f"{platform.machine()} {os.cpu_count()} CPU cores shared with other work, {torch.get_num_threads()} torch "
              f"threads). Demo model with its bundled profile (data/demo/profile.parquet: {n_cal} calibration prompts "
-             "of data/prompts/calibration.jsonl, four kinds (library code, scripts and algorithms, tests, docstrings "
+             f"of the {n_all} of data/prompts/calibration.jsonl, four kinds (library code, scripts and algorithms, tests, docstrings "
              f"and comments), up to 1,024 tokens, {args.calibration_tokens} greedy tokens each). Alarms: "
              "Benjamini-Hochberg over every test of a run at FDR 0.01, two-sided where a value can break both ways.", ""]
     if clean:

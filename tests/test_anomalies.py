@@ -423,3 +423,49 @@ def test_residual_tests_name_the_block_that_changed_the_stream_not_the_ones_afte
         f = fd.group_findings(got)
         assert f.select("component", "layer").rows() == [("mlp", 2)]
         assert ("drops" if side == "low" else "jumps") in f["explanation"][0]
+
+
+def test_run_level_tests_catch_a_shift_no_single_position_shows():
+    """A block that stops growing the stream (a skipped block: x1.0 where clean runs grow x1.2 +- 15% per
+    position) and a head whose attention is sharper all run long (0.35 where clean runs average 0.55, positions
+    spread +- 0.15): no position is out of range, the run-level means are, and findings name the layer and head."""
+    rng = np.random.default_rng(12)
+    sd_pos, n_pos = 0.15, 60
+    run_growth = np.log(1.2) + sd_pos / np.sqrt(n_pos) * rng.standard_normal(300)  # per-run means of clean runs
+    run_entropy = 0.55 + 0.02 * rng.standard_normal(300)
+    base = an.Baseline(profile_frame(
+        [cell("log_resid_growth", np.log(1.2) + sd_pos * rng.standard_normal(5000), layer=layer, bucket=b)
+         for layer in range(1, 4) for b in range(4)]
+        + [cell("run_log_resid_growth", run_growth, layer=layer, bucket=b) for layer in range(1, 4) for b in range(4)]
+        + [cell("norm_entropy", np.clip(0.55 + 0.15 * rng.standard_normal(5000), 0, 1), layer=0, head=h, bucket=b)
+           for h in range(2) for b in range(4)]
+        + [cell("run_norm_entropy", run_entropy, layer=0, head=h, bucket=b) for h in range(2) for b in range(4)]))
+
+    def resid(skip: bool) -> pl.DataFrame:
+        rows = []
+        for p in range(8, 8 + n_pos):
+            norm = 10.0
+            for layer in range(4):
+                if layer:
+                    g = 0.0 if (skip and layer == 2) else np.log(1.2)
+                    norm *= float(np.exp(g + sd_pos * rng.standard_normal()))
+                rows.append({"pos": p, "layer": layer, "norm": norm})
+        return pl.DataFrame(rows, schema_overrides={"pos": pl.Int32, "layer": pl.Int32})
+
+    def attention(level: float) -> pl.DataFrame:
+        return attention_frame({(0, h): [0.0] * 8 + list(np.clip((level if h == 1 else 0.55)
+                                                                  + 0.15 * rng.standard_normal(n_pos), 0, 1))
+                                for h in range(2)}).filter(pl.col("pos") >= 8)
+
+    empty_heads = pl.DataFrame(schema={"pos": pl.Int32, "layer": pl.Int32, "head": pl.Int32, "norm": pl.Float64})
+    clean = an.run_level_tests(attention(0.55), empty_heads, resid(False), base)
+    assert an.decide(clean).height == 0
+    broken_resid, broken_att = resid(True), attention(0.35)
+    assert an.decide(an.resid_tests(broken_resid, base)).height == 0  # no position alone is out of range
+    assert an.decide(an.entropy_tests(broken_att, base)).height == 0
+    got = an.decide(an.run_level_tests(broken_att, empty_heads, broken_resid, base))
+    assert set(got.select("kind", "layer", "head").rows()) == {("block_shift", 2, None), ("head_entropy_shift", 0, 1)}
+    assert all("unusually low" in e for e in got["explanation"])
+    f = {(r["component"], r["layer"], r["head"]): r["explanation"] for r in fd.group_findings(got).iter_rows(named=True)}
+    assert "weaker than on clean runs" in f[("layer", 2, None)]
+    assert "sharper than on clean runs" in f[("head", 0, 1)]

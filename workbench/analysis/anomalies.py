@@ -29,6 +29,10 @@ value broke, since a component can fail both ways: blown up, or collapsed, gone,
   ``routing_collapse``: the layer's load concentration (``load_statistic``: (G - df) per routed slot against
   the profile shares) against its distribution over the calibration runs, prompts of several kinds and
   lengths, so another kind of text is not a collapse. A layer with few tokens simply cannot reach significance.
+- ``head_entropy_shift`` / ``head_norm_shift`` / ``block_shift`` (two-sided, run-level, ``pos`` null): a head's
+  mean normalised entropy per context bucket, its mean log output norm, a block's mean log change of the
+  residual norm, against the same means over the calibration runs: a shift that lasts the whole run (a head
+  whose attention sharpened, a skipped or weakened block) is clear there though no single position is odd;
 - ``repetition`` (no test: read off the generated ids, severity warning): a loop, a repeated n-gram, a verbatim
   copy of a span of the prompt (``repetition``);
 - ``non_finite``: NaN or Inf in a recorded signal: always critical (no test needed).
@@ -57,7 +61,7 @@ import polars as pl
 from scipy.stats import binom, chi2, false_discovery_control, norm
 
 from workbench.analysis.baseline import (BUCKETS, PROBS, bucket_of, load_profile, load_statistic, resid_growth,
-                                         tail_p)
+                                         run_means, tail_p)
 from workbench.analysis.repetition import covered_positions, spans
 from workbench.data import query
 from workbench.data.schema import columns
@@ -81,6 +85,9 @@ WORDS = {
     "entropy_spike": "layer {layer} head {head} at {pos}: normalised attention entropy {v:.3f}",
     "entropy_collapse": "layer {layer} head {head} at {pos}: normalised attention entropy {v:.3f}",
     "entropy_shift": "layer {layer} head {head} at {pos}: normalised attention entropy {v:.3f}",
+    "head_entropy_shift": "layer {layer} head {head}: mean normalised attention entropy {v:.3f} over the run",
+    "head_norm_shift": "layer {layer} head {head}: output norm {v:.3g} on average over the run",
+    "block_shift": "layer {layer}: the block changed the residual stream's norm x{v:.3g} on average over the run",
     "resid_norm_outlier": "layer {layer} at {pos}: the residual stream's norm changed x{v:.3g} over the block",
     "kv_norm_outlier": "layer {layer}: cached KV norm {v:.3g} of the token at {pos}",
     "head_norm_outlier": "layer {layer} head {head} at {pos}: output norm {v:.3g}",
@@ -93,6 +100,7 @@ WORDS = {
 
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 LOG_TAIL = 0.1  # beyond the profile's 99.9% quantile a log norm's p falls by e per 0.1 (a 10% larger norm)
+RUN_TAIL = {"log": 0.015, "entropy": 0.02}  # the same for run-level means (from one value per calibration run)
 
 
 def select(df: pl.DataFrame, kinds: list[str] | None = None, severity: str | None = None,
@@ -294,6 +302,37 @@ def entropy_tests(attention: pl.DataFrame, base: Baseline, min_positions: int = 
     kind = np.where(np.asarray(side, dtype=object) == "low", "entropy_collapse", "entropy_spike")
     return _tests(kind=list(kind), pos=a["pos"], layer=a["layer"], head=a["head"], value=a["norm_entropy"],
                   p=p, side=side, basis=basis)
+
+
+def run_level_tests(attention: pl.DataFrame, head_norm: pl.DataFrame, resid: pl.DataFrame, base: Baseline,
+                    min_positions: int = 8) -> pl.DataFrame:
+    """Run-level, two-sided, against the spread of the same means over the calibration runs:
+    ``head_entropy_shift`` (a head's mean normalised entropy per context bucket: collapsed or flattened over the
+    run), ``head_norm_shift`` (its mean log output norm) and ``block_shift`` (a block's mean log change of the
+    residual norm per context bucket: a skipped or weakened block, a missing contribution). ``pos`` is null."""
+    out = []
+    a = attention.filter(_finite("norm_entropy")).with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"))
+    if a.height:
+        m = run_means(a, "norm_entropy", ["layer", "head", "bucket"])
+        p, side, basis = base.judge(m, "run_norm_entropy", "norm_entropy", ["layer", "head", "bucket"], "two",
+                                    min_positions, RUN_TAIL["entropy"])
+        out.append(_tests(kind="head_entropy_shift", layer=m["layer"], head=m["head"], value=m["norm_entropy"], p=p,
+                          side=side, basis=basis))
+    h = head_norm.filter(_finite("norm")) if head_norm.height else head_norm
+    if h.height:
+        m = run_means(h.with_columns(_log("norm", "norm")), "norm", ["layer", "head"])
+        p, side, basis = base.judge(m, "run_log_head_norm", "norm", ["layer", "head"], "two", min_positions,
+                                    RUN_TAIL["log"])
+        out.append(_tests(kind="head_norm_shift", layer=m["layer"], head=m["head"], value=m["norm"].exp(), p=p,
+                          side=side, basis=basis))
+    r = resid.filter(_finite("norm")) if resid.height else resid
+    if r.height:
+        m = run_means(resid_growth(r).with_columns(bucket_of(pl.col("pos") + 1).alias("bucket")), "growth",
+                      ["layer", "bucket"])
+        p, side, basis = base.judge(m, "run_log_resid_growth", "growth", ["layer", "bucket"], "two", min_positions,
+                                    RUN_TAIL["log"])
+        out.append(_tests(kind="block_shift", layer=m["layer"], value=m["growth"].exp(), p=p, side=side, basis=basis))
+    return pl.concat(out) if out else _tests()
 
 
 def entropy_shift_tests(attention: pl.DataFrame, reference: pl.DataFrame, min_positions: int = 8) -> pl.DataFrame:
@@ -513,7 +552,9 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
              kv_tests(kv_tokens if kv_tokens is not None else pl.DataFrame(), base, mp),
              head_norm_tests(head_norm if head_norm is not None else _empty_signal("pos", "layer", "head", "norm"),
                              base, mp),
-             expert_tests(routing, n_experts, base, covered_positions(tokens))]
+             expert_tests(routing, n_experts, base, covered_positions(tokens)),
+             run_level_tests(attention, head_norm if head_norm is not None else _empty_signal("pos", "layer", "head", "norm"),
+                             resid if resid is not None else _empty_signal("pos", "layer", "norm"), base, mp)]
     if reference_attention is not None:
         parts.append(entropy_shift_tests(attention, reference_attention, mp))
     tests = pl.concat([p for p in parts if p.height], how="vertical_relaxed") if any(p.height for p in parts) \

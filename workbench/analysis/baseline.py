@@ -16,6 +16,9 @@ probabilities against it (``tail_p``). Signals:
   position bucket; ``log_resid_growth``: its log change over each block (``resid_growth``);
 - ``head_norm`` / ``log_head_norm``: each attention head's output norm (and its log), per layer x head.
 
+``run_norm_entropy``, ``run_log_head_norm``, ``run_log_resid_growth``: the same per-run means (``run_means``),
+their distribution over the calibration runs (run-level tests: a shift that lasts the run).
+
 The detectors judge norms on the log scale (``log_*``: light tails, a vanished output far down the lower tail);
 the plain cells' mean / std serve the root cause's profile evidence.
 
@@ -78,7 +81,9 @@ def build_profile(store: Store, run_ids: list[str]) -> pl.DataFrame:
                                                   "head_norm"))
     parts = []
     if att.height:
-        parts.append(_cells(att.with_columns(bucket_of(pl.col("pos") + 1).alias("bucket")), "norm_entropy",
+        att = att.with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"))
+        parts.append(_cells(att, "norm_entropy", "norm_entropy", ["layer", "head", "bucket"]))
+        parts.append(_cells(run_means(att, "norm_entropy", ["layer", "head", "bucket"]), "run_norm_entropy",
                             "norm_entropy", ["layer", "head", "bucket"]))
     if tok.height:
         gen = tok.filter(~pl.col("is_prompt") & (pl.col("pos") > 0)).with_columns(
@@ -106,10 +111,15 @@ def build_profile(store: Store, run_ids: list[str]) -> pl.DataFrame:
         rn = rn.with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"))
         parts.append(_cells(rn, "resid_norm", "norm", ["layer", "bucket"]))
         parts.append(_cells(rn.with_columns(_log("norm")), "log_resid_norm", "norm", ["layer", "bucket"]))
-        parts.append(_cells(resid_growth(rn), "log_resid_growth", "growth", ["layer", "bucket"]))
+        growth = resid_growth(rn)
+        parts.append(_cells(growth, "log_resid_growth", "growth", ["layer", "bucket"]))
+        parts.append(_cells(run_means(growth, "growth", ["layer", "bucket"]), "run_log_resid_growth", "growth",
+                            ["layer", "bucket"]))
     if hn.height:
         parts.append(_cells(hn, "head_norm", "norm", ["layer", "head"]))
         parts.append(_cells(hn.with_columns(_log("norm")), "log_head_norm", "norm", ["layer", "head"]))
+        parts.append(_cells(run_means(hn.with_columns(_log("norm")), "norm", ["layer", "head"]), "run_log_head_norm",
+                            "norm", ["layer", "head"]))
     return pl.concat(parts, how="vertical_relaxed") if parts else pl.DataFrame(schema={k: SCHEMA[k] for k in KEYS})
 
 
@@ -122,6 +132,15 @@ def load_statistic(chosen_slots: np.ndarray, share: np.ndarray) -> float:
     nz = chosen_slots > 0
     g = float(2 * (chosen_slots[nz] * np.log(chosen_slots[nz] / expected[nz])).sum())
     return (g - (len(share) - 1)) / max(float(chosen_slots.sum()), 1.0)
+
+
+def run_means(df: pl.DataFrame, value: str, keys: list[str]) -> pl.DataFrame:
+    """The mean of ``value`` over each run's positions per cell of ``keys`` (``n``: positions): a component's
+    level over a whole run, whose spread over clean runs is far narrower than one position's, so a shift that
+    lasts the run (a collapsed head, a skipped block, a dead expert's missing contribution) stands out."""
+    by = keys + (["run_id"] if "run_id" in df.columns else [])
+    return df.filter(pl.col(value).is_not_null() & pl.col(value).is_finite()).group_by(by).agg(
+        pl.col(value).mean(), pl.len().alias("positions"))
 
 
 def resid_growth(rn: pl.DataFrame) -> pl.DataFrame:
@@ -252,10 +271,10 @@ def profile(prompts, *, model=None, db=None, max_new_tokens: int = 32, tokenizer
             several kinds, tests, prose) and lengths up to the context the model will be run at
             (data/prompts/calibration.jsonl: four kinds, up to 1,024 tokens).
     """
-    # lazy: recording imports torch; reading a profile (the detectors, a stored run's report) must not
-    from workbench.capture.prompt_sets import record_many
-    from workbench.capture.prompts import load_prompts
-    from workbench.capture.recorder import record_run
+    # recording imports torch; reading a profile (the detectors, a stored run's report) must not
+    from workbench.capture.prompt_sets import record_many  # lazy: imports torch
+    from workbench.capture.prompts import load_prompts  # lazy: beside the recorder it serves
+    from workbench.capture.recorder import record_run  # lazy: imports torch
 
     items = load_prompts(prompts) if isinstance(prompts, (str, Path)) else [{"prompt": p, "id": str(i)}
                                                                            for i, p in enumerate(prompts)]

@@ -12,12 +12,18 @@ Rows (warning and critical) become findings by what they point at:
   finding names that expert; else it joins that layer's head finding if there is one; else it names the
   layer's feed-forward block (its shared experts, in an MoE layer);
 - ``kv_norm_outlier``: one per layer of the KV cache;
+- ``head_entropy_shift`` / ``head_norm_shift`` (run-level): with the head's rows; ``block_shift``: one ``layer`` finding
+  per layer;
 - ``low_confidence`` / ``high_surprise``: one per span of consecutive token positions;
 - ``repetition``: one ``generation`` finding per loop, repeated span or copy (degenerate generation).
 
 Columns: rank, component (kind: head | expert | router | shared_expert | mlp | layer | kv | tokens |
 generation | non_finite), layer, head, expert, pos_start, pos_end, positions (the evidence), n_rows, kinds, severity,
 score (the strongest row's -log10 q), explanation (one line).
+
+Order: by severity (NaN/Inf first), then layer by layer, the layer with the strongest finding first, and within a
+layer upstream first (a head, then the KV cache, the router, routed experts, shared experts / the feed-forward
+block: what a head breaks, the router and experts of its layer read), findings without a layer by their score.
 """
 from __future__ import annotations
 
@@ -32,9 +38,12 @@ from workbench.data import query
 SCHEMA = {"rank": pl.Int32, "component": pl.Utf8, "layer": pl.Int32, "head": pl.Int32, "expert": pl.Int32,
           "pos_start": pl.Int32, "pos_end": pl.Int32, "positions": pl.List(pl.Int32), "n_rows": pl.Int32,
           "kinds": pl.List(pl.Utf8), "severity": pl.Utf8, "score": pl.Float64, "explanation": pl.Utf8}
-HEAD_KINDS = ("head_norm_outlier", "entropy_spike", "entropy_collapse", "entropy_shift")
+HEAD_KINDS = ("head_norm_outlier", "entropy_spike", "entropy_collapse", "entropy_shift", "head_entropy_shift",
+              "head_norm_shift")
 EXPERT_KINDS = ("overloaded_expert", "dead_expert", "starved_expert")
 SEVERITY = {"critical": 0, "warning": 1, "info": 2}
+UPSTREAM = {c: i for i, c in enumerate(("non_finite", "head", "kv", "router", "expert", "shared_expert", "mlp",
+                                        "layer"))}
 
 
 def _finding(component: str, rows: pl.DataFrame, explanation: str, layer=None, head=None, expert=None,
@@ -104,6 +113,10 @@ def group_findings(anomalies: pl.DataFrame, routing: pl.DataFrame | None = None,
                 "the router sends it far fewer tokens than the profile expects")
         out.append(_finding("expert", g, f"layer {layer} expert {expert}: {what} ({g['explanation'][0]})",
                             layer=layer, expert=expert))
+    for (layer,), g in a.filter(pl.col("kind") == "block_shift").group_by("layer", maintain_order=True):
+        way = "weaker" if g["explanation"].str.contains("unusually low").all() else "stronger"
+        out.append(_finding("layer", g, f"layer {layer}: the block changes the residual stream {way} than on clean "
+                            f"runs, all run long ({g['explanation'][0]})", layer=layer, positions=[]))
     for (layer,), g in a.filter(pl.col("kind") == "routing_collapse").group_by("layer", maintain_order=True):
         out.append(_finding("router", g, f"layer {layer}: the router's load is concentrated on few experts", layer=layer))
     for (layer,), g in a.filter(pl.col("kind") == "kv_norm_outlier").group_by("layer", maintain_order=True):
@@ -128,7 +141,14 @@ def group_findings(anomalies: pl.DataFrame, routing: pl.DataFrame | None = None,
     df = pl.DataFrame(out, schema={k: v for k, v in SCHEMA.items() if k != "rank"})
     sev = pl.col("severity").replace_strict(SEVERITY, return_dtype=pl.Int32)
     first = pl.col("component") != "non_finite"  # NaN/Inf leads: everything after it is its consequence
-    df = df.sort(sev, first, pl.col("score"), descending=[False, False, True], maintain_order=True)
+    # one layer's findings stay together (ranked by the layer's strongest), upstream first: a head's output feeds
+    # the router and the experts of its layer, so their findings there are likely its consequence
+    group = pl.when(pl.col("layer").is_null()).then(-1 - pl.int_range(pl.len())).otherwise(pl.col("layer"))
+    df = df.with_columns(group.alias("_g"), sev.alias("_sev")).with_columns(
+        pl.col("score").max().over("_g", "_sev").alias("_gs"),
+        pl.col("component").replace_strict(UPSTREAM, default=len(UPSTREAM), return_dtype=pl.Int32).alias("_up"))
+    df = df.sort("_sev", first, "_gs", "_g", "_up", "score", descending=[False, False, True, False, False, True],
+                 maintain_order=True).drop("_g", "_sev", "_gs", "_up")
     return df.with_columns(pl.arange(1, df.height + 1, dtype=pl.Int32).alias("rank")).select(list(SCHEMA))
 
 
@@ -136,12 +156,19 @@ def _head_words(g: pl.DataFrame) -> str:
     """What a head's rows say, in words (the strongest kind first)."""
     kinds = set(g["kind"].to_list())
     low = g["explanation"].str.contains("unusually low")
-    if "head_norm_outlier" in kinds:
-        norm_low = low.filter(g["kind"] == "head_norm_outlier")
-        return "its output is unusually small" if norm_low.all() else "its output is unusually large"
+    for kind in ("head_norm_outlier", "head_norm_shift"):
+        if kind in kinds:
+            norm_low = low.filter(g["kind"] == kind)
+            return "its output is unusually small" if norm_low.all() else "its output is unusually large"
     if "entropy_collapse" in kinds:
         return "its attention collapsed onto a few keys"
-    return "its attention is unusually diffuse" if "entropy_spike" in kinds else "its attention moved from the reference's"
+    if "entropy_spike" in kinds:
+        return "its attention is unusually diffuse"
+    if "head_entropy_shift" in kinds:
+        shift_low = low.filter(g["kind"] == "head_entropy_shift")
+        return ("its attention is sharper than on clean runs, all run long" if shift_low.all() else
+                "its attention is flatter than on clean runs, all run long")
+    return "its attention moved from the reference's"
 
 
 def _concentrated_expert(routing: pl.DataFrame | None, layer: int, positions: list[int]) -> tuple[int, int] | None:
