@@ -3,21 +3,33 @@ from __future__ import annotations
 
 import html
 import json
+import os
+import pickle
 import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from importlib import resources
 from pathlib import Path
 
+import plotly.graph_objects as go
 import polars as pl
 import pytest
 from helpers import tiny_model
+from markupsafe import escape
 
 import workbench
 from workbench import cli, record
 from workbench.data.store import Store
 from workbench.model import save_checkpoint
 from workbench.model.tokenizer import DEFAULT_TOKENIZER
-from workbench.views.report import build_report, script_json, write_report
+from workbench.views.report import Report, build_report, render_html, script_json, templates, write_report
 
 EVIL = "</script><script>alert(1)</script>"
+# what a model, a prompt or a user can put in any stored string: markup, a textarea break-out, template syntax
+HOSTILE = "</textarea><script>alert('x')</script><b onmouseover=\"go()\">{{ 7*7 }}{% raw %}&amp;"
+ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")
 RC = {"steps": 4}  # IG steps: enough to produce a ranking, fast on two busy cores
 
@@ -31,7 +43,7 @@ def env(tmp_path_factory):
     run = record([5, 17, 42, 7, 99, 3], model=ckpt, max_new_tokens=6, db=store)
     # a model can emit any text: make one generated token a script-injection attempt
     store.execute("UPDATE tokens SET text = ? WHERE run_id = ? AND pos = 8", [EVIL, run.run_id])
-    return {"root": root, "store": store, "run": run}
+    return {"root": root, "store": store, "run": run, "ckpt": ckpt}
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +219,96 @@ def test_report_leads_with_the_diagnosis(tmp_path):
     md = Path(run.report(tmp_path / "r.md", "md")).read_text()
     assert md.index("## Diagnosis") < md.index("## Summary")
     assert pl.DataFrame(facts["anomalies"]).height == run.anomalies().height
+
+
+def test_hostile_strings_are_escaped_by_the_templates(env, tmp_path, monkeypatch):
+    """Token text, the prompt, the model name and a finding's explanation, each a hostile string, come out of the
+    templates escaped (never as markup, never evaluated as template syntax) and intact in the embedded JSON."""
+    store = env["store"]
+    run = record([5, 17, 42, 7], model=env["ckpt"], max_new_tokens=3, db=store)
+    # one prompt token and one generated token
+    store.execute("UPDATE tokens SET text = ? WHERE run_id = ? AND pos IN (1, 5)", [HOSTILE, run.run_id])
+    store.execute("UPDATE runs SET model = ?, prompt = ? WHERE run_id = ?",
+                  ["m" + HOSTILE, "p" + HOSTILE, run.run_id])
+    import workbench.views.report as report_mod
+    found = pl.DataFrame({"rank": [1], "severity": ["warning"], "explanation": ["e" + HOSTILE], "kinds": [["k"]],
+                          "positions": [[5]]})
+    monkeypatch.setattr(report_mod, "_findings", lambda *a: found)
+    page = write_report(run, tmp_path / "h.html", "html", explain=0).read_text()
+    assert "<script>alert(" not in page and "</textarea>" not in page and "<b onmouseover" not in page
+    shown = str(escape(HOSTILE))
+    assert "&lt;/textarea&gt;" in shown and "{{ 7*7 }}" in shown  # template syntax is printed, not run
+    assert page.count(shown) >= 4  # prompt token, generated token (strip and evidence), model, explanation
+    assert f"<td>{escape('m' + HOSTILE)}</td>" in page
+    assert f"[warning] {escape('e' + HOSTILE)}</h3>" in page
+    strip = re.search(r"<div class='strip' id='text'>(.*?)</div>", page, re.S).group(1)
+    assert strip.count(f">{shown}</span>") == 2
+    assert page.count("<script") == page.count("</script>") == 3 + page.count("<div class='fig'")
+    facts = json.loads(re.search(r"<script type='application/json' id='report-data'>(.*?)</script>", page,
+                                 re.S).group(1))
+    assert facts["run"]["model"] == "m" + HOSTILE and facts["run"]["prompt"] == "p" + HOSTILE
+    assert [t["text"] for t in facts["tokens"] if t["pos"] in (1, 5)] == [HOSTILE, HOSTILE]
+    assert facts["findings"][0]["explanation"] == "e" + HOSTILE
+    assert "&lt;/textarea&gt;" in write_report(run, tmp_path / "h.md", "md", explain=0).read_text()
+
+
+def _every_section() -> Report:
+    """A report with every section of the page filled (no store, no model: it travels by pickle)."""
+    tok = [{"pos": i, "token_id": i, "text": t, "is_prompt": i < 2, "prob": 0.5, "logprob": -0.7, "confidence": c,
+            "entropy": 1.0, "rank": 1} for i, (t, c) in enumerate([("a", 0.9), ("\tb", None), (HOSTILE, 0.1)])]
+    causes = [{"rank": 1, "kind": "head", "layer": 0, "head": 1, "expert": None, "source_pos": 1, "score": 0.25,
+               "method": "ig", "delta": None}]
+    facts = {"report": {"kind": "moe-workbench anomaly report", "schema_version": 1, "created_at": "2026-01-01"},
+             "run": {"run_id": "r1", "model": HOSTILE}, "model": {}, "params": {"max_new_tokens": 1}, "config": {},
+             "summary": {"tested": "all", "anomalies": {"critical": 1}}, "tokens": tok,
+             "findings": [{"rank": 1, "severity": "critical", "explanation": HOSTILE, "kinds": ["k"],
+                           "positions": [2], "explained_pos": 2}],
+             "anomalies": [{"rank": 1, "severity": "critical", "kind": "spike", "pos": 2, "explanation": HOSTILE}],
+             "explained": [{"pos": 2, "text": HOSTILE, "anomaly_ids": [], "causes": causes, "attribution": []}],
+             "signals": {}, "notes": [HOSTILE], "kv_policies": [{"policy": "full", "bytes_kept": 1, "bytes_full": 1}],
+             "code": {"compile": {"ok": True, "lines": 1}, "classes": [{"class": "name", "tokens": 1}]}}
+    fig = go.Figure(go.Bar(x=[1], y=[2], name=HOSTILE))
+    return Report(facts, figures=[(s, s + "-fig", fig) for s in ("explain-2", "signals", "kv_whatif", "code")])
+
+
+def test_templates_are_package_data(tmp_path):
+    """The templates load from the package (not a path next to the source), and a non-editable install ships them:
+    a wheel built from the source holds every file of workbench/views/templates, and the installed copy renders
+    the same page as this checkout."""
+    folder = resources.files("workbench.views").joinpath("templates")
+    files = sorted(p.name for p in folder.iterdir() if p.is_file())
+    assert "report.html.j2" in files and set(templates().list_templates()) == set(files)
+    assert templates().get_template("report.html.j2").render  # compiles
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for d in ("workbench", "model", "probes", "apps"):
+        shutil.copytree(ROOT / d, src / d, ignore=shutil.ignore_patterns("__pycache__"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    got = subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w",
+                                str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    wheel = next((tmp_path / "dist").glob("*.whl"))
+    shipped = {n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("workbench/views/templates/")}
+    assert shipped == {f"workbench/views/templates/{f}" for f in files}
+    target = tmp_path / "site"
+    got = subprocess.run(pip + ["install", "--no-deps", "--no-index", "-q", "--target", str(target), str(wheel)],
+                         capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    # a report with every section, rendered by the installed copy (PYTHONPATH comes before the editable finder)
+    rep = _every_section()
+    (tmp_path / "rep.pkl").write_bytes(pickle.dumps(rep))
+    code = ("import pickle, sys, workbench.views.report as r\n"
+            f"assert r.__file__.startswith({str(target)!r}), r.__file__\n"
+            f"rep = pickle.loads(open({str(tmp_path / 'rep.pkl')!r}, 'rb').read())\n"
+            "sys.stdout.write(r.render_html(rep))")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(target)})
+    assert got.returncode == 0, got.stderr
+    # the same page; plotly may order a figure's JSON keys differently in another process, so figures compare parsed
+    fig_json = re.compile(r"(<script type='application/json' id='fig-\d+-data'>)(.*?)(</script>)", re.S)
+    there, here = got.stdout, render_html(rep)
+    assert fig_json.sub(r"\1\3", there) == fig_json.sub(r"\1\3", here) and "Anomaly report" in there
+    assert [json.loads(m[1]) for m in fig_json.findall(there)] == [json.loads(m[1]) for m in fig_json.findall(here)]
+    assert len(fig_json.findall(here)) == 4

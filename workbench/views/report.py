@@ -6,10 +6,13 @@ slow, so only ``explain`` positions (default 3) are explained, and attributions 
 reused. Each analysis is optional: if a module or the model is missing, the report says so in its
 notes instead of failing.
 
-Everything from the run is untrusted text (token text, prompts, error messages): it is HTML-escaped
-in markup, and JSON embedded in ``<script>`` has ``<``, ``>`` and ``&`` escaped as ``\\u003c`` etc.,
-so no ``</script>`` can break out. The HTML loads nothing from the network: plotly's JS is inlined
-and a Content-Security-Policy forbids fetching anything.
+Everything from the run is untrusted text (token text, prompts, model names, explanations, error
+messages). The HTML page is a Jinja2 template (``templates/report.html.j2``, package data) rendered
+with autoescape on, so the template engine escapes every value it prints; the only values passed as
+``Markup`` are plotly's bundle and JSON embedded in ``<script>``, which has ``<``, ``>`` and ``&``
+escaped as ``\\u003c`` etc. (``script_json``), so no ``</script>`` can break out. The HTML loads
+nothing from the network: plotly's JS is inlined and a Content-Security-Policy forbids fetching
+anything.
 """
 from __future__ import annotations
 
@@ -20,11 +23,14 @@ import re
 import time
 from dataclasses import dataclass, field
 from datetime import date, datetime, timezone
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import plotly.io as pio
 import polars as pl
+from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
+from markupsafe import Markup
 from plotly.offline import get_plotlyjs
 
 from workbench.analysis.anomalies import what_was_tested
@@ -41,6 +47,8 @@ EXPLAIN_BUDGET_S = 60.0  # root cause (IG + ablations) takes seconds to minutes 
 ANOMALIES_SHOWN = 30  # rows of the HTML table shown before the rest is folded away
 KV_POLICY_COLUMNS = ["policy", "bytes_kept", "bytes_full", "delta_nll", "top1_agreement", "first_divergence", "events"]
 CODE_COLUMNS = ["class", "tokens", "mean_confidence", "median_confidence", "mean_entropy", "low_confidence_share"]
+ANOMALY_COLUMNS = ["rank", "severity", "kind", "pos", "token", "layer", "head", "expert", "score", "threshold",
+                   "explanation"]
 
 
 # -- collecting the facts ---------------------------------------------------------------------------
@@ -268,30 +276,16 @@ def script_json(text: str) -> str:
     return re.sub("[<>&\u2028\u2029]", lambda m: _SCRIPT_SAFE[m.group(0)], text)
 
 
-def _e(x: Any) -> str:
-    return html.escape("" if x is None else str(x), quote=True)
-
-
 def _num(x: Any) -> str:
+    """A table cell's text (not escaped: the template does that): floats to 4 significant digits, None empty."""
     if isinstance(x, float):
         return f"{x:.4g}"
-    return _e(x)
+    return "" if x is None else str(x)
 
 
 def _show(text: str | None) -> str:
     """Token text with newlines and tabs made visible (not yet escaped)."""
     return (text or "").replace("\n", "\u21b5\n").replace("\t", "\u2192")
-
-
-def _visible(text: str | None) -> str:
-    """Token text with its whitespace made visible, HTML-escaped."""
-    return _e(_show(text))
-
-
-def _table(rows: list[dict], cols: list[str]) -> str:
-    head = "".join(f"<th>{_e(c)}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{_num(r.get(c))}</td>" for c in cols) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def _confidence_colour(c: float | None) -> str:
@@ -300,136 +294,65 @@ def _confidence_colour(c: float | None) -> str:
     return f"hsl({120 * max(0.0, min(1.0, c)):.0f}, 70%, 82%)"
 
 
-_CSS = """
-body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222;padding:0 1em}
-h1{font-size:1.5em} h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:2em}
-table{border-collapse:collapse;margin:.5em 0;font-size:13px} td,th{border:1px solid #ddd;padding:2px 6px;
-text-align:left;vertical-align:top} th{background:#f4f4f4}
-.strip{font-family:ui-monospace,monospace;white-space:pre-wrap;line-height:1.9;border:1px solid #ddd;padding:.6em}
-.tok{border-radius:3px;padding:1px 0} .tok.prompt{opacity:.6} .tok.anom{outline:2px solid #c0392b}
-.notes li{color:#8a5a00} .fig{min-height:240px} .muted{color:#777}
-"""
+@lru_cache(maxsize=1)
+def templates() -> Environment:
+    """The report's Jinja2 environment: templates from the package (workbench/views/templates), autoescape on.
+
+    Autoescape escapes every value a template prints unless it is ``Markup``; the only Markup passed in is
+    built in ``render_html`` (plotly's bundle, JSON made script-safe by ``script_json``).
+    """
+    env = Environment(loader=PackageLoader("workbench.views", "templates"),
+                      autoescape=select_autoescape(enabled_extensions=("html", "htm", "html.j2"), default=True),
+                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    env.filters.update(num=_num, visible=_show, colour=_confidence_colour, span_list=_span_list)
+    return env
 
 
 def render_html(rep: Report) -> str:
-    """One self-contained HTML page: plotly's JS inline, figures and facts as escaped JSON."""
-
+    """One self-contained HTML page (templates/report.html.j2): plotly's JS inline, figures and facts as
+    script-safe JSON."""
     f = rep.facts
     run, summary = f["run"], f["summary"]
-    rid = run["run_id"]
-    anomalous = {a["pos"] for a in f["anomalies"] if a.get("pos") is not None}
-    parts = [f"<h1>Anomaly report: run <code>{_e(rid)}</code></h1>",
-             f"<p class='muted'>generated {_e(f['report']['created_at'])} by moe-workbench "
-             f"(schema {_e(f['report']['schema_version'])})</p>"]
-    explained = {ex["pos"]: ex for ex in f["explained"]}
-    parts.append(f"<h2>Diagnosis: {len(f['findings'])} finding{'s' if len(f['findings']) != 1 else ''}</h2>")
-    if not f["findings"]:
-        parts.append("<p>Nothing out of its usual range: no warning or critical anomaly.</p>")
-    if summary.get("tested"):
-        parts.append(f"<p class='muted'>What was tested: {_e(summary['tested'])}</p>")
-    for fnd in f["findings"]:
-        pos = fnd.get("explained_pos")
-        parts.append(f"<div class='finding {_e(fnd['severity'])}'><h3>{int(fnd['rank'])}. [{_e(fnd['severity'])}] "
-                     f"{_e(fnd['explanation'])}</h3><p class='muted'>evidence: {_e(', '.join(fnd['kinds']))} at "
-                     f"positions {_e(_span_list(fnd['positions']))}</p>")
-        if pos in explained:
-            parts.append(f"<p>Root cause of the token it hurt most, position {int(pos)} "
-                         f"<code class='tok'>{_visible(explained[pos]['text'])}</code>:</p>")
-            parts.append(_table(explained[pos]["causes"][:5], ["rank", "kind", "layer", "head", "expert", "source_pos",
-                                                              "score", "method"]))
-        parts.append("</div>")
-    parts.append("<h2>Summary</h2>")
     keys = ["status", "model", "checkpoint_sha256", "dtype", "device", "seed", "parent_run_id", "created_at",
             "n_prompt_tokens", "n_tokens", "error"]
     rows = [(k, run.get(k)) for k in keys] + [(k, v) for k, v in summary.items() if k != "run_id" and k not in keys]
     rows += [(k, f["params"].get(k)) for k in ("max_new_tokens", "temperature", "top_p")]
-    cell = lambda v: _e(json.dumps(v)) if isinstance(v, dict) else _num(v)
-    parts.append("<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{cell(v)}</td></tr>" for k, v in rows) + "</table>")
-    parts.append("<h2>Text</h2><p class='muted'>coloured by confidence (red: unsure, green: confident); "
-                 "faded: prompt; outlined: anomalous position. Hover a token for its numbers.</p>")
-    spans = []
-    for t in f["tokens"]:
-        cls = "tok" + (" prompt" if t["is_prompt"] else "") + (" anom" if t["pos"] in anomalous else "")
-        tip = f"pos {t['pos']}, id {t['token_id']}, confidence {_num(t['confidence'])}, logprob {_num(t['logprob'])}"
-        spans.append(f"<span class='{cls}' data-pos='{int(t['pos'])}' title='{_e(tip)}' "
-                     f"style='background:{_confidence_colour(t['confidence'])}'>{_visible(t['text'])}</span>")
-    parts.append(f"<div class='strip' id='text'>{''.join(spans)}</div>")
-    parts.append(f"<h2>Anomaly rows ({len(f['anomalies'])}), by kind</h2>")
+    summary_rows = [(k, json.dumps(v) if isinstance(v, dict) else v) for k, v in rows]
+    text = {t["pos"]: t["text"] for t in f["tokens"]}
+    groups = []
     if f["anomalies"]:
-        text = {t["pos"]: t["text"] for t in f["tokens"]}
         rows = [dict(a, token=_show(text.get(a["pos"])) if a.get("pos") is not None else "")
                 for a in f["anomalies"]]
-        cols = ["rank", "severity", "kind", "pos", "token", "layer", "head", "expert", "score", "threshold",
-                "explanation"]
-        # grouped by kind, each group collapsed (the diagnosis above already reads them); every cell escaped
-        for kind in sorted({r["kind"] for r in rows}):
-            group = [r for r in rows if r["kind"] == kind]
-            parts.append(f"<details class='kind'><summary>{_e(kind)}: {len(group)} rows</summary>"
-                         f"{_table(group[:ANOMALIES_SHOWN], cols)}"
-                         + (f"<p class='muted'>{len(group) - ANOMALIES_SHOWN} more in the JSON facts</p>"
-                            if len(group) > ANOMALIES_SHOWN else "") + "</details>")
-    else:
-        parts.append("<p>No anomalies detected.</p>" if not any("anomal" in n for n in f["notes"])
-                     else "<p>Anomalies could not be listed (see notes).</p>")
-    figs: list[tuple[str, str]] = []
-
-    def fig_div(key: str, fig) -> str:
-        i = len(figs)
-        figs.append((f"fig-{i}", script_json(pio.to_json(fig, validate=False))))
-        return f"<div class='fig' id='fig-{i}' data-key='{_e(key)}'></div>"
-
+        groups = [{"kind": kind, "rows": [r for r in rows if r["kind"] == kind]}
+                  for kind in sorted({r["kind"] for r in rows})]
+    # figures numbered in the order the page shows them; a section the page leaves out shows none
     by_section: dict[str, list] = {}
     for section, key, fig in rep.figures:
         by_section.setdefault(section, []).append((key, fig))
-    if f["explained"]:
-        parts.append("<h2>Root cause of the top anomalies</h2>")
-    for ex in f["explained"]:
-        parts.append(f"<h3>Position {ex['pos']}: <code class='tok'>{_visible(ex['text'])}</code></h3>")
-        parts.append(_table(ex["causes"], ["rank", "kind", "layer", "head", "expert", "source_pos", "score",
-                                           "method", "delta"]))
-        for key, fig in by_section.get(f"explain-{ex['pos']}", []):
-            parts.append(fig_div(key, fig))
-    parts.append("<h2>Attention entropy, routing and KV cache</h2>")
-    for key, fig in by_section.get("signals", []):
-        parts.append(fig_div(key, fig))
-    if f.get("kv_policies"):
-        parts.append("<h2>KV-cache policies (what-if)</h2><p class='muted'>the run's tokens re-run teacher-forced "
-                     "with each policy acting on the cache, against the full cache (<code>workbench kv-whatif</code>); "
-                     "delta_nll in nats per generated token, memory at the end of the run</p>")
-        parts.append(_table(f["kv_policies"], KV_POLICY_COLUMNS))
-        for key, fig in by_section.get("kv_whatif", []):
-            parts.append(fig_div(key, fig))
-    if f.get("code"):
-        text = {t["pos"]: t["text"] for t in f["tokens"]}
-        parts.append("<h2>Code</h2><p class='muted'>the run's text read as Python: <code>ast.parse</code> as it is, "
-                     "and the generated tokens' confidence by <code>tokenize</code> class (workbench.analysis.codeview)</p>"
-                     f"<p>{_e(_compile_line(f['code']['compile'], text))}</p>")
-        parts.append(_table(f["code"]["classes"], CODE_COLUMNS))
-        for key, fig in by_section.get("code", []):
-            parts.append(fig_div(key, fig))
-    if f["notes"]:
-        parts.append("<h2>Notes</h2><ul class='notes'>" + "".join(f"<li>{_e(n)}</li>" for n in f["notes"]) + "</ul>")
-    parts.append("<p class='muted'>The facts of this report are embedded as JSON in "
-                 "<code>&lt;script id=\"report-data\"&gt;</code>; the same document is what "
-                 "<code>workbench report --format json</code> writes.</p>")
-    data_blocks = "".join(f"<script type='application/json' id='{i}-data'>{j}</script>" for i, j in figs)
-    facts_json = script_json(json.dumps(report_facts(rep), allow_nan=False, default=str))
+    shown = [f"explain-{ex['pos']}" for ex in f["explained"]] + ["signals"]
+    shown += ["kv_whatif"] if f.get("kv_policies") else []
+    shown += ["code"] if f.get("code") else []
+    figs, figs_by_section = [], {}
+    for section in shown:
+        for key, fig in by_section.get(section, []):
+            d = {"id": f"fig-{len(figs)}", "key": key,
+                 "json": Markup(script_json(pio.to_json(fig, validate=False)))}  # script-safe: no < > &
+            figs.append(d)
+            figs_by_section.setdefault(section, []).append(d)
     js = get_plotlyjs()
     if "</script" in js.lower():  # never true for plotly 5-7, but the page must stay well formed
         js = re.sub(r"(?i)</script", r"<\\/script", js)
-    boot = ("document.querySelectorAll('div.fig').forEach(function(el){"
-            "var spec=JSON.parse(document.getElementById(el.id+'-data').textContent);"
-            "Plotly.newPlot(el,spec.data||[],spec.layout||{},{displaylogo:false,responsive:true,"
-            "showLink:false,showSendToCloud:false,showEditInChartStudio:false});});")
-    csp = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-           "img-src data: blob:; font-src data:")
-    return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-            f"<meta http-equiv='Content-Security-Policy' content=\"{csp}\">"
-            "<meta name='viewport' content='width=device-width,initial-scale=1'>"
-            f"<title>workbench report {_e(rid)}</title><style>{_CSS}</style>"
-            f"<script>{js}</script></head><body>{''.join(parts)}{data_blocks}"
-            f"<script type='application/json' id='report-data'>{facts_json}</script>"
-            f"<script>{boot}</script></body></html>\n")
+    return templates().get_template("report.html.j2").render(
+        f=f, run=run, summary=summary, summary_rows=summary_rows,
+        explained={ex["pos"]: ex for ex in f["explained"]},
+        anomalous={a["pos"] for a in f["anomalies"] if a.get("pos") is not None},
+        anomaly_groups=groups, anomalies_failed=any("anomal" in n for n in f["notes"]),
+        anomalies_shown=ANOMALIES_SHOWN, anomaly_columns=ANOMALY_COLUMNS,
+        kv_policy_columns=KV_POLICY_COLUMNS, code_columns=CODE_COLUMNS,
+        compile_line=_compile_line(f["code"]["compile"], text) if f.get("code") else "",
+        figs=figs, figs_by_section=figs_by_section,
+        facts_json=Markup(script_json(json.dumps(report_facts(rep), allow_nan=False, default=str))),
+        plotly_js=Markup(js))
 
 
 def _md(x: Any) -> str:
