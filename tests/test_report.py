@@ -249,7 +249,10 @@ def test_hostile_strings_are_escaped_by_the_templates(env, tmp_path, monkeypatch
     assert facts["run"]["model"] == "m" + HOSTILE and facts["run"]["prompt"] == "p" + HOSTILE
     assert [t["text"] for t in facts["tokens"] if t["pos"] in (1, 5)] == [HOSTILE, HOSTILE]
     assert facts["findings"][0]["explanation"] == "e" + HOSTILE
-    assert "&lt;/textarea&gt;" in write_report(run, tmp_path / "h.md", "md", explain=0).read_text()
+    md = write_report(run, tmp_path / "h.md", "md", explain=0).read_text()
+    assert "<script>" not in md and "</textarea>" not in md and "<b onmouseover" not in md
+    assert f"| model | {report_mod._md('m' + HOSTILE)} |" in md and "&lt;/textarea&gt;" in md
+    assert f"1. [warning] {report_mod._md('e' + HOSTILE)}\n" in md
 
 
 def _every_section() -> Report:

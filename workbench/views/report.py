@@ -12,7 +12,8 @@ with autoescape on, so the template engine escapes every value it prints; the on
 ``Markup`` are plotly's bundle and JSON embedded in ``<script>``, which has ``<``, ``>`` and ``&``
 escaped as ``\\u003c`` etc. (``script_json``), so no ``</script>`` can break out. The HTML loads
 nothing from the network: plotly's JS is inlined and a Content-Security-Policy forbids fetching
-anything.
+anything. The Markdown is a template too (``templates/report.md.j2``), whose environment passes every printed
+value through ``_md`` (HTML-escaped, since Markdown passes HTML through; pipes and newlines neutralised).
 """
 from __future__ import annotations
 
@@ -363,54 +364,38 @@ def _md(x: Any) -> str:
     return s.replace("|", "\\|").replace("`", "&#96;").replace("\n", "\u21b5").replace("\r", "")
 
 
-def _md_table(rows: list[dict], cols: list[str]) -> str:
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    out += ["| " + " | ".join(_md(r.get(c)) for c in cols) + " |" for r in rows]
-    return "\n".join(out)
-
-
 def _span_list(pos: list[int] | None, most: int = 12) -> str:
     pos = pos or []
     return ", ".join(str(p) for p in pos[:most]) + (f", ... ({len(pos)} in all)" if len(pos) > most else "")
 
 
+def _md_value(x: Any) -> Any:
+    """What the Markdown template prints for ``{{ x }}``: ``_md(x)``, unless it is Markup (already escaped)."""
+    return x if isinstance(x, Markup) else _md(x)
+
+
+@lru_cache(maxsize=1)
+def md_templates() -> Environment:
+    """The Markdown report's environment: the same package templates; every printed value passes ``_md``."""
+    env = Environment(loader=PackageLoader("workbench.views", "templates"), autoescape=False, finalize=_md_value,
+                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    return env
+
+
 def render_md(rep: Report) -> str:
+    """The report in Markdown (templates/report.md.j2): the same facts, no figures."""
     f = rep.facts
     run = f["run"]
     text = {t["pos"]: t["text"] for t in f["tokens"]}
-    out = [f"# Anomaly report: run {_md(run['run_id'])}", "",
-           f"Generated {_md(f['report']['created_at'])} by moe-workbench. Figures are in the HTML report "
-           "(`workbench report RUN_ID`).", "", f"## Diagnosis: {len(f['findings'])} findings", ""]
-    out += [f"{int(x['rank'])}. [{_md(x['severity'])}] {_md(x['explanation'])}" for x in f["findings"]] or \
-        ["Nothing out of its usual range."]
-    out += ["", "## Summary", ""]
     keys = ("status", "model", "checkpoint_sha256", "dtype", "seed", "parent_run_id", "created_at")
     rows = [{"field": k, "value": run.get(k)} for k in keys]
     rows += [{"field": k, "value": json.dumps(v) if isinstance(v, dict) else v} for k, v in f["summary"].items()
              if k != "run_id" and k not in keys]
-    out += [_md_table(rows, ["field", "value"]), "", "## Text", "",
-            "<pre>" + html.escape("".join(t["text"] or "" for t in f["tokens"])) + "</pre>", "",
-            f"## Anomalies ({len(f['anomalies'])})", ""]
-    if f["anomalies"]:
-        rows = [dict(a, token=text.get(a.get("pos"))) for a in f["anomalies"]]
-        out.append(_md_table(rows, ["rank", "severity", "kind", "pos", "token", "layer", "head", "expert", "score",
-                                    "explanation"]))
-    else:
-        out.append("None listed.")
-    for ex in f["explained"]:
-        out += ["", f"## Root cause of position {ex['pos']} ({_md(ex['text'])})", "",
-                _md_table(ex["causes"], ["rank", "kind", "layer", "head", "expert", "source_pos", "score", "method"])]
-    if f.get("kv_policies"):
-        out += ["", "## KV-cache policies (what-if)", "",
-                "The run's tokens re-run with each policy acting on the cache, against the full cache "
-                "(`workbench kv-whatif`); delta_nll in nats per generated token.", "",
-                _md_table(f["kv_policies"], KV_POLICY_COLUMNS)]
-    if f.get("code"):
-        out += ["", "## Code", "", _md(_compile_line(f["code"]["compile"], text)), "",
-                _md_table(f["code"]["classes"], CODE_COLUMNS)]
-    if f["notes"]:
-        out += ["", "## Notes", ""] + [f"- {_md(n)}" for n in f["notes"]]
-    return "\n".join(out) + "\n"
+    return md_templates().get_template("report.md.j2").render(
+        f=f, summary_rows=rows, anomaly_rows=[dict(a, token=text.get(a.get("pos"))) for a in f["anomalies"]],
+        text=Markup(html.escape("".join(t["text"] or "" for t in f["tokens"]))),  # escaped here, for <pre>
+        compile_line=_compile_line(f["code"]["compile"], text) if f.get("code") else "",
+        kv_policy_columns=KV_POLICY_COLUMNS, code_columns=CODE_COLUMNS)
 
 
 def write_report(run, out: str | Path | None = None, format: str = "html", *, explain: int = 3,
