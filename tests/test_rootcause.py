@@ -133,16 +133,19 @@ def test_root_cause_on_a_recorded_run(tiny, tmp_path):
     assert df.columns[:9] == ["target_pos", "kind", "layer", "head", "expert", "source_pos", "score", "rank",
                               "method"]
     assert df["rank"].to_list() == list(range(1, df.height + 1))
-    assert set(df["kind"]) == {"token", "head", "expert", "shared_expert", "router"}
+    assert set(df["kind"]) == {"token", "head", "expert", "shared_expert", "router", "embed", "unembed"}
+    weights = df.filter(pl.col("method") == "profile")  # no profile for this model: only the weight rows
+    assert sorted(weights["kind"].to_list()) == ["embed", "unembed"]
+    rest = df.filter(pl.col("method") != "profile")
     # no reference, no profile: components (by ablation) and tokens (by IG) take turns, each in its own order
-    for part in (df.filter(pl.col("kind") == "token"), df.filter(pl.col("kind") != "token")):
+    for part in (rest.filter(pl.col("kind") == "token"), rest.filter(pl.col("kind") != "token")):
         scores = part["score"].abs().to_list()
         assert scores == sorted(scores, reverse=True)
-    assert df["kind"].head(4).to_list()[1::2] == ["token", "token"] and "token" not in df["kind"].head(4)[::2]
+    assert rest["kind"].head(4).to_list()[1::2] == ["token", "token"] and "token" not in rest["kind"].head(4)[::2]
     tok = df.filter(pl.col("kind") == "token")
     assert sorted(tok["source_pos"].to_list()) == list(range(pos))
     assert set(tok["method"]) == {"ig_routing_frozen"} and tok["delta"].is_not_null().all()
-    assert set(df.filter(pl.col("kind") != "token")["method"]) == {"ablation"}
+    assert set(rest.filter(pl.col("kind") != "token")["method"]) == {"ablation"}
     # the IG target is the recorded token's logprob (cache-free recomputation agrees with the recording)
     _, _, gap = integrated_gradients(tiny, torch.tensor([run.tokens()["token_id"].to_list()[:pos]]),
                                      run.tokens()["token_id"][pos], steps=4)

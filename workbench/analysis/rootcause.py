@@ -45,7 +45,10 @@ the residual norm (``log_resid_growth``, kind ``resid``: where the stream went o
 cancels; older profiles: the jump of the norm's z from the block before), the cached KV latent's norm
 (``latent_norm``, kind ``kv_latent``) and each expert's share of its layer's routed slots (``expert_share``:
 only an expert never chosen where the profile expects 3 slots or more: routing counts vary between prompts
-far more than Poisson draws, so an expert chosen 3 times its share is ordinary on a repetitive prompt). A profile
+far more than Poisson draws, so an expert chosen 3 times its share is ordinary on a repetitive prompt). Beside
+them, without any profile, the weight rows: the target token's output-projection row and the context
+tokens' embedding rows, against the model's other rows (robust z of the log norm; kinds ``unembed`` and
+``embed``, ``row_evidence``). A profile
 row's score is its surprise in nats, signed (+ too large, - too small): z^2 / 2 for a Gaussian cell
 (z = (mean over the context - profile mean) / profile std, norms on the log scale where the profile has
 their ``log_*`` cells), m for a never-chosen expert where m slots were expected (the Poisson log-likelihood
@@ -482,6 +485,27 @@ def profile_evidence(store, run_id: str, pos: int, profile: pl.DataFrame) -> lis
     return out
 
 
+def row_evidence(model: Adapter, ids: list[int], target: int) -> list[tuple[tuple, float]]:
+    """Weight-space evidence (no profile needed): how far the target's output-projection row, and each context
+    token's embedding row, lie from the model's other rows in log norm (a robust z over the vocabulary: median
+    and 1.4826 MAD), as signed surprise in nats: an ``unembed`` row, and an ``embed`` row at the context
+    position whose token's row is the most unusual."""
+    out: list[tuple[tuple, float]] = []
+    with torch.no_grad():
+        for kind, w in (("unembed", model.unembedding().weight), ("embed", model.embedding().weight)):
+            if w.ndim != 2 or w.size(0) != model.summary.vocab_size:
+                continue
+            ln = w.float().norm(dim=1).clamp_min(1e-30).log().cpu().numpy()
+            med = np.median(ln)
+            z = (ln - med) / max(1.4826 * float(np.median(np.abs(ln - med))), 1e-6)
+            if kind == "unembed":
+                out.append((("unembed", None, None, None, None), float(_surprise(np.array(z[target])))))
+            elif ids:
+                p = int(np.argmax(np.abs(z[ids])))
+                out.append((("embed", None, None, None, p), float(_surprise(np.array(z[ids[p]])))))
+    return out
+
+
 def interleave(df: pl.DataFrame, evidence: list[tuple[tuple, float]]) -> pl.DataFrame:
     """The no-reference ranking rule (module doc): profile rows, components and tokens take turns."""
     prof = pl.DataFrame({
@@ -583,7 +607,8 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
     df = rank_causes(scores, token_method + suffix, delta, comps, effects, pos, "ablation" + suffix)
     if ref is None:
         profile = load_profile(store, info.get("checkpoint_sha256"))
-        df = interleave(df, profile_evidence(store, run_id, pos, profile) if profile is not None else [])
+        evidence = profile_evidence(store, run_id, pos, profile) if profile is not None else []
+        df = interleave(df, evidence + row_evidence(model, ids_all[:pos], target))
     if save:
         _save(store, run_id, pos, df)
     return df
