@@ -100,7 +100,7 @@ WORDS = {
 
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 LOG_TAIL = 0.1  # beyond the profile's 99.9% quantile a log norm's p falls by e per 0.1 (a 10% larger norm)
-RUN_TAIL = {"log": 0.015, "entropy": 0.02}  # the same for run-level means (from one value per calibration run)
+RUN_TAIL = {"log": 0.025, "entropy": 0.03}  # the same for run-level means (from one value per calibration run)
 
 
 def select(df: pl.DataFrame, kinds: list[str] | None = None, severity: str | None = None,
