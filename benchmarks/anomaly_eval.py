@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         got = {k: next((p[k] for p in parts if p.get(k)), [] if k != "loop" else {})
                for k in ("clean", "tiny", "faults", "loop")}
         text = markdown(got["clean"], got["tiny"], got["faults"], got["loop"], args,
-                        max(p.get("seconds", 0) for p in parts))
+                        max(p.get("seconds", 0) for p in parts), max(p.get("threads", 1) for p in parts))
         print(text)
         if not args.no_write:
             write_section(ROOT / "benchmarks" / "RESULTS.md", text, SECTION)
@@ -257,11 +257,11 @@ def main(argv: list[str] | None = None) -> int:
             results = fault_eval(model, store, enc[::2][:12], args)
         store.close()
     seconds = time.perf_counter() - t0
-    text = markdown(clean, tiny, results, loop, args, seconds)
+    text = markdown(clean, tiny, results, loop, args, seconds, torch.get_num_threads())
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps({"clean": clean, "tiny": tiny, "faults": results, "loop": loop,
-                                               "seconds": seconds}))
+                                               "seconds": seconds, "threads": torch.get_num_threads()}))
     if not args.no_write:
         write_section(ROOT / "benchmarks" / "RESULTS.md", text, SECTION)
         print("wrote the anomaly section of benchmarks/RESULTS.md")
@@ -283,7 +283,7 @@ def _cells(runs: list[dict], key) -> list[tuple[str, dict]]:
     return [(k, summary(v)) for k, v in groups.items()]
 
 
-def markdown(clean, tiny, results, loop, args, seconds) -> str:
+def markdown(clean, tiny, results, loop, args, seconds, threads) -> str:
     n_all = len(load_prompts(CALIBRATION))
     try:
         n_cal = json.loads(pl.read_parquet(BUNDLED, columns=["source"])["source"][0])["runs"]
@@ -291,8 +291,8 @@ def markdown(clean, tiny, results, loop, args, seconds) -> str:
         n_cal = n_all
     lines = [SECTION, "",
              f"`benchmarks/anomaly_eval.py` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {seconds:.0f} s, "
-             f"{platform.machine()} {os.cpu_count()} CPU cores shared with other work, {torch.get_num_threads()} torch "
-             f"threads). Demo model with its bundled profile (data/demo/profile.parquet: {n_cal} calibration prompts "
+             f"{platform.machine()} {os.cpu_count()} CPU cores shared with other work, {threads} torch "
+             f"thread{'s' if threads != 1 else ''}; the slowest part's time where parts ran in parallel). Demo model with its bundled profile (data/demo/profile.parquet: {n_cal} calibration prompts "
              f"of the {n_all} of data/prompts/calibration.jsonl, four kinds (library code, scripts and algorithms, tests, docstrings "
              f"and comments), up to 1,024 tokens, {args.calibration_tokens} greedy tokens each). Alarms: "
              "Benjamini-Hochberg over every test of a run at FDR 0.01, two-sided where a value can break both ways.", ""]
@@ -345,6 +345,18 @@ def markdown(clean, tiny, results, loop, args, seconds) -> str:
             ranks = sorted(r["rank"] for r in rs if r["rank"] is not None)
             lines.append(f"| {kind} | {len(rs)} | {sum(r['layer_named'] for r in rs)}/{len(rs)} | "
                          f"{sum(r['component_named'] for r in rs)}/{len(rs)} | {ranks[len(ranks) // 2] if ranks else '-'} |")
+        missing = [k for k in list(faults.KINDS) + list(EXTRA) if k not in kinds]
+        if missing:
+            lines += ["", f"No draw of {', '.join(missing)} moved a token by {args.min_effect:g} nats "
+                      f"(within {args.max_draws} draws): not in the table."]
+        lines += ["", "Without a reference the detectors see what changes a signal's level: a norm, an entropy, a "
+                  "block's change of the residual norm, an expert's load, NaN. They do not see a fault that turns a "
+                  "component's output without changing its size (`expert_flip`), routing that moves tokens between "
+                  "experts without concentrating the load, or an expert's absence in a run too short for it to be "
+                  "significant once clean prompts' overdispersion is allowed for (`router_affinity`, `starved`), "
+                  "rotary angles (the attention moves, its entropy and norms barely), or a row of the unembedding "
+                  "(only the logits change). The root cause with a reference (activation patching) is the tool "
+                  "for those."]
         lines += ["", "| fault | prompt | Δ logprob | layer named (rank) | findings | top finding |",
                   "|---|---|---|---|---|---|"]
         for r in results:
