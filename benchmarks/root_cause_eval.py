@@ -378,9 +378,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-NOTES = ""  # filled in from the run's numbers when RESULTS.md is written
+NOTES = """How to read it. "vs reference" is activation patching (`workbench.analysis.patching`): each component of
+the faulty run taken from the clean model (and the reverse), scored by how exactly the patch gives the clean
+logprob back; a layer row (attn_block, mlp_block, resid) ranks after the parts of its layer that explain it.
+Cost: 2 capture forwards, then per direction the level-1 rows (3 per layer, embed, unembed, one per source
+token; batched) and, inside the 2 best layers, heads, norms, KV latent, shared experts and router (batched),
+the rotary part and every routed expert some token reaches (one forward each). "alone" (no reference): profile
+evidence, ablation and IG take turns (rootcause module doc); faults that leave the recorded signals inside the
+spread of clean prompts (a rotation change, a skipped layer, a scaled or flipped expert, router faults) are
+where it misses. Counts are small: a rate is k of n."""
 
-TINY_NOTES = ""
+TINY_NOTES = """How to read it: as for the demo model (a profile for "alone" calibrated on 8 prompts the faults are not
+drawn on)."""
 
 
 if __name__ == "__main__":
