@@ -169,6 +169,7 @@ def test_root_cause_and_replay_on_every_family(env, family):
     kinds = set(df["kind"])
     want = {"token", "head"} | ({"expert"} if s.moe_layers else set()) \
         | ({"shared_expert"} if s.n_shared_experts else set()) | ({"router"} if s.selection_bias else set())
+    want |= {"embed", "unembed"}  # the weight rows root cause adds without a reference (rootcause.row_evidence)
     assert kinds == want
     ig = df.filter(pl.col("kind") == "token")
     total, delta = float(ig["score"].sum()), float(ig["delta"][0])
