@@ -4,7 +4,7 @@
 
 Each prompt (the first ``--prompts`` of data/prompts/clean_eval.jsonl) is recorded greedily, then
 ``Run.kv_whatif`` re-runs the recorded tokens teacher-forced with every policy of ``POLICIES`` acting on the
-cache (workbench/kvwhatif.py says what each does). Numbers are pooled over the prompts: Δ NLL and top-1
+cache (workbench/analysis/kv_policies.py says what each does). Numbers are pooled over the prompts: Δ NLL and top-1
 agreement per generated token, memory as total bytes kept / total bytes of the full cache at the end of each
 run. PPL is exp(mean NLL) of the recorded generated tokens: the full cache's, and the policy's
 (full x exp(Δ NLL)). The same policies run on a tiny dense Llama folder (``python -m workbench.capture.tiny llama
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Each of the first {dfacts['prompts']} prompts of `data/prompts/clean_eval.jsonl` recorded greedily, then "
         "`run.kv_whatif(policies)`: the recorded tokens fed again teacher-forced (the prompt in one prefill, then one "
         "token per step) with the policy acting on the cache after every forward, compared with the full cache "
-        "(`workbench/kvwhatif.py` defines every policy, parameter and event). Pooled over the prompts: Δ NLL and "
+        "(`workbench/analysis/kv_policies.py` defines every policy, parameter and event). Pooled over the prompts: Δ NLL and "
         "top-1 agreement per generated token, memory kept = bytes kept / bytes of the full cache at the end of the "
         "runs (quantised entries at their bits plus their scales). PPL: exp of the mean NLL of the recorded generated "
         "tokens (the model's own greedy text, so low), full cache x exp(Δ NLL). \"Runs diverged\": runs where some "

@@ -12,7 +12,7 @@ pause between requests), calls ``/tokens`` (a recorded run's tokens) and ``/sql`
 read its event stream), each with a session hash of its own as a browser tab has (``--no-sessions``:
 none, so Gradio makes a new session for every request). The clients live in another process, as
 browsers would, so their own Python work does not take this process's GIL. ``--app`` / ``--sqlsafe``
-take apps/app.py / workbench/sqlsafe.py from another file (an older version, for before / after);
+take apps/app.py / workbench/data/sqlsafe.py from another file (an older version, for before / after);
 ``--direct-threads`` and ``--switch-interval`` try what the recorder or the app could set (torch's
 intra-op threads while the "direct" recording runs; ``sys.setswitchinterval`` of this process).
 ``--reps`` pairs of alone / under load alternate, so that a shared machine's drifts hit both alike;
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {
         "date": date.today().isoformat(), "machine": env, "model": what, "new_tokens": args.new_tokens,
         "clients": args.clients, "endpoints": endpoints, "label": args.label, "reps": args.reps, "paths": paths,
-        "sqlsafe": args.sqlsafe or "workbench/sqlsafe.py", "sessions": not args.no_sessions,
+        "sqlsafe": args.sqlsafe or "workbench/data/sqlsafe.py", "sessions": not args.no_sessions,
         "direct_threads": args.direct_threads or None, "switch_interval": sys.getswitchinterval(),
         "runs": runs,
         "latency_one_client": {n: (pct(v, 0.5), pct(v, 0.95)) for n, v in lat1.items()},

@@ -312,13 +312,17 @@ def fig_expert_load(routing: pl.DataFrame, summary: ModelSummary | None = None, 
     if load.height == 0:
         return _empty(no_routing_reason(summary) if routing.height == 0 else "no routing rows by this step")
     n_exp = _n_experts(summary, load)
+    return _load_heatmap(load, n_exp, f"Expert load (share of routed slots; uniform = {1 / n_exp:.3f})")
+
+
+def _load_heatmap(load: pl.DataFrame, n_exp: int, title: str) -> go.Figure:
+    """MoE layer x expert heat map of ``share`` (a frame with layer, expert, share)."""
     z, layers, experts = _heatmap(load, "layer", "expert", "share", n_cols=n_exp, fill=0.0)
     fig = go.Figure(go.Heatmap(z=z, x=experts, y=[f"L{l}" for l in layers], colorscale="YlOrRd",
                                colorbar={"title": "share"}, zmin=0,
                                hovertemplate="%{y}, expert %{x}<br>share %{z:.3f}<extra></extra>"))
-    _layout(fig, f"Expert load (share of routed slots; uniform = {1 / n_exp:.3f})", height=320,
-            xaxis={"title": "expert", "dtick": 1}, yaxis={"title": "MoE layer", "autorange": "reversed"})
-    return fig
+    return _layout(fig, title, height=320, xaxis={"title": "expert", "dtick": 1},
+                   yaxis={"title": "MoE layer", "autorange": "reversed"})
 
 
 def _first_moe_layer(routing: pl.DataFrame) -> int | None:
@@ -689,13 +693,7 @@ def batch_load_figure(load: pl.DataFrame, batch_id: str = "") -> go.Figure:
     if load.height == 0:
         return _empty("no routing rows in this batch (dense models, or no complete runs)")
     n_exp = int(load["expert"].max()) + 1
-    z, layers, experts = _heatmap(load, "layer", "expert", "share", n_cols=n_exp, fill=0.0)
-    fig = go.Figure(go.Heatmap(z=z, x=experts, y=[f"L{l}" for l in layers], colorscale="YlOrRd",
-                               colorbar={"title": "share"}, zmin=0,
-                               hovertemplate="%{y}, expert %{x}<br>share %{z:.3f}<extra></extra>"))
-    _layout(fig, f"Expert load over batch {html.escape(batch_id)} (uniform = {1 / n_exp:.3f})", height=320,
-            xaxis={"title": "expert", "dtick": 1}, yaxis={"title": "MoE layer", "autorange": "reversed"})
-    return fig
+    return _load_heatmap(load, n_exp, f"Expert load over batch {html.escape(batch_id)} (uniform = {1 / n_exp:.3f})")
 
 
 def batch_entropy_figure(per_run: pl.DataFrame, batch_id: str = "", value: str = "norm_entropy") -> go.Figure:

@@ -192,25 +192,30 @@ class HFAdapter(Adapter):
 
         prompt = check_prompt(prompt, max_new_tokens, self.summary.max_seq_len)
         cache = DynamicCache(config=self.module.config)
-        device = self.device
 
         def forward(ids: list[int], pos: int, index: int) -> torch.Tensor:
             nonlocal cache
-            chunk = self.attn_chunk if self._attn_listeners and index == 0 else len(ids)
-            parts = []
-            for c0 in range(0, len(ids), chunk):
-                self._pos = pos + c0
-                out = self.module(torch.tensor([ids[c0:c0 + chunk]], device=device), cache=cache, use_cache=True)
-                cache = out.cache
-                parts.append(out.logits[0].float())
-            self._cache = cache
-            return torch.cat(parts) if len(parts) > 1 else parts[0]
+            logits, cache = self._feed(cache, ids, pos, self.attn_chunk if self._attn_listeners and index == 0
+                                       else len(ids))
+            return logits
 
         try:
             with torch.inference_mode():
                 yield from decode(forward, prompt, max_new_tokens, temperature, top_p, seed, eos_id)
         finally:
             self._cache = None
+
+    def _feed(self, cache, ids: list[int], pos: int, chunk: int) -> tuple[torch.Tensor, object]:
+        """Feed ``ids`` from position ``pos`` through ``cache`` in blocks of ``chunk`` tokens: (logits [T, V] fp32,
+        the cache)."""
+        parts = []
+        for c0 in range(0, len(ids), chunk):
+            self._pos = pos + c0
+            out = self.module(torch.tensor([ids[c0:c0 + chunk]], device=self.device), cache=cache, use_cache=True)
+            cache = out.cache
+            parts.append(out.logits[0].float())
+        self._cache = cache
+        return (torch.cat(parts) if len(parts) > 1 else parts[0]), cache
 
     def kv_state(self) -> list[tuple[int, int, int, torch.Tensor, torch.Tensor, int]]:
         out = []
@@ -234,7 +239,6 @@ class HFAdapter(Adapter):
 
         cache = DynamicCache(config=self.module.config)
         self._kv_keep: list[torch.Tensor | None] = [None] * len(self.layers)
-        device = self.device
 
         def evict(_m, args, kwargs, i):
             keep = self._kv_keep[i]
@@ -262,16 +266,9 @@ class HFAdapter(Adapter):
 
         def forward(ids, pos: int) -> torch.Tensor:
             nonlocal cache
-            ids = list(ids)
-            parts = []
-            for c0 in range(0, len(ids), self.attn_chunk):  # always in blocks: the same arithmetic, observed or not
-                self._pos = pos + c0
-                out = self.module(torch.tensor([ids[c0:c0 + self.attn_chunk]], device=device), cache=cache,
-                                  use_cache=True)
-                cache = out.cache
-                parts.append(out.logits[0].float())
-            self._cache = cache
-            return torch.cat(parts) if len(parts) > 1 else parts[0]
+            # always in blocks: the same arithmetic, observed or not
+            logits, cache = self._feed(cache, list(ids), pos, self.attn_chunk)
+            return logits
 
         try:
             with torch.inference_mode():
