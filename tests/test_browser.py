@@ -186,12 +186,13 @@ def test_a_transformers_mixtral_run_is_shown_completely(mixtral_server, page):
     assert len(routing) == len(ms.moe_layers) and all(sum(v is not None for v in r) == ms.top_k for r in routing)
     assert {(i, j) for i, r in enumerate(routing) for j, v in enumerate(r) if v is not None} == \
         {(ms.moe_layers.index(r["layer"]), r["expert"]) for r in want.iter_rows(named=True)}
-    # root cause from the button: heads and experts ranked
+    # root cause from the button: heads, experts, tokens and the embedding / output weight rows ranked
     page.locator("#explain-button").click()
     page.wait_for_function("() => (document.querySelector('#rc-msg')?.innerText || '').includes('ranked causes')",
                            timeout=120_000)
     assert _traces(page, "comp-plot") > 0
-    assert query.attributions(run.store, run.run_id, pos)["kind"].unique().sort().to_list() == ["expert", "head", "token"]
+    assert query.attributions(run.store, run.run_id, pos)["kind"].unique().sort().to_list() == \
+        ["embed", "expert", "head", "token", "unembed"]
     # the Experts tab: load per expert for both MoE layers
     page.get_by_role("tab", name="Experts").click()
     page.wait_for_function("() => { const p = document.querySelector('#load-plot .js-plotly-plot'); "

@@ -268,6 +268,11 @@ def test_root_cause_against_a_reference(tiny, tmp_path, capsys):
     assert set(a.root_cause(pos, reference=bf16.run_id, store=False)["method"]) == {"patching"}
     edited = workbench.record(list(range(31, 47)), model=str(ckpt), max_new_tokens=2, db=db)  # other tokens
     assert a.root_cause(pos, steps=4, reference=edited.run_id, store=False).height > 0
+    with pytest.raises(ValueError, match="use method='patching'"):  # the same model on another prompt: no diff
+        a.root_cause(pos, steps=4, reference=edited.run_id, store=False, method="attribution_diff")
+    longer = workbench.record(list(range(30, 46)) + [7], model=str(ckpt), max_new_tokens=2, db=db)
+    with pytest.raises(ValueError, match="same 12 tokens"):  # other tokens, but only after the explained prefix
+        a.root_cause(pos, reference=longer.run_id, store=False)
     with pytest.raises(ValueError, match="neither a run"):
         run.root_cause(pos, reference="nope")
     with faults.bias_router(clean, 1, 6, amount=2.0):
@@ -351,7 +356,10 @@ def test_every_fault_kind_changes_the_output_and_is_undone(tiny, ids):
     for name, kind in faults.KINDS.items():
         layer = kind.layers(a)[0]
         index = int(ids[0, 3]) if kind.index == "token" else 1
-        with torch.no_grad(), kind(a, layer, index):
+        made = kind(a, layer, index)  # a fault only acts inside its with block
+        with torch.no_grad():
+            assert torch.equal(a.forward(ids), base), f"{name} acted before its with block"
+        with torch.no_grad(), made:
             broken = a.forward(ids)
         with torch.no_grad():
             after = a.forward(ids)

@@ -126,9 +126,13 @@ class Run:
         return findings(self.store, self.run_id, **thresholds)
 
     def root_cause(self, pos: int, reference=None, **kw) -> pl.DataFrame:
-        """Ranked causes of the token at ``pos``: source tokens (IG), heads, experts, routers (ablation).
+        """Ranked causes of the token at ``pos``: layers, heads, experts, shared experts, routers, norms, the KV
+        latent and rotary part, and source tokens (``workbench.analysis.rootcause``).
 
-        ``reference``: a known-good ``Run`` or run id, module, adapter or checkpoint folder (see rootcause)."""
+        ``reference``: a known-good ``Run`` or run id, module, adapter or checkpoint folder; with one, activation
+        patching (each component's output taken from the reference: how much of the gap it closes, ``restored``)
+        is the default (``method="attribution_diff"``: the difference of attributions instead). Without one:
+        components ranked by how unusual they are against the baseline profile, with ablation and IG evidence."""
         from workbench.analysis.rootcause import root_cause  # lazy: imports torch; reading a run needs none
         if isinstance(reference, Run):  # its live adapter, unless the run id's checks (same weights) must speak
             same = reference.info["checkpoint_sha256"] == self.info["checkpoint_sha256"]

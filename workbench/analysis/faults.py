@@ -217,7 +217,10 @@ def _edited(tensor: torch.Tensor, edit: Callable[[torch.Tensor], None]) -> Itera
 
 
 @contextlib.contextmanager
-def _hooked(handles: list) -> Iterator[None]:
+def _hooked(register: Callable[[], list]) -> Iterator[None]:
+    """Hooks for the block: ``register()`` attaches them when the block is entered (not when the fault is made)
+    and returns their handles, removed on exit."""
+    handles = register()
     try:
         yield
     finally:
@@ -247,7 +250,7 @@ def scale_rotary(model, layer: int, factor: float = 3.0) -> contextlib.AbstractC
     """Multiply every rotary angle of block ``layer``'s attention by ``factor`` (queries and keys alike)."""
     a = adapter_for(model)
     _check_layer(a, layer)
-    return _hooked(a.rotary(layer, lambda rot, start: a.scaled_rotation(rot, factor, start)))
+    return _hooked(lambda: a.rotary(layer, lambda rot, start: a.scaled_rotation(rot, factor, start)))
 
 
 def scale_kv_channel(model, layer: int, channel: int, scale: float = 30.0) -> contextlib.AbstractContextManager:
@@ -260,11 +263,17 @@ def scale_kv_channel(model, layer: int, channel: int, scale: float = 30.0) -> co
     if not 0 <= channel < n:
         raise ValueError(f"channel {channel} out of range: layer {layer}'s KV latent has channels 0..{n - 1}")
     bias = getattr(mod, "bias", None)
-    stack = contextlib.ExitStack()
-    stack.enter_context(_edited(mod.weight[channel], lambda w: w.mul_(scale)))
-    if isinstance(bias, torch.Tensor) and mod.weight.ndim == 2:
-        stack.enter_context(_edited(bias[channel:channel + 1], lambda b: b.mul_(scale)))
-    return stack
+    return _edited_all([mod.weight[channel]] + ([bias[channel:channel + 1]] if isinstance(bias, torch.Tensor)
+                                                and mod.weight.ndim == 2 else []), lambda t: t.mul_(scale))
+
+
+@contextlib.contextmanager
+def _edited_all(tensors: list[torch.Tensor], edit: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """``_edited`` on several tensors at once, when the block is entered; every one restored on exit."""
+    with contextlib.ExitStack() as stack:
+        for t in tensors:
+            stack.enter_context(_edited(t, edit))
+        yield
 
 
 def flip_expert(model, layer: int, expert: int, fraction: float = 0.5) -> contextlib.AbstractContextManager:
@@ -328,14 +337,14 @@ def scale_resid(model, layer: int, scale: float = 3.0) -> contextlib.AbstractCon
     """Multiply the residual stream after block ``layer`` by ``scale``."""
     a = adapter_for(model)
     _check_layer(a, layer)
-    return _hooked(_block_output(a, layer, lambda out, _x: out * scale))
+    return _hooked(lambda: _block_output(a, layer, lambda out, _x: out * scale))
 
 
 def skip_layer(model, layer: int) -> contextlib.AbstractContextManager:
     """Block ``layer`` passes its input on unchanged (the whole layer is gone)."""
     a = adapter_for(model)
     _check_layer(a, layer)
-    return _hooked(_block_output(a, layer, lambda _out, x: x))
+    return _hooked(lambda: _block_output(a, layer, lambda _out, x: x))
 
 
 def _token_row(a: Adapter, token: int) -> None:

@@ -583,6 +583,13 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
     if not has_moe:
         ig_mode = "plain"  # nothing to freeze
     ref, ref_tokens = (None, None) if reference is None else _reference(reference, store, info, model)
+    if ref is model and ref_tokens is not None:  # the same model on another run's tokens
+        if ref_tokens[:pos] == ids_all[:pos]:
+            raise ValueError(f"reference run {reference} is the same model on the same {pos} tokens before position "
+                             f"{pos}: every score would be 0; pick a run of another prompt, model or dtype")
+        if method == "attribution_diff":
+            raise ValueError(f"reference run {reference} is the same model on another prompt: the difference of "
+                             "attributions compares two models on this run's tokens; use method='patching'")
     if method == "patching":
         if ref_tokens is not None and len(ref_tokens) < pos:
             raise ValueError(f"reference run {reference} has {len(ref_tokens)} tokens: patching position {pos} needs "
