@@ -113,7 +113,8 @@ def test_relay_store_messages_rebuild_the_same_rows_elsewhere(tmp_path):
         elif kind == "update":
             app.update_run(run_id, **payload)
         else:
-            app.replace_rows(*payload)
+            table, keys, df, all_rows = payload
+            app.replace_rows(table, keys, df, all_rows=all_rows)
     for table, order in [("runs", "run_id"), ("tokens", "pos"), ("routing", "pos, layer"), ("anomalies", "anomaly_id")]:
         a, b = (s.sql(f"SELECT * FROM {table} ORDER BY {order}") for s in (relay, app))
         assert (a.height > 0 or table == "anomalies") and a.equals(b), table

@@ -269,8 +269,11 @@ def test_replace_rows_takes_typed_keys_and_a_hostile_value_is_data(tmp_path):
     assert len(rows()) == 5 and store.sql("SELECT count(*) AS n FROM runs")["n"][0] == 0
     with pytest.raises(TypeError):
         store.replace_rows("policy_results", "run_id = 'ra'", frame("ra", ["full"], 0))  # type: ignore[arg-type]
-    # {} is every row of the table (the background recorder's copy of the app's profiles)
-    store.replace_rows("policy_results", {}, frame("re", ["full"], 8))
+    # {} is every row of the table (the background recorder's copy of the app's profiles), only when asked for
+    with pytest.raises(ValueError, match="all_rows=True"):
+        store.replace_rows("policy_results", {}, frame("re", ["full"], 8))
+    assert len(rows()) == 5
+    store.replace_rows("policy_results", {}, frame("re", ["full"], 8), all_rows=True)
     assert rows() == [("re", "full", 8)]
 
 

@@ -68,9 +68,9 @@ class RelayStore(Store):
         super().update_run(run_id, **fields)
         self.events.put(("update", run_id, fields))
 
-    def replace_rows(self, table: str, keys: dict, df) -> None:
-        super().replace_rows(table, keys, df)
-        self.events.put(("replace_rows", None, (table, keys, df)))
+    def replace_rows(self, table: str, keys: dict, df, *, all_rows: bool = False) -> None:
+        super().replace_rows(table, keys, df, all_rows=all_rows)
+        self.events.put(("replace_rows", None, (table, keys, df, all_rows)))
 
 
 def _portable(e: BaseException) -> BaseException:
@@ -113,7 +113,7 @@ def _serve(address: str, authkey: bytes) -> None:
                         from workbench.model import load_checkpoint  # lazy: only when the demo is asked for
                         default.append(load_checkpoint())
                     chosen = default[0]
-                mirror.replace_rows("profiles", {}, profiles)  # the app's baselines, for detect
+                mirror.replace_rows("profiles", {}, profiles, all_rows=True)  # the app's baselines, for detect
                 record_run(prompt, settings, model=chosen, tokenizer=None if checkpoint else tokenizer, db=relay,
                            run_id=rid, on_token=lambda pos, text, rid=rid: events.put(("token", rid, (pos, text))))
             except BaseException as e:  # noqa: BLE001 - reported to the app
@@ -220,7 +220,8 @@ class RecordingProcess:
                     write_error = write_error or e
             elif kind == "replace_rows":
                 try:
-                    self.store.replace_rows(*payload)
+                    table, keys, df, all_rows = payload
+                    self.store.replace_rows(table, keys, df, all_rows=all_rows)
                 except BaseException as e:  # noqa: BLE001
                     write_error = write_error or e
             elif kind == "update":
@@ -232,6 +233,11 @@ class RecordingProcess:
                 except BaseException as e:  # noqa: BLE001
                     write_error = write_error or e
             else:
+                if kind == "done" and write_error is not None:
+                    # a write that failed after the final status (after_run's rows) is this run's error, never the
+                    # next run's
+                    payload = payload or RuntimeError(f"storing the run's rows failed: {write_error}")
+                    write_error = None
                 with self._lock:
                     q = self._waiting.pop(rid, None) if kind == "done" else self._waiting.get(rid)
                 if q is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from workbench.analysis.whatif import PREDICTORS
@@ -38,8 +39,8 @@ def main(args) -> int:
 
     s = run.model_summary
     where = "generated positions" if args.decode_only else "every position"
-    t = Table(title=f"Expert cache on run {run.run_id}: hit rate per MoE layer ({s.n_routed_experts} experts, "
-                    f"top-{s.top_k}; LRU over {where})")
+    t = Table(title=escape(f"Expert cache on run {run.run_id}: hit rate per MoE layer ({s.n_routed_experts} experts, "
+                           f"top-{s.top_k}; LRU over {where})"))
     t.add_column("predictor")
     t.add_column("layer", justify="right")
     for k in slots:

@@ -18,7 +18,8 @@ def main(args) -> int:
         print(json.dumps({"run_id": run.run_id, "results": df.to_dicts()}))
         return 0
 
-    t = Table(title=f"KV-cache policies on run {run.run_id} (vs the full cache; delta_nll in nats per generated token)")
+    t = Table(title=escape(f"KV-cache policies on run {run.run_id} (vs the full cache; delta_nll in nats per "
+                            "generated token)"))
     for c in ("policy", "memory kept", "bytes_kept", "delta_nll", "top1_agreement", "first_divergence", "events"):
         t.add_column(c, overflow="fold", justify="left" if c == "policy" else "right")
     for r in df.iter_rows(named=True):

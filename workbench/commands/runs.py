@@ -17,7 +17,7 @@ def main(args) -> int:
         print(json.dumps(df.with_columns(df["created_at"].cast(str)).to_dicts()))
         return 0
 
-    t = Table(title=f"runs in {args.db or 'default database'}")
+    t = Table(title=escape(f"runs in {args.db or 'default database'}"))
     for c in ("run_id", "created_at", "status", "model", "dtype", "n_tokens", "n_anomalies", "prompt"):
         # ids and models whole: they are what the other commands take
         t.add_column(c, no_wrap=c in ("run_id", "created_at"), overflow="fold")

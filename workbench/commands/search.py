@@ -18,7 +18,7 @@ def main(args) -> int:
         print(json.dumps(df.to_dicts()))
         return 0
 
-    t = Table(title=f"{df.height} matches of {args.text!r}")
+    t = Table(title=escape(f"{df.height} matches of {args.text!r}"))
     for c in ("run_id", "pos", "end_pos", "context"):
         t.add_column(c, no_wrap=c != "context", overflow="fold")
     for r in df.iter_rows(named=True):

@@ -524,13 +524,17 @@ class Store:
         """Replace a run's rows of a derived table with ``df`` atomically (``replace_rows`` keyed by ``run_id``)."""
         self.replace_rows(table, {"run_id": run_id}, df)
 
-    def replace_rows(self, table: str, keys: dict[str, Any], df: pl.DataFrame) -> None:
+    def replace_rows(self, table: str, keys: dict[str, Any], df: pl.DataFrame, *, all_rows: bool = False) -> None:
         """Delete the rows of ``table`` that match ``keys`` and insert ``df``, in one transaction.
 
         ``keys``: ``{column: value}``, every column one the schema declares for ``table``; a row matches when
         each column equals its value (a list, tuple or set: any of its values; None: NULL). Values are bound
-        as parameters, never spliced into the SQL. ``{}`` matches every row of the table."""
+        as parameters, never spliced into the SQL. ``{}`` matches every row of the table, so it must be asked
+        for: ``all_rows=True``."""
         where, params = key_filter(table, keys)
+        if not keys and not all_rows:
+            raise ValueError(f"replace_rows({table!r}, {{}}) would replace every row of {table}: pass all_rows=True "
+                             "if that is meant")
         with self._transaction() as c:
             c.execute(f"DELETE FROM {table} WHERE {where}", params)
             self._insert(c, table, df)
@@ -853,7 +857,7 @@ class TraceStore(Store):
     def append(self, batches: dict, cur=None) -> None:
         self._refuse(f"write rows of {', '.join(batches)}")
 
-    def replace_rows(self, table: str, keys: dict[str, Any], df: pl.DataFrame) -> None:
+    def replace_rows(self, table: str, keys: dict[str, Any], df: pl.DataFrame, *, all_rows: bool = False) -> None:
         self._refuse(f"store {table} rows")
 
     def update_run(self, run_id: str, **fields: Any) -> None:
