@@ -469,3 +469,21 @@ def test_run_level_tests_catch_a_shift_no_single_position_shows():
     f = {(r["component"], r["layer"], r["head"]): r["explanation"] for r in fd.group_findings(got).iter_rows(named=True)}
     assert "weaker than on clean runs" in f[("layer", 2, None)]
     assert "sharper than on clean runs" in f[("head", 0, 1)]
+
+
+def test_a_profile_made_by_an_older_workbench_is_upgraded_or_not_used(tmp_path):
+    """An old profile lacks the cells today's detectors read: the bundled demo's replaces it for the demo model;
+    another model's is not used (its runs are judged as without a profile, with a warning), never half-read."""
+    from workbench.data.store import Store
+
+    bundled = pl.read_parquet(pr.BUNDLED)
+    sha = bundled["checkpoint_sha256"][0]
+    old = bundled.filter(~pl.col("signal").is_in(list(pr.CURRENT_SIGNALS)))
+    store = Store(tmp_path / "w.duckdb")
+    store.replace_rows("profiles", {"checkpoint_sha256": sha}, old)
+    got = pr.load_profile(store, sha)
+    assert got is not None and pr.CURRENT_SIGNALS <= set(got["signal"].to_list())
+    other = old.with_columns(pl.lit("f" * 64).alias("checkpoint_sha256"))
+    store.replace_rows("profiles", {"checkpoint_sha256": "f" * 64}, other)
+    with pytest.warns(UserWarning, match="older workbench"):
+        assert pr.load_profile(store, "f" * 64) is None

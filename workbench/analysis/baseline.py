@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -194,6 +195,17 @@ def load_profile(store: Store, sha: str | None) -> pl.DataFrame | None:
     if cached is not None and cached[0] == _profile_stamp(store, sha):
         return cached[1]
     got = query.profile(store, sha)
+    missing = CURRENT_SIGNALS - set(got["signal"].unique().to_list()) if got.height else set()
+    if missing:  # a profile made by an older workbench: the bundled one replaces it, else it is not used
+        bundled = pl.read_parquet(BUNDLED) if BUNDLED.exists() else None
+        if bundled is not None and bundled.height and bundled["checkpoint_sha256"][0] == sha:
+            got = got.clear()
+        else:
+            warnings.warn(f"the stored profile of model {sha[:12]} was made by an older workbench (it has no "
+                          f"{', '.join(sorted(missing))} cells): runs are judged as without a profile until "
+                          "`workbench profile` is run again")
+            _CACHE[key] = (_profile_stamp(store, sha), None)
+            return None
     if got.height == 0 and BUNDLED.exists():
         bundled = pl.read_parquet(BUNDLED)
         if bundled.height and bundled["checkpoint_sha256"][0] == sha:
@@ -207,6 +219,9 @@ def load_profile(store: Store, sha: str | None) -> pl.DataFrame | None:
     return out
 
 
+# cells the detectors of this version read (a profile without them was made by an older workbench)
+CURRENT_SIGNALS = frozenset({"log_head_norm", "log_resid_growth", "run_norm_entropy", "run_log_head_norm",
+                             "run_log_resid_growth"})
 _CACHE: dict[tuple[str, str], tuple] = {}  # (db, sha) -> (stamp, rows): detection runs after every recording
 
 
