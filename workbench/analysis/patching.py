@@ -7,6 +7,9 @@ forward (an interchange intervention) and measures how much of the target's logp
 ``f(ref) - f(run)`` it closes; the *breaking* patch runs the reference with the run's c and measures how
 much of the gap it opens. A component's score is the mean of the two, in nats (positive: towards the
 reference), and ``restored`` is the restoring fraction (1: the patch alone gives the reference's logprob).
+The ``resid`` rows are marginal: the stream after layer L taken from the reference closes every gap made up to
+L, so a ``resid`` row scores (and restores) what patching after L gives beyond patching after L - 1; their
+scores and fractions add up over the layers.
 
 Components, hierarchically (``patch_causes``): first every layer (its attention block output, its MLP or
 MoE block output, the residual stream after it), the embedding (``embed``), the output projection

@@ -52,7 +52,9 @@ tokens' embedding rows, against the model's other rows (robust z of the log norm
 row's score is its surprise in nats, signed (+ too large, - too small): z^2 / 2 for a Gaussian cell
 (z = (mean over the context - profile mean) / profile std, norms on the log scale where the profile has
 their ``log_*`` cells), m for a never-chosen expert where m slots were expected (the Poisson log-likelihood
-ratio at k = 0).
+ratio at k = 0). The z of a mean over the context is deliberately not scaled by the square root of the number of
+positions (a token's activations are strongly correlated along a run): a component off by one std at every
+position scores as one odd position would, so the surprise understates a run-wide shift rather than inflate it.
 
 The ranking rule without a reference, so that no kind of row crowds out another: three lists, each ordered
 by its own |score| (profile rows with at least 2 nats of surprise, components by ablation, source tokens
@@ -406,8 +408,7 @@ def _heads_and_block(z: pl.DataFrame) -> list[tuple[tuple, float]]:
     all off the same way (its input norm, rotation or KV latent, not one head)."""
     out = [(("head", r["layer"], r["head"], None, None), float(_surprise(np.array(r["z"]))))
            for r in z.iter_rows(named=True)]
-    both = z.group_by("layer").agg(pl.col("z").mean().alias("m"),
-                                   (pl.col("z").sign().sum().abs() == pl.len()).alias("same"))
+    both = z.group_by("layer").agg((pl.col("z").sign().sum().abs() == pl.len()).alias("same"))
     total = {}
     for (_, layer, *_), v in out:
         total[layer] = total.get(layer, 0.0) + v
@@ -453,16 +454,16 @@ def profile_evidence(store, run_id: str, pos: int, profile: pl.DataFrame) -> lis
         z = g.join(gp.drop("head", "expert"), on=["layer", "bucket"]).group_by("layer").agg(
             ((pl.col("growth") - pl.col("mean")) / pl.col("std")).mean().alias("z")).sort("layer")
         out += [(("resid", layer, None, None, None), float(_surprise(np.array(zl)))) for layer, zl in z.iter_rows()]
-        rn = pl.DataFrame()
-    rn, (rp, rv) = rn, norm_cells("resid_norm", "norm")
-    if rn.height and rp.height:
-        rn = rn.with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"))
-        z = rn.join(rp.drop("head", "expert"), on=["layer", "bucket"]).group_by("layer").agg(
-            ((rv - pl.col("mean")) / pl.col("std")).mean().alias("z")).sort("layer")
-        prev = 0.0
-        for layer, zl in z.iter_rows():  # the jump from the block before: where the stream went off
-            out.append((("resid", layer, None, None, None), float(_surprise(np.array(zl - prev)))))
-            prev = zl
+    elif rn.height:  # a profile without growth cells: each block's jump in the raw norm's z
+        rp, rv = norm_cells("resid_norm", "norm")
+        if rp.height:
+            rn = rn.with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"))
+            z = rn.join(rp.drop("head", "expert"), on=["layer", "bucket"]).group_by("layer").agg(
+                ((rv - pl.col("mean")) / pl.col("std")).mean().alias("z")).sort("layer")
+            prev = 0.0
+            for layer, zl in z.iter_rows():  # the jump from the block before: where the stream went off
+                out.append((("resid", layer, None, None, None), float(_surprise(np.array(zl - prev)))))
+                prev = zl
     kv, (kp, kv_v) = read("kv_tokens"), norm_cells("latent_norm", "latent_norm")
     if kv.height and kp.height:
         kv = kv.filter(pl.col("step") == pl.col("step").min())  # the prefill's cache: the prompt's tokens
