@@ -346,6 +346,21 @@ def test_patching_the_residual_stream_gives_the_reference_logprob(tiny, ids):
     assert stats.layers[0] == 0 and stats.forwards >= 4
 
 
+def test_position_faults_hit_their_position_only(tiny, ids):
+    from workbench.capture.adapters import adapter_for
+
+    a = adapter_for(tiny)
+    with torch.no_grad():
+        base = a.forward(ids)[0]
+        with faults.inject_nan(a, 1, 4):
+            nan = a.forward(ids)[0]
+        with faults.corrupt_kv(a, 0, 2):
+            kv = a.forward(ids)[0]
+        assert torch.equal(a.forward(ids)[0], base)
+    assert torch.isfinite(nan[:4]).all() and torch.isnan(nan[4]).all()  # later rows: NaN once attention mixes it
+    assert torch.allclose(kv[:2], base[:2], atol=1e-6) and not torch.allclose(kv[2:], base[2:], atol=1e-3)
+
+
 def test_every_fault_kind_changes_the_output_and_is_undone(tiny, ids):
     from workbench.capture.adapters import adapter_for
 

@@ -24,8 +24,6 @@ from typing import Callable, Iterator
 import torch
 
 from workbench.capture.adapters import Adapter, Route, adapter_for
-from workbench.model import Transformer
-from workbench.probes import attach
 
 
 def _check_layer(a: Adapter, layer: int) -> None:
@@ -137,69 +135,45 @@ def break_shared(model, layer: int, scale: float = 30.0) -> Iterator[None]:
         yield
 
 
-def _native(model, what: str):
-
-    a = adapter_for(model)
-    if not isinstance(a.module, Transformer):
-        raise ValueError(f"{what} is implemented for the workbench's own Transformer only, not {a.summary.family}")
-    return a
-
-
 @contextlib.contextmanager
 def inject_nan(model, layer: int, pos: int) -> Iterator[None]:
-    """Make the residual stream after block ``layer`` NaN at position ``pos`` (our Transformer)."""
-
-    a = _native(model, "inject_nan")
+    """Make the residual stream after block ``layer`` NaN at position ``pos``."""
+    a = adapter_for(model)
     _check_layer(a, layer)
+    start = [0]
 
-    state = {"start": 0}
+    def poison(out: torch.Tensor, _x) -> torch.Tensor:
+        i = pos - start[0]
+        if not 0 <= i < out.size(1):
+            return out
+        out = out.clone()
+        out[:, i] = float("nan")
+        return out
 
-    def start(_m, args):
-        state["start"] = int(args[1]) if len(args) > 1 else 0
-
-    def poison(h: torch.Tensor, **_) -> torch.Tensor | None:
-        i = pos - state["start"]
-        if not 0 <= i < h.size(1):
-            return None
-        h = h.clone()
-        h[:, i] = float("nan")
-        return h
-
-    block = a.module.layers[layer]
-    handle = block.register_forward_pre_hook(start)
-    try:
-        with attach(a.module, {f"layers.{layer}.hook_resid_post": poison}):
-            yield
-    finally:
-        handle.remove()
+    with _hooked(lambda: a.start_positions(layer, lambda s: start.__setitem__(0, s)) +
+                 _block_output(a, layer, poison)):
+        yield
 
 
 @contextlib.contextmanager
 def corrupt_kv(model, layer: int, pos: int, scale: float = 30.0) -> Iterator[None]:
-    """Multiply the KV latent that layer ``layer`` caches for position ``pos`` by ``scale`` (our Transformer):
-    every later query attends to a corrupted entry."""
-    a = _native(model, "corrupt_kv")
+    """Multiply the KV entry that layer ``layer`` caches for position ``pos`` by ``scale`` (MLA: its latent; other
+    attention: its value vectors): every later query attends to a corrupted entry."""
+    a = adapter_for(model)
     _check_layer(a, layer)
-    attn = a.module.layers[layer].attn
-    state = {"start": 0}
+    start = [0]
 
-    def start(_m, args):
-        state["start"] = int(args[1])
-
-    def scale_row(_m, _args, kv: torch.Tensor):  # kv_norm's output [B, T, C]: the latent to be cached
-        i = pos - state["start"]
+    def scale_row(_m, _args, kv: torch.Tensor):  # [B, T, C]: what is about to be cached
+        i = pos - start[0]
         if not 0 <= i < kv.size(1):
             return None
         kv = kv.clone()
         kv[:, i] = kv[:, i] * scale
         return kv
 
-    handles = [attn.register_forward_pre_hook(start), attn.kv_norm.register_forward_hook(scale_row)]
-    try:
+    with _hooked(lambda: a.start_positions(layer, lambda s: start.__setitem__(0, s)) +
+                 [a.parts(layer)["kv"].register_forward_hook(scale_row)]):
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 # -- weight and activation faults beyond heads, experts and routers (through the adapter's parts) -----------------

@@ -219,6 +219,11 @@ class Adapter:
         by (ours: the complex table [T, R/2]; transformers: the (cos, sin) pair [B, T, d]); removable handles."""
         raise NotImplementedError
 
+    def start_positions(self, layer: int, fn: Callable[[int], None]) -> list:
+        """Register ``fn(start)``, called as block ``layer`` runs, with the position of the first token it is fed
+        (faults that hit one position); removable handles."""
+        raise NotImplementedError
+
     def scaled_rotation(self, rotation, factor: float, start: int = 0):
         """``rotation`` with every angle multiplied by ``factor`` (positions from ``start``)."""
         raise NotImplementedError

@@ -387,6 +387,9 @@ class HFAdapter(Adapter):
             return args, kwargs
         return [self.layers[layer].self_attn.register_forward_pre_hook(pre, with_kwargs=True)]
 
+    def start_positions(self, layer: int, fn) -> list:
+        return [self.layers[layer].register_forward_pre_hook(lambda _m, _args: fn(self._pos))]
+
     def scaled_rotation(self, rotation, factor: float, start: int = 0):
         cos, sin = rotation
         rot = self._rotary_emb()

@@ -195,6 +195,10 @@ class NativeAdapter(Adapter):
             return None if new is None else (args[0], args[1], new)
         return [self.module.layers[layer].register_forward_pre_hook(pre)]
 
+    def start_positions(self, layer: int, fn) -> list:
+        # Block.forward(x, start_pos, freqs_cis)
+        return [self.module.layers[layer].register_forward_pre_hook(lambda _m, args: fn(int(args[1])))]
+
     def scaled_rotation(self, rotation: torch.Tensor, factor: float, start: int = 0) -> torch.Tensor:
         table = self.module.freqs_cis
         freqs = table[1].angle().to(rotation.device)  # each pair's angle per position (all below pi)
