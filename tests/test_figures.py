@@ -184,3 +184,19 @@ def test_figures_carry_the_validated_plotly_white_template(run):
     before = pio.templates["plotly_white"].to_plotly_json()
     fig.layout.template.layout.font.size = 31
     assert pio.templates["plotly_white"].to_plotly_json() == before
+
+
+def test_component_names_say_what_each_row_is():
+    """Rows without a layer (the embedding and output weight rows) are named by their kind and source position,
+    never "LNone"; the title names the methods the scores come from."""
+    from workbench.views.figures import fig_components
+
+    rows = pl.DataFrame({"target_pos": [5] * 5, "kind": ["attn_block", "head", "embed", "unembed", "token"],
+                         "layer": [0, 2, None, None, None], "head": [None, 1, None, None, None],
+                         "expert": [None] * 5, "source_pos": [None, None, 3, None, 2],
+                         "score": [4.0, 1.0, 0.5, 0.3, 2.0], "rank": [1, 2, 3, 4, 5],
+                         "method": ["profile", "ablation", "row_evidence", "row_evidence", "ig_plain"]})
+    fig = fig_components(rows, 5)
+    names = list(fig.data[0].y)
+    assert names == ["unembed", "embed at pos 3", "L2 head 1", "L0 attn_block"]
+    assert "ablation, profile, row_evidence" in fig.layout.title.text

@@ -408,3 +408,15 @@ def test_hierarchical_descent_finds_the_fault(tiny, ids, kind, layer, index):
     assert stats.layers == [layer]
     top = df.head(3).to_dicts()
     assert any(fk.names(r, layer, index) and r["kind"] in fk.culprit for r in top), (kind, top)
+
+
+def test_heads_off_the_same_way_make_an_attention_block_row():
+    """Profile evidence: each head's surprise, and an attn_block row (their sum) only where every head of the
+    layer is off in the same direction."""
+    from workbench.analysis.rootcause import _heads_and_block
+
+    z = pl.DataFrame({"layer": [0, 0, 1, 1], "head": [0, 1, 0, 1], "z": [2.0, 3.0, 2.0, -1.0]})
+    got = dict(_heads_and_block(z))
+    assert got[("head", 0, 1, None, None)] == pytest.approx(4.5) and got[("head", 1, 1, None, None)] == -0.5
+    assert got[("attn_block", 0, None, None, None)] == pytest.approx(2.0 + 4.5)
+    assert ("attn_block", 1, None, None, None) not in got

@@ -414,7 +414,7 @@ def _heads_and_block(z: pl.DataFrame) -> list[tuple[tuple, float]]:
         total[layer] = total.get(layer, 0.0) + v
     # the block's surprise: its heads' together (they are off the same way, so one cause explains them all)
     return out + [(("attn_block", layer, None, None, None), float(total[layer]))
-                  for layer, _m, same in both.sort("layer").iter_rows() if same]
+                  for layer, same in both.sort("layer").iter_rows() if same]
 
 
 def profile_evidence(store, run_id: str, pos: int, profile: pl.DataFrame) -> list[tuple[tuple, float]]:

@@ -480,16 +480,20 @@ def fig_components(attributions: pl.DataFrame, pos: int, top: int = 15) -> go.Fi
         return _empty(f"no component ranking stored for position {pos}")
 
     def name(r: dict) -> str:
+        where = "" if r["layer"] is None else f"L{r['layer']} "
         if r["kind"] == "head":
-            return f"L{r['layer']} head {r['head']}"
+            return f"{where}head {r['head']}"
         if r["kind"] == "expert":
-            return f"L{r['layer']} expert {r['expert']}"
-        return f"L{r['layer']} {r['kind']}"
+            return f"{where}expert {r['expert']}"
+        if r["source_pos"] is not None:
+            return f"{where}{r['kind']} at pos {r['source_pos']}"
+        return f"{where}{r['kind']}"
     rows = list(c.iter_rows(named=True))
     fig = go.Figure(go.Bar(x=[r["score"] for r in rows][::-1], y=[html.escape(name(r)) for r in rows][::-1],
                            orientation="h", marker={"color": "#e76f51"}))
-    _layout(fig, f"Components ranked for pos {pos} (effect of ablating each)", height=360,
-            xaxis={"title": "score"}, yaxis={"dtick": 1, "automargin": True})
+    methods = ", ".join(sorted({m for m in c["method"].to_list() if m})) if "method" in c.columns else ""
+    _layout(fig, f"Components ranked for pos {pos} ({methods or 'score'}; nats of the token's logprob)", height=360,
+            xaxis={"title": "score (nats)"}, yaxis={"dtick": 1, "automargin": True})
     return fig
 
 
