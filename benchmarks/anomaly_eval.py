@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import random
-import re
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import polars as pl  # noqa: E402
 import torch  # noqa: E402
@@ -47,6 +47,7 @@ from workbench.capture.adapters import load_adapter  # noqa: E402
 from workbench.capture.prompts import load_prompts  # noqa: E402
 from workbench.data import query  # noqa: E402
 from workbench.model.tokenizer import load_tokenizer  # noqa: E402
+from probe_overhead import write_section  # noqa: E402
 
 SECTION = "## Anomaly detectors (calibrated)"
 CALIBRATION = ROOT / "data" / "prompts" / "calibration.jsonl"
@@ -60,15 +61,6 @@ def teacher_forced_logprobs(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model.forward(torch.tensor([ids], device=model.device))[0, :-1].float().cpu()
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-
-
-def write_section(path: Path, text: str, section: str = SECTION) -> None:
-    """Replace this script's section of RESULTS.md (others own the rest of the file), or append it."""
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    pattern = re.compile(rf"^{re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
-    new = pattern.sub(lambda _: text.rstrip() + "\n\n", old) if pattern.search(old) else \
-        old.rstrip() + "\n\n" + text.rstrip() + "\n"
-    path.write_text(new)
 
 
 def length_bucket(n: int) -> str:
@@ -222,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                         max(p.get("seconds", 0) for p in parts), max(p.get("threads", 1) for p in parts))
         print(text)
         if not args.no_write:
-            write_section(ROOT / "benchmarks" / "RESULTS.md", text, SECTION)
+            write_section(ROOT / "benchmarks" / "RESULTS.md", SECTION, text)
         return 0
     skip = set(filter(None, args.skip.split(",")))
     t0 = time.perf_counter()
@@ -263,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({"clean": clean, "tiny": tiny, "faults": results, "loop": loop,
                                                "seconds": seconds, "threads": torch.get_num_threads()}))
     if not args.no_write:
-        write_section(ROOT / "benchmarks" / "RESULTS.md", text, SECTION)
+        write_section(ROOT / "benchmarks" / "RESULTS.md", SECTION, text)
         print("wrote the anomaly section of benchmarks/RESULTS.md")
     return 0
 

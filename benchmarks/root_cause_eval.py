@@ -26,7 +26,6 @@ import argparse
 import copy
 import json
 import random
-import re
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
@@ -45,6 +45,7 @@ from workbench.analysis import faults  # noqa: E402
 from workbench.analysis.baseline import build_profile, load_profile, save_profile  # noqa: E402
 from workbench.capture.adapters import Adapter, adapter_for, load_adapter  # noqa: E402
 from workbench.model import load_tokenizer  # noqa: E402
+from probe_overhead import write_section  # noqa: E402
 
 SECTION = "## Root cause (fault injection)"
 PROMPTS = [
@@ -266,15 +267,6 @@ def _name(t) -> str:
     return kind if layer is None else f"L{layer} {kind}"
 
 
-def write_section(path: Path, text: str, section: str = SECTION) -> None:
-    """Replace this script's section of RESULTS.md for one model (others own the rest of the file), or append it."""
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    pattern = re.compile(rf"^{re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
-    new = pattern.sub(lambda _: text.rstrip() + "\n\n", old) if pattern.search(old) else \
-        old.rstrip() + "\n\n" + text.rstrip() + "\n"
-    path.write_text(new)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", "--model", dest="checkpoint", default=str(ROOT / "data" / "demo"),
@@ -373,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "results": results}, indent=1))
     if not args.no_write:
-        write_section(Path(args.out), markdown(summary, results, meta), meta["section"])
+        write_section(Path(args.out), meta["section"], markdown(summary, results, meta))
         print(f"wrote the root-cause section of {args.out}")
     return 0
 
