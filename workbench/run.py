@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import html
 import json
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -333,14 +332,9 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
             raise TypeError(f"give settings= or the keywords {changed}, not both")
     rid, store, adapter, tok = record_run(
         prompt, settings, model=model, tokenizer=tokenizer, db=db, progress=progress, on_token=on_token,
-        parent_run_id=parent_run_id, run_id=run_id, run_fields=run_fields)
-    run = Run(store, rid, model=adapter, tokenizer=tok)
-    if detect:
-        try:  # the runs table shows anomaly counts; a detector bug must not lose the recording
-            run.anomalies()
-        except Exception as e:  # noqa: BLE001
-            warnings.warn(f"anomaly detection failed for run {rid}: {e}")
-    return run
+        parent_run_id=parent_run_id, run_id=run_id, run_fields=run_fields,
+        after_run=anomalies.detect if detect else None)  # the runs table shows anomaly counts
+    return Run(store, rid, model=adapter, tokenizer=tok)
 
 
 class Batch:

@@ -25,7 +25,6 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from typing import Any
@@ -115,18 +114,14 @@ def _serve(address: str, authkey: bytes) -> None:
                     chosen = default[0]
                 mirror.replace_rows("profiles", {}, profiles, all_rows=True)  # the app's baselines, for detect
                 record_run(prompt, settings, model=chosen, tokenizer=None if checkpoint else tokenizer, db=relay,
-                           run_id=rid, on_token=lambda pos, text, rid=rid: events.put(("token", rid, (pos, text))))
+                           run_id=rid, on_token=lambda pos, text, rid=rid: events.put(("token", rid, (pos, text))),
+                           after_run=after_run)
             except BaseException as e:  # noqa: BLE001 - reported to the app
                 try:
                     mirror.delete_run(rid)  # what it committed is in the app's store
                 finally:
                     events.put(("done", rid, _portable(e)))
                 continue
-            if after_run is not None:
-                try:  # as workbench.record: a detector bug must not lose the recording
-                    after_run(relay, rid)
-                except Exception as e:  # noqa: BLE001
-                    warnings.warn(f"{getattr(after_run, '__name__', 'after_run')} failed for run {rid}: {e}")
             try:
                 mirror.delete_run(rid)  # the app's store has it now
             finally:

@@ -21,7 +21,6 @@ import shutil
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,7 +30,7 @@ from tqdm import tqdm
 
 from workbench.capture.adapters import load_adapter
 from workbench.capture.prompts import FIELDS, load_prompt_set, prompt_key
-from workbench.capture.recorder import DTYPES, new_run_id, record_batch, record_run
+from workbench.capture.recorder import DTYPES, new_run_id, record_batch, record_run, run_after
 from workbench.capture.resolve import tokenizer_for
 from workbench.capture.settings import PER_PROMPT, RecordSettings
 from workbench.data import query
@@ -134,11 +133,8 @@ def _finished(store: Store, run_id: str, item: dict, error: str | None, label: s
               after_run) -> dict:
     """A recorded prompt's row: ``after_run`` run on it (if it completed), a ``failed`` run made for a prompt
     refused before it had one."""
-    if error is None and after_run is not None:
-        try:  # as workbench.record: a detector bug must not lose the recording
-            after_run(store, run_id)
-        except Exception as e:  # noqa: BLE001
-            warnings.warn(f"{getattr(after_run, '__name__', 'after_run')} failed for run {run_id}: {e}")
+    if error is None:
+        run_after(after_run, store, run_id)
     try:
         query.run_row(store, run_id)
     except query.RunNotFound:  # it failed before the recorder made its row

@@ -250,12 +250,14 @@ def _open(model, tokenizer, db, settings: RecordSettings, device_map=None):
 def record_run(prompt: str | list[int], settings: RecordSettings | None = None, *, model=None, tokenizer=None,
                db=None, progress: bool = False, on_token: Callable[[int, str], None] | None = None,
                parent_run_id: str | None = None, run_id: str | None = None, run_fields: dict | None = None,
+               after_run: Callable[[Store, str], object] | None = None,
                **setting_kw) -> tuple[str, Store, Adapter, object]:
     """Record one generation; returns (run_id, store, adapter, tokenizer). See ``workbench.record``.
 
     ``settings``: how to generate and what to record (``RecordSettings``; keyword fields of it, e.g.
     ``max_new_tokens=8``, override it). ``run_fields``: more ``runs`` columns for the run's first row (e.g. a
-    prompt set's ``batch_id``), so they are there from the start, a run killed mid-way included."""
+    prompt set's ``batch_id``), so they are there from the start, a run killed mid-way included.
+    ``after_run``: run on the stored run once it is recorded (``run_after``; e.g. the anomaly detectors)."""
     settings = RecordSettings.of(settings, **setting_kw)
     probes = _check_request(prompt, settings, run_fields)
     store, adapter, tokenizer, label, sha = _open(model, tokenizer, db, settings, settings.device_map)
@@ -279,7 +281,19 @@ def record_run(prompt: str | list[int], settings: RecordSettings | None = None, 
     finally:
         if bar:
             bar.close()
+    run_after(after_run, store, run_id)
     return run_id, store, adapter, tokenizer
+
+
+def run_after(after_run: Callable[[Store, str], object] | None, store: Store, run_id: str) -> None:
+    """``after_run(store, run_id)`` on a recorded run (capture never imports the analyses: the caller hands in,
+    e.g., the anomaly detectors). Its failure is a warning, never the recording's: the run is stored already."""
+    if after_run is None:
+        return
+    try:
+        after_run(store, run_id)
+    except Exception as e:  # noqa: BLE001
+        warnings.warn(f"{getattr(after_run, '__name__', 'after_run')} failed for run {run_id}: {e}")
 
 
 @contextlib.contextmanager

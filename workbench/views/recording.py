@@ -94,14 +94,11 @@ class Recorder:
         try:
             with record_threads():
                 model = checkpoint or self._model()
-                rid, store, adapter, tok = record_run(
+                rid, _, adapter, tok = record_run(
                     prompt, model=model, tokenizer=None if checkpoint else self.tokenizer, db=self.store,
-                    run_id=run_id, on_token=lambda pos, text: events.put(("token", (pos, text))), **settings)
+                    run_id=run_id, on_token=lambda pos, text: events.put(("token", (pos, text))),
+                    after_run=detect_anomalies, **settings)
                 self.recorded[rid] = (adapter, tok)
-            try:  # the runs table shows anomaly counts; a detector bug must not lose the recording
-                detect_anomalies(store, rid)
-            except Exception as e:  # noqa: BLE001
-                warnings.warn(f"anomaly detection failed for run {rid}: {e}")
         except BaseException as e:  # shown to the user
             error = e
         finally:
