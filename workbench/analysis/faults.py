@@ -24,6 +24,7 @@ from typing import Callable, Iterator
 import torch
 
 from workbench.capture.adapters import Adapter, Route, adapter_for
+from workbench.capture.adapters.base import first_output, replace_first_output
 
 
 def _check_layer(a: Adapter, layer: int) -> None:
@@ -202,14 +203,6 @@ def _hooked(register: Callable[[], list]) -> Iterator[None]:
             h.remove()
 
 
-def _first(out):
-    return out[0] if isinstance(out, tuple) else out
-
-
-def _replace_first(out, new):
-    return (new, *out[1:]) if isinstance(out, tuple) else new
-
-
 def scale_norm(model, layer: int, scale: float = 4.0, which: str = "attn_norm") -> contextlib.AbstractContextManager:
     """Multiply the weight of block ``layer``'s attention input norm (``which="mlp_norm"``: the MLP's) by ``scale``."""
     a = adapter_for(model)
@@ -303,7 +296,7 @@ def _block_output(a: Adapter, layer: int, fn: Callable) -> list:
     if end is not None:
         handles.append(end.register_forward_hook(lambda _m, _a, out: fn(out, seen["x"]), prepend=True))
     else:
-        handles.append(block.register_forward_hook(lambda _m, _a, out: _replace_first(out, fn(_first(out), seen["x"]))))
+        handles.append(block.register_forward_hook(lambda _m, _a, out: replace_first_output(out, fn(first_output(out), seen["x"]))))
     return handles
 
 

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from workbench.capture.adapters import Adapter, Route
+from workbench.capture.adapters.base import first_output, replace_first_output
 
 Key = tuple  # (kind, layer, head, expert, source_pos)
 
@@ -59,14 +60,6 @@ class PatchStats:
     layers: list[int] = field(default_factory=list)  # the layers descended into
 
 
-def _first(out):
-    return out[0] if isinstance(out, tuple) else out
-
-
-def _replace_first(out, new):
-    return (new, *out[1:]) if isinstance(out, tuple) else new
-
-
 class _Taps:
     """Hooks on one adapter that capture every site of a batch-1 forward, or patch chosen batch rows from a cache."""
 
@@ -83,7 +76,7 @@ class _Taps:
     # -- module outputs ------------------------------------------------------------------------------
     def _module_hook(self, kind: str, layer: int | None):
         def hook(_m, _a, out):
-            x = _first(out)
+            x = first_output(out)
             if self.capture:
                 self.cache[(kind, layer)] = x.detach().reshape(1, -1, x.size(-1))[0].clone()
                 return None
@@ -97,7 +90,7 @@ class _Taps:
                 y[rows] = src.to(y)
             for b, p in tok:
                 y[b, p] = src[p].to(y)
-            return _replace_first(out, y.reshape(x.shape))
+            return replace_first_output(out, y.reshape(x.shape))
         return hook
 
     def _token_rows(self) -> list[tuple[int, int]]:

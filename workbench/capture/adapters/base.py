@@ -50,8 +50,18 @@ from workbench.data.summary import ModelSummary
 
 from .routing import RouterMath
 
-__all__ = ["SEAMS", "Adapter", "ModelSummary", "QuantPoints", "Route", "Listener"]
+__all__ = ["SEAMS", "Adapter", "ModelSummary", "QuantPoints", "Route", "Listener", "first_output", "replace_first_output"]
 
+
+
+def first_output(out):
+    """A module's main output: the tensor itself, or the first of the tuple transformers' blocks return."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def replace_first_output(out, new):
+    """``out`` with its main output (``first_output``) replaced by ``new``, in the same shape of return."""
+    return (new, *out[1:]) if isinstance(out, tuple) else new
 
 
 @dataclass

@@ -39,7 +39,7 @@ from torch import nn
 from workbench.model import state_sha256
 from workbench.model.generate import check_prompt, decode
 
-from .base import Adapter, Listener, ModelSummary, QuantPoints
+from .base import Adapter, Listener, ModelSummary, QuantPoints, first_output
 from .routing import RouterMath
 
 ROUTER_CLASS = re.compile(r"Top[Kk]Router$")
@@ -425,7 +425,7 @@ class HFAdapter(Adapter):
                     for i, l in enumerate(self.layers)]
         if seam == "resid_post":
             def on_layer(_m, _a, out, i):
-                fn(i, out[0] if isinstance(out, tuple) else out)
+                fn(i, first_output(out))
             return [l.register_forward_hook(lambda m, a, o, i=i: on_layer(m, a, o, i)) for i, l in enumerate(self.layers)]
         if seam == "shared_out":
             handles = []
