@@ -9,7 +9,8 @@ import polars as pl
 
 from workbench.analysis.anomalies import select as select_anomalies
 from workbench.analysis.anomalies import what_was_tested
-from workbench.apps.shared import AppContext, Page, empty_table, fail, md_text, table
+from workbench.apps.shared import AppContext, Page, empty_table, fail, table
+from workbench.views.markup import defuse, md_plain
 from workbench.views.session import Session
 
 FINDING_COLUMNS = ["rank", "severity", "explanation", "component", "layer", "head", "expert", "pos_start", "pos_end",
@@ -30,18 +31,18 @@ def anomaly_table(app: AppContext, s: Session, run_id: str | None, recompute: bo
         wanted = [int(x) for x in str(layers or "").replace(",", " ").split()]
         rows = select_anomalies(df, kinds or None, None if severity in (None, "", "all") else severity, wanted)
     except ValueError as e:
-        return *none, fail("Filter", e), gr.Dropdown()
+        return *none, defuse(fail("Filter", e)), gr.Dropdown()
     except Exception as e:
-        return *none, fail("Anomaly detection", e), gr.Dropdown()
+        return *none, defuse(fail("Anomaly detection", e)), gr.Dropdown()
     shown = rows.with_columns(pl.col(pl.Float64).round(4))  # display only; the store keeps full precision
     fshown = found.select(*FINDING_COLUMNS[:-1], pl.col("score").round(2))
     msg = (f"{found.height} finding{'s' if found.height != 1 else ''}; {rows.height} of {df.height} anomaly rows "
            "shown (click a row to jump to its token).")
     if found.height == 0:  # what "nothing found" means: what the detectors tested
         try:
-            msg += f"  \nTested: {md_text(what_was_tested(app.store, run_id))}"
+            msg += f"  \nTested: {md_plain(what_was_tested(app.store, run_id))}"
         except Exception as e:  # noqa: BLE001 - the line must never fail the tab
-            msg += f"  \n{fail('What was tested', e)}"
+            msg += f"  \n{defuse(fail('What was tested', e))}"
     return fshown, shown, msg, gr.Dropdown(choices=sorted(set(df["kind"].to_list())), value=kinds or [])
 
 
@@ -64,7 +65,7 @@ def build(session: Page) -> None:
                               elem_id="anom-severity")
             kinds = gr.Dropdown(label="kinds", choices=[], multiselect=True, elem_id="anom-kinds")
             layers = gr.Textbox(label="layers (e.g. 2 3; empty: all)", value="", elem_id="anom-layers")
-        msg = gr.Markdown(elem_classes=["wb-message"], elem_id="anom-msg")
+        msg = gr.Markdown(latex_delimiters=[], elem_classes=["wb-message"], elem_id="anom-msg")
         find_df = table(FINDING_COLUMNS, "Findings: the diagnosis, one per component or token span",
                         elem_id="findings-table")
         anom_df = table(ANOMALY_COLUMNS, "Anomalies (click to jump to the token)", elem_id="anomalies-table")

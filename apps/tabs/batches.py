@@ -7,11 +7,12 @@ from functools import partial
 import gradio as gr
 import polars as pl
 
-from workbench.apps.shared import READ, AppContext, Page, empty_table, md_text, table
+from workbench.apps.shared import READ, AppContext, Page, empty_table, table
 from workbench.apps.tabs.search import pick_run_row
 from workbench.data import query
 from workbench.run import Batch
 from workbench.views.figures import batch_entropy_figure, batch_load_figure
+from workbench.views.markup import md_plain
 
 RUN_COLUMNS = ["run_id", "batch_item", "status", "prompt", "n_tokens", "error"]
 LOW_COLUMNS = ["run_id", "batch_item", "pos", "text", "confidence", "rank"]
@@ -34,11 +35,11 @@ def batch_views(app: AppContext, batch_id: str | None):
     b = Batch(app.store, batch_id)
     runs = b.runs()
     low = b.low_confidence(20)
-    st = ", ".join(f"{n} {md_text(k)}" for k, n in b.status().items())
+    st = ", ".join(f"{n} {md_plain(k)}" for k, n in b.status().items())
     return (runs.select("run_id", "batch_item", "status", pl.col("prompt").str.slice(0, 80), "n_tokens", "error"),
             low.select("run_id", "batch_item", "pos", "text", pl.col("confidence").round(4), "rank"),
             batch_load_figure(b.expert_load(), batch_id), batch_entropy_figure(b.head_entropy(), batch_id),
-            f"Batch {md_text(batch_id)}: {st}. Views over its complete runs.")
+            f"Batch {md_plain(batch_id)}: {st}. Views over its complete runs.")
 
 
 def build(session: Page) -> None:
@@ -47,7 +48,7 @@ def build(session: Page) -> None:
             pick = gr.Dropdown(label="Batch (a prompt set: workbench record --prompts)", choices=[],
                                elem_id="batch-picker", scale=4)
             btn = gr.Button("↻", scale=0, min_width=60)
-        msg = gr.Markdown(elem_classes=["wb-message"], elem_id="batch-msg")
+        msg = gr.Markdown(latex_delimiters=[], elem_classes=["wb-message"], elem_id="batch-msg")
         runs = table(RUN_COLUMNS, "Runs (click one to open it)", elem_id="batch-runs", datatype="str")
         with gr.Row():
             load = gr.Plot(label="Expert load over the batch", elem_id="batch-load")

@@ -7,7 +7,8 @@ import gradio as gr
 import polars as pl
 
 from workbench.analysis.codeview import code_view, run_compile_check, token_classes
-from workbench.apps.shared import READ, AppContext, Page, empty_table, fail, frames_of, md_text, table
+from workbench.apps.shared import READ, AppContext, Page, empty_table, fail, frames_of, table
+from workbench.views.markup import defuse, md_plain
 from workbench.views.session import Session
 
 CODE_COLOR_MAP = {"keyword": "#c77dff", "name": "#a2d2ff", "number": "#ffb703", "string": "#95d5b2",
@@ -30,8 +31,8 @@ def compile_message(check: dict, text: str | None = None) -> str:
     what = "Incomplete (the text ends mid-statement)" if check["status"] == "incomplete" else "❌ Syntax error"
     where = f"line {check['line']}, col {check['col']}"
     if check.get("pos") is not None:
-        where += f", token pos {check['pos']}" + (f" “{md_text(text)}”" if text else "")
-    return (f"{'⚠️ ' if check['status'] == 'incomplete' else ''}{what}: {md_text(check['message'])} at {where}; "
+        where += f", token pos {check['pos']}" + (f" “{md_plain(text)}”" if text else "")
+    return (f"{'⚠️ ' if check['status'] == 'incomplete' else ''}{what}: {md_plain(check['message'])} at {where}; "
             f"the first {check['ok_lines']} of {check['lines']} lines parse.")
 
 
@@ -44,7 +45,7 @@ def code_views(app: AppContext, s: Session, run_id: str | None, generated_only: 
     try:
         classes, check, by_class = token_classes(t), run_compile_check(t), code_view(t, bool(generated_only))
     except Exception as e:
-        return fail("Code view", e), [], empty_table(COLUMNS), None
+        return defuse(fail("Code view", e)), [], empty_table(COLUMNS), None
     text = None
     if check.get("pos") is not None:
         row = classes.filter(pl.col("pos") == check["pos"])
@@ -56,7 +57,7 @@ def code_views(app: AppContext, s: Session, run_id: str | None, generated_only: 
 
 def build(session: Page) -> None:
     with gr.Tab("Code", id="code") as tab:
-        msg = gr.Markdown(elem_classes=["wb-message"], elem_id="code-msg")
+        msg = gr.Markdown(latex_delimiters=[], elem_classes=["wb-message"], elem_id="code-msg")
         strip = gr.HighlightedText(label="Tokens by Python token class (tokenize); red: the first syntax error",
                                    color_map=CODE_COLOR_MAP, show_legend=True, show_inline_category=False,
                                    elem_id="code-strip")

@@ -8,7 +8,8 @@ import gradio as gr
 import polars as pl
 
 from workbench.analysis.diff import diff_runs
-from workbench.apps.shared import AppContext, Page, empty_table, fail, md_text, table
+from workbench.apps.shared import AppContext, Page, empty_table, fail, table
+from workbench.views.markup import defuse, md_plain
 
 COLUMNS = ["what", "value"]
 FIGURES = [("confidence", "Confidence of both runs along positions"), ("delta", "Change in logprob and confidence"),
@@ -45,8 +46,8 @@ def compare(app: AppContext, a: str | None, b: str | None):
         d = diff_runs(app.store, a, b)
         figs = d.figures()
     except Exception as e:
-        return empty_table(COLUMNS), fail("Comparison", e), None, None, None, None
-    msg = f"Run B {md_text(b)} against run A {md_text(a)}."
+        return empty_table(COLUMNS), defuse(fail("Comparison", e)), None, None, None, None
+    msg = f"Run B {md_plain(b)} against run A {md_plain(a)}."
     if not d.summary.get("same_prompt", True):
         msg += ("  \n⚠️ The runs have different prompts: positions hold different tokens, so every difference "
                 "mixes the change you made with the change of text.")
@@ -59,7 +60,7 @@ def build(session: Page) -> None:
             a = gr.Dropdown(label="Run A", choices=[], elem_id="compare-a")
             b = gr.Dropdown(label="Run B", choices=[], elem_id="compare-b")
             btn = gr.Button("Compare", elem_id="compare-button")
-        msg = gr.Markdown(elem_classes=["wb-message"], elem_id="compare-msg")
+        msg = gr.Markdown(latex_delimiters=[], elem_classes=["wb-message"], elem_id="compare-msg")
         summary = table(COLUMNS, "Summary", elem_id="compare-summary", datatype="str")
         plots = []
         for i in (0, 2):

@@ -7,8 +7,9 @@ from functools import partial
 import gradio as gr
 import polars as pl
 
-from workbench.apps.shared import READ, AppContext, Page, empty_table, fail, frames_of, md_text, table
+from workbench.apps.shared import READ, AppContext, Page, empty_table, fail, frames_of, table
 from workbench.views.figures import fig_kv_pareto
+from workbench.views.markup import defuse, md_plain
 from workbench.views.recording import record_threads
 from workbench.views.session import Session
 
@@ -36,7 +37,7 @@ def kv_whatif_stored(app: AppContext, s: Session, run_id: str | None):
     if f is None:
         return "Choose a run.", empty_table(COLUMNS), None
     df = f.policy_results
-    msg = (f"{df.height} stored polic{'ies' if df.height != 1 else 'y'} for {md_text(run_id)}." if df.height else
+    msg = (f"{df.height} stored polic{'ies' if df.height != 1 else 'y'} for {md_plain(run_id)}." if df.height else
            "No KV what-if results for this run yet: pick policies and press Run.")
     return msg, kv_shown(df), fig_kv_pareto(df)
 
@@ -56,12 +57,12 @@ def kv_whatif_run(app: AppContext, s: Session, run_id: str | None, picked: list[
     except gr.Error:
         raise
     except Exception as e:  # a bad spec, a model that is not here: say why, keep the app alive
-        return fail("KV what-if", e), empty_table(COLUMNS), None
+        return defuse(fail("KV what-if", e)), empty_table(COLUMNS), None
     progress(1.0, desc="done")
     f = frames_of(s, run_id)
     if f is not None:
         f.forget("policy_results")
-    return (f"{df.height} policies re-run on {md_text(run_id)} (stored in policy_results).", kv_shown(df),
+    return (f"{df.height} policies re-run on {md_plain(run_id)} (stored in policy_results).", kv_shown(df),
             fig_kv_pareto(df))
 
 
@@ -77,7 +78,7 @@ def build(session: Page) -> None:
                 extra = gr.Textbox(label="More specs (one per line or ; separated)", lines=3,
                                    placeholder="window:sink=2,recent=32", elem_id="kvw-extra")
                 btn = gr.Button("Run what-if", variant="primary", elem_id="kvw-run")
-        msg = gr.Markdown(elem_classes=["wb-message"], elem_id="kvw-msg")
+        msg = gr.Markdown(latex_delimiters=[], elem_classes=["wb-message"], elem_id="kvw-msg")
         df = table(COLUMNS, "Policies against the full cache", elem_id="kvw-table")
         plot = gr.Plot(label="Memory kept vs Δ NLL", elem_id="kvw-plot")
     app, state, run_pick = session.app, session.state, session.run_pick

@@ -8,6 +8,7 @@ import polars as pl
 
 from workbench.analysis.replay import at_step
 from workbench.apps.shared import COLOR_MAP, AppContext, Page, fail, frames_of, strip_value
+from workbench.views.markup import defuse
 from workbench.views.session import Session
 
 PLAY, PAUSE = "▶ Play", "❚❚ Pause"  # U+275A: in every font the page may fall back to (U+23F8 is not)
@@ -27,7 +28,7 @@ def replay(app: AppContext, s: Session, run_id: str | None, step: float):
                 + (f" · {st.wall_ms:.1f} ms" if st.wall_ms is not None else ""))
     except Exception as e:
         toks = f.tokens.filter(pl.col("step") <= t)
-        info = fail("Replay state", e)
+        info = defuse(fail("Replay state", e))
     return (strip_value(toks), info, f.fig_tokens(step=t), f.fig_head_entropy(step=t), f.fig_expert_load(step=t),
             f.fig_kv_bytes(step=t))
 
@@ -58,7 +59,7 @@ def build(session: Page) -> None:
             play = gr.Button(PLAY, scale=0, min_width=90, elem_id="replay-play")
             pause = gr.Button(PAUSE, scale=0, min_width=90, elem_id="replay-pause")
         timer = gr.Timer(0.8, active=False)
-        info = gr.Markdown(elem_classes=["wb-message"], elem_id="replay-info")
+        info = gr.Markdown(latex_delimiters=[], elem_classes=["wb-message"], elem_id="replay-info")
         strip = gr.HighlightedText(label="Tokens so far", color_map=COLOR_MAP, show_legend=True,
                                    show_inline_category=False, elem_id="replay-strip")
         with gr.Row():

@@ -18,12 +18,12 @@ from workbench.apps.shared import (
     error_text,
     fail,
     frames_of,
-    md_text,
     strip_value,
     table,
 )
 from workbench.apps.tabs.runs import reference_choices
 from workbench.data import query
+from workbench.views.markup import defuse, md_plain
 from workbench.views.session import RunFrames, Session
 
 TOKEN_COLUMNS = ["pos", "token", "token_id", "prompt", "prob", "confidence", "entropy", "rank"]
@@ -43,7 +43,7 @@ def run_summary(f: RunFrames) -> dict:
 
 
 def run_header(f: RunFrames, s: dict) -> str:
-    esc = md_text  # stored strings reach the page as text
+    esc = md_plain  # stored strings reach the page as text (no markup, links or math)
     head = f"**{esc(s['run_id'])}** · {esc(s['status'])}"
     if s["mean_confidence"] is not None:
         head += (f" · {s['prompt_tokens']} prompt + {s['generated_tokens']} generated tokens · mean confidence "
@@ -59,8 +59,8 @@ def run_header(f: RunFrames, s: dict) -> str:
 def page_header(f: RunFrames | None, db_name: str = "") -> str:
     """The page's title line: the picked run's model family (``ModelSummary.describe``)."""
     if f is None:
-        return f"{TITLE}\nRuns recorded into {md_text(db_name)}: pick one (Runs tab or the run picker)."
-    return f"{TITLE}\n{md_text(f.summary.family)} run **{md_text(f.run_id)}**: {md_text(f.summary.describe())}"
+        return f"{TITLE}\nRuns recorded into {md_plain(db_name)}: pick one (Runs tab or the run picker)."
+    return f"{TITLE}\n{md_plain(f.summary.family)} run **{md_plain(f.run_id)}**: {md_plain(f.summary.describe())}"
 
 
 def cleared(app: AppContext, s: Session):
@@ -97,10 +97,10 @@ def stored_causes(f: RunFrames, pos: int) -> tuple[str, pl.DataFrame]:
     """The status line and the Ranked causes table of the root cause stored for ``pos`` of this run."""
     a = f.attributions_at(pos)
     if a.height == 0:
-        return (f"No root cause stored for pos {pos} of {md_text(f.run_id)}: press Explain.",
+        return (f"No root cause stored for pos {pos} of {md_plain(f.run_id)}: press Explain.",
                 empty_table(CAUSE_COLUMNS))
     methods = ", ".join(sorted(set(a["method"].drop_nulls().to_list())))
-    return (f"Root cause of pos {pos} (stored): {a.height} ranked causes ({md_text(methods)}).",
+    return (f"Root cause of pos {pos} (stored): {a.height} ranked causes ({md_plain(methods)}).",
             a.select(CAUSE_COLUMNS).head(30))
 
 
@@ -135,14 +135,14 @@ def reference_note(app: AppContext, s: Session, run_id: str | None, reference: s
     try:
         mine, ref = query.run_row(app.store, run_id), query.run_row(app.store, reference)
     except query.RunNotFound as e:
-        return f"⚠️ {md_text(e)}"
+        return f"⚠️ {md_plain(e)}"
     notes = []
     if mine["checkpoint_sha256"] and mine["checkpoint_sha256"] == ref["checkpoint_sha256"]:
         notes.append("⚠️ The reference has identical weights: unless its dtype or tokens differ, every difference "
                      "is zero.")
     if mine["prompt"] != ref["prompt"]:
         notes.append("⚠️ The reference has a different prompt: its positions hold other tokens.")
-    return "  \n".join(notes) or f"Reference {md_text(reference)}: other weights, same prompt."
+    return "  \n".join(notes) or f"Reference {md_plain(reference)}: other weights, same prompt."
 
 
 def explain(app: AppContext, s: Session, run_id: str | None, pos: float | None, steps: float,
@@ -156,15 +156,15 @@ def explain(app: AppContext, s: Session, run_id: str | None, pos: float | None, 
     try:
         ranked = run.root_cause(pos, steps=int(steps), reference=app.run(reference) if reference else None)
     except Exception as e:  # root cause is optional and model-dependent: say why, keep the app alive
-        return fail("Root cause", e), None, None, empty_table(CAUSE_COLUMNS)
+        return defuse(fail("Root cause", e)), None, None, empty_table(CAUSE_COLUMNS)
     progress(1.0, desc="done")
     f = s.frames_for(run_id)
     f.forget("attributions")  # just stored
     methods = ", ".join(sorted(set(ranked["method"].drop_nulls().to_list()))) if ranked.height else ""
     warn = ig_check(ranked, int(steps))
     shown = ranked.select([c for c in CAUSE_COLUMNS if c in ranked.columns]).head(30)
-    return (f"Root cause of pos {pos}: {ranked.height} ranked causes ({md_text(methods)})."
-            + (f"  \n⚠️ {md_text(warn)}" if warn else ""), f.fig_attribution(pos), f.fig_components(pos), shown)
+    return (f"Root cause of pos {pos}: {ranked.height} ranked causes ({md_plain(methods)})."
+            + (f"  \n⚠️ {md_plain(warn)}" if warn else ""), f.fig_attribution(pos), f.fig_components(pos), shown)
 
 
 def pick_token(evt: gr.SelectData):
@@ -173,7 +173,7 @@ def pick_token(evt: gr.SelectData):
 
 def build(session: Page) -> None:
     with gr.Tab("Run view", id="runview"):
-        run_head = gr.Markdown(elem_id="run-head")
+        run_head = gr.Markdown(latex_delimiters=[], elem_id="run-head")
         strip = gr.HighlightedText(label="Tokens: colour = confidence of the prediction; click one",
                                    color_map=COLOR_MAP, show_legend=True, show_inline_category=False,
                                    elem_id="token-strip", interactive=False)
@@ -191,8 +191,8 @@ def build(session: Page) -> None:
             rc_ref = gr.Dropdown(label="Against a known-good run (optional: rank what differs from it)",
                                  choices=[("none", "")], value="", allow_custom_value=True, elem_id="reference-picker")
             rc_btn = gr.Button("Explain this token (root cause)", elem_id="explain-button")
-        ref_msg = gr.Markdown(elem_classes=["wb-message"], elem_id="reference-msg")
-        rc_msg = gr.Markdown(elem_classes=["wb-message"], elem_id="rc-msg")
+        ref_msg = gr.Markdown(latex_delimiters=[], elem_classes=["wb-message"], elem_id="reference-msg")
+        rc_msg = gr.Markdown(latex_delimiters=[], elem_classes=["wb-message"], elem_id="rc-msg")
         with gr.Row():
             comp_plot = gr.Plot(label="Components", elem_id="comp-plot")
             rc_table = table(CAUSE_COLUMNS, "Ranked causes", elem_id="rc-table")

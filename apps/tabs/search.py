@@ -6,8 +6,9 @@ from functools import partial
 import gradio as gr
 import polars as pl
 
-from workbench.apps.shared import READ, AppContext, Page, empty_table, md_text, table
+from workbench.apps.shared import READ, AppContext, Page, empty_table, table
 from workbench.data import query
+from workbench.views.markup import md_plain
 
 COLUMNS = ["run_id", "pos", "end_pos", "context"]
 
@@ -18,7 +19,7 @@ def search_runs(app: AppContext, text: str, ignore_case: bool):
         return empty_table(COLUMNS), "Type some text to look for."
     df = query.search(app.store, text, ignore_case=bool(ignore_case), limit=200)
     shown = df.select("run_id", "pos", "end_pos", pl.col("context").str.replace_all("\n", " \u21b5 "))
-    return shown, f"{df.height} match{'es' if df.height != 1 else ''} of “{md_text(text)}” (click one to open its run)."
+    return shown, f"{df.height} match{'es' if df.height != 1 else ''} of “{md_plain(text)}” (click one to open its run)."
 
 
 def pick_run_row(evt: gr.SelectData, df: pl.DataFrame | None):
@@ -34,7 +35,7 @@ def build(session: Page) -> None:
             text = gr.Textbox(label="Text in the runs' decoded text (may span tokens)", scale=4, elem_id="search-text")
             case = gr.Checkbox(label="ignore case", value=False, scale=0, min_width=120)
             btn = gr.Button("Search", scale=0, min_width=100, elem_id="search-button")
-        msg = gr.Markdown(elem_classes=["wb-message"], elem_id="search-msg")
+        msg = gr.Markdown(latex_delimiters=[], elem_classes=["wb-message"], elem_id="search-msg")
         df = table(COLUMNS, "Matches", elem_id="search-results", datatype="str")
     for event in (btn.click, text.submit):
         event(partial(search_runs, session.app), [text, case], [df, msg], api_name=False, **READ)

@@ -59,14 +59,16 @@ class RunDiff:
 
         t = self.tokens
         first = self.summary.get("first_divergence_pos")
-        # plotly reads a subset of HTML in hover text: escape token text so it shows literally
+        # plotly reads a subset of HTML in hover text, legend names and titles: escape token text and run ids so
+        # they show literally (a run id ``<a href=...>`` is no live link)
         ha = [html.escape(x or "") for x in t["text_a"].fill_null("").to_list()]
         hb = [html.escape(x or "") for x in t["text_b"].fill_null("").to_list()]
+        name_a, name_b = (html.escape(str(r), quote=False) for r in (self.a, self.b))
         # numeric columns as numpy arrays (NULL -> NaN, a gap as None was): plotly checks a list element by element
         conf = go.Figure([
-            go.Scatter(x=t["pos"].to_numpy(), y=t["confidence_a"].to_numpy(), name=f"A {self.a}", mode="lines+markers",
+            go.Scatter(x=t["pos"].to_numpy(), y=t["confidence_a"].to_numpy(), name=f"A {name_a}", mode="lines+markers",
                        text=ha, hovertemplate="pos %{x}<br>%{text}<br>confidence %{y:.3f}<extra>A</extra>"),
-            go.Scatter(x=t["pos"].to_numpy(), y=t["confidence_b"].to_numpy(), name=f"B {self.b}", mode="lines+markers",
+            go.Scatter(x=t["pos"].to_numpy(), y=t["confidence_b"].to_numpy(), name=f"B {name_b}", mode="lines+markers",
                        text=hb, hovertemplate="pos %{x}<br>%{text}<br>confidence %{y:.3f}<extra>B</extra>"),
         ])
         if first is not None:

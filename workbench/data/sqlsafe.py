@@ -78,6 +78,8 @@ DUCKDB_MEMORY_MB = 384      # the sandbox's memory_limit (sorts, hash tables, ag
 SPILL_LIMIT_MB = 1024       # what the sandbox may spill to its private temp folder
 DATA_LIMIT_MB = 512         # table data copied into the sandbox for one query
 RESULT_LIMIT_MB = 64        # the result frame sent back
+UI_MAX_CELL_CHARS = 2000    # the UI's SQL console: longer text cells are cut (a note says so)
+UI_MAX_RESULT_BYTES = 1 << 20  # the UI's SQL console: rows beyond 1 MB of result are left out (a note says so)
 
 
 def _cpus() -> int:
@@ -106,10 +108,35 @@ class SqlError(ValueError):
 
 @dataclass
 class SqlResult:
-    """A query's rows, whether ``max_rows`` cut them, and how long the whole call took."""
+    """A query's rows, whether ``max_rows`` cut them, and how long the whole call took; with the caps of
+    ``run_readonly``'s ``max_cell_chars`` / ``max_result_bytes``: how many text cells were cut
+    (``cells_cut``) and how many rows the size cap left out (``rows_cut``, of ``rows_before_cut``)."""
     frame: pl.DataFrame
     truncated: bool
     elapsed_ms: float
+    cells_cut: int = 0
+    rows_cut: int = 0
+    max_cell_chars: int | None = None
+    max_result_bytes: int | None = None
+
+    @property
+    def note(self) -> str:
+        """What the caps cut, in words ("" when nothing was cut)."""
+        parts = []
+        if self.rows_cut:
+            kept = self.frame.height
+            parts.append(f"result cut to {kept} of {kept + self.rows_cut} rows "
+                         f"({_size(self.max_result_bytes)} at most)")
+        if self.cells_cut:
+            parts.append(f"{self.cells_cut} long text cell{'s' if self.cells_cut != 1 else ''} cut to "
+                         f"{self.max_cell_chars} characters (ending in \u2026)")
+        return "; ".join(parts)
+
+
+def _size(n: int | None) -> str:
+    if not n:
+        return "no limit"
+    return f"{n / 2**20:g} MB" if n >= 2**20 else f"{n / 2**10:g} KB" if n >= 2**10 else f"{n} bytes"
 
 
 def _line(e: BaseException | str, limit: int = 400) -> str:
@@ -292,6 +319,35 @@ class _Died(Exception):
 
 # -- the worker process -----------------------------------------------------------------------------
 
+def _cap(df, max_cell_chars: int | None, max_result_bytes: int | None):
+    """``df`` with text cells longer than ``max_cell_chars`` cut (ending in U+2026) and then its last rows left out
+    until it is at most ``max_result_bytes`` (polars' estimate); returns (frame, cells cut in the rows kept, rows
+    left out)."""
+    import polars as pl  # lazy: the worker, run as a script, has polars from _worker_main (no module-level pl)
+
+    cut = []  # per text column: which rows were cut
+    if max_cell_chars:
+        k = int(max_cell_chars)
+        for name, dtype in df.schema.items():
+            if dtype == pl.String:
+                long = df[name].str.len_chars() > k
+                if long.any():
+                    cut.append(long)
+                    df = df.with_columns(pl.when(long).then(pl.col(name).str.slice(0, k) + "\u2026")
+                                         .otherwise(pl.col(name)).alias(name))
+    rows = 0
+    if max_result_bytes and df.height and df.estimated_size() > max_result_bytes:
+        lo, hi = 0, df.height  # the most rows that fit: a slice's estimate counts only its rows
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if df.head(mid).estimated_size() <= max_result_bytes:
+                lo = mid
+            else:
+                hi = mid - 1
+        rows, df = df.height - lo, df.head(lo)
+    return df, sum(int(m.head(df.height).sum()) for m in cut), rows
+
+
 def _worker_main(limits: dict) -> None:  # pragma: no cover - runs in the worker process
     import resource  # lazy: the worker process's own imports (this module's importers need none of them)
     try:
@@ -397,13 +453,14 @@ def _worker_main(limits: dict) -> None:  # pragma: no cover - runs in the worker
                 raise
         truncated = df.height > n
         df = df.head(n)
+        df, cells_cut, rows_cut = _cap(df, req.get("max_cell_chars"), req.get("max_result_bytes"))
         size, limit = df.estimated_size(), int(req["result_limit"])
         if size > limit:
             raise SqlError(f"result too large: {size / 2**20:.1f} MB, at most {limit / 2**20:g} MB; "
                            f"select fewer rows or columns")
         buf = io.BytesIO()
         df.write_ipc(buf)
-        return {"ok": True, "truncated": truncated}, buf.getvalue()
+        return {"ok": True, "truncated": truncated, "cells_cut": cells_cut, "rows_cut": rows_cut}, buf.getvalue()
 
     # warm up (thread pools, allocator arenas, the parser, a fed table), then allow each query
     # WORKER_MEMORY_MB on top of that
@@ -783,8 +840,13 @@ def _fetch(store: Store, need: dict[str, list[str]], folder: str, deadline: floa
     return files
 
 
-def run_readonly(store: Store, query: str, max_rows: int = 1000, timeout_s: float = 5.0) -> SqlResult:
-    """Check and run ``query`` in the sandbox; at most ``max_rows`` rows, all within ``timeout_s`` seconds."""
+def run_readonly(store: Store, query: str, max_rows: int = 1000, timeout_s: float = 5.0, *,
+                 max_cell_chars: int | None = None, max_result_bytes: int | None = None) -> SqlResult:
+    """Check and run ``query`` in the sandbox; at most ``max_rows`` rows, all within ``timeout_s`` seconds.
+
+    ``max_cell_chars``: text cells longer than this are cut (ending in U+2026); ``max_result_bytes``: the last rows
+    are left out until the result is at most this size (the UI's caps, ``UI_MAX_CELL_CHARS`` / ``UI_MAX_RESULT_BYTES``;
+    ``SqlResult.note`` says what was cut). Without them a result over ``RESULT_LIMIT_MB`` is an error."""
     t0 = time.monotonic()
     deadline = t0 + float(timeout_s)
     if not isinstance(max_rows, int) or max_rows < 1:
@@ -806,7 +868,8 @@ def run_readonly(store: Store, query: str, max_rows: int = 1000, timeout_s: floa
                                "timeout": deadline - time.monotonic()}, deadline)
         files = _fetch(store, head["need"], worker.dir, deadline)
         head, blob = worker.call({"op": "run", "files": files, "max_rows": max_rows,
-                                  "result_limit": RESULT_LIMIT_MB << 20,
+                                  "result_limit": RESULT_LIMIT_MB << 20, "max_cell_chars": max_cell_chars,
+                                  "max_result_bytes": max_result_bytes,
                                   "timeout": deadline - time.monotonic()}, deadline)
         try:
             frame = pl.read_ipc(io.BytesIO(blob))
@@ -826,7 +889,8 @@ def run_readonly(store: Store, query: str, max_rows: int = 1000, timeout_s: floa
                 pass
         if worker is not None:
             _POOL.put(worker)
-    return SqlResult(frame, bool(head.get("truncated")), (time.monotonic() - t0) * 1e3)
+    return SqlResult(frame, bool(head.get("truncated")), (time.monotonic() - t0) * 1e3,
+                     int(head.get("cells_cut") or 0), int(head.get("rows_cut") or 0), max_cell_chars, max_result_bytes)
 
 
 def readonly_sql(store: Store, query: str, max_rows: int = 1000, timeout_s: float = 5.0) -> pl.DataFrame:

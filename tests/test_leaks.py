@@ -1,0 +1,161 @@
+"""Nothing stored leaks into the UI as markup (issue 26, items 4 and 6): run ids and stored text escaped in plotly
+labels and shown as plain text in Markdown (no links, no math), report file names sanitised, the SQL console's
+result capped for the UI, the Record tab's checkpoint box held to its roots."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import re
+import time
+
+import pytest
+from helpers import tiny_model
+
+import workbench
+from workbench.analysis.diff import diff_runs
+from workbench.apps.shared import AppContext
+from workbench.apps.tabs import compare, kv_whatif, run_view, runs, search
+from workbench.model import load_tokenizer
+from workbench.views.markup import WJ, defuse, md_plain, plotly_text
+from workbench.views.session import RunFrames
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LINK_ID = '<a href="http://x">y</a>'
+URL_ID = "run/../$$x^2$$ https://evil.example www.evil.example me@evil.example"
+NOTE = "see http://evil.example/n and $$\\int$$ or [click](javascript:alert(1))"
+# what plotly renders as markup: a tag (an escaped tag is &lt;a ...)
+TAG = re.compile(r"<\s*a\b|<[a-z]+\b[^<>]*\b(href|src|on\w+|style)\s*=", re.I)
+# what Gradio's Markdown turns into a link or math after escaping (bare URL, www., e-mail, $$)
+LIVE = re.compile(r"(https?|ftp)://|www\.|[A-Za-z0-9._+-]@|\$\$", re.I)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, one_thread):
+    db = tmp_path_factory.mktemp("leaks") / "wb.duckdb"
+    model, tok = tiny_model(vocab_size=4096), load_tokenizer()
+    a = workbench.record('x = "<a href=http://x>y</a>"\n', model=model, tokenizer=tok, max_new_tokens=3, db=db,
+                         run_id=LINK_ID)
+    b = workbench.record("see www.evil.example $$x$$\n", model=model, tokenizer=tok, max_new_tokens=3, db=db,
+                         run_id=URL_ID)
+    a.store.update_run(URL_ID, notes=NOTE)
+    return {"app": AppContext(a.store, model, tok), "a": a, "b": b, "store": a.store}
+
+
+def _strings(obj):
+    """Every string in a figure's JSON."""
+    if isinstance(obj, str):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _strings(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _strings(v)
+
+
+def _markup(fig) -> list[str]:
+    d = fig.to_plotly_json()
+    d["layout"].pop("template", None)
+    return [s for s in _strings(d) if TAG.search(s)]
+
+
+def test_helpers():
+    assert plotly_text(LINK_ID) == '&lt;a href="http://x"&gt;y&lt;/a&gt;'
+    plain = md_plain(URL_ID + " " + NOTE)
+    assert not LIVE.search(plain) and "<" not in plain, plain
+    assert "https://evil.example" in plain.replace(WJ, "") and "$$x^2$$" in plain.replace(WJ, "")
+    assert defuse("ftp://a HTTP://b WWW.c $$$") == f"ftp{WJ}://a HTTP{WJ}://b WWW{WJ}.c ${WJ}${WJ}$"
+    assert defuse("no link here: pos 3, 0.5 nats") == "no link here: pos 3, 0.5 nats"
+
+
+def test_run_ids_are_escaped_in_compare_and_diff_figures(env):
+    app = env["app"]
+    table, msg, *figs = compare.compare(app, LINK_ID, URL_ID)
+    assert all(f is not None for f in figs)
+    for f in [*figs, *diff_runs(env["store"], LINK_ID, URL_ID).figures().values()]:
+        assert not _markup(f), _markup(f)
+    names = [t.name for t in figs[0].data]
+    assert names == ['A &lt;a href="http://x"&gt;y&lt;/a&gt;', f"B {URL_ID}"]
+    assert not LIVE.search(msg) and "&lt;a href" in msg
+
+
+def test_every_run_figure_shows_stored_text_as_text(env):
+    for rid in (LINK_ID, URL_ID):
+        f = RunFrames(env["store"], rid)
+        pos = f.n_prompt_tokens
+        figs = [f.fig_tokens(), f.fig_topk(pos), f.fig_token_heads(pos), f.fig_head_entropy(), f.fig_entropy_along(),
+                f.fig_token_routing(pos), f.fig_expert_load(), f.fig_coactivation(), f.fig_load_along(),
+                f.fig_kv_bytes(), f.fig_kv_received(), f.fig_attribution(pos), f.fig_components(pos),
+                f.fig_expert_cache(), f.fig_code_view(), f.fig_kv_pareto()]
+        assert [s for fig in figs for s in _markup(fig)] == []
+    ticks = RunFrames(env["store"], LINK_ID).fig_tokens().layout.xaxis.ticktext
+    assert any("&lt;" in t for t in ticks) and not any("<" in t for t in ticks), ticks
+
+
+def test_markdown_messages_have_no_links_and_no_math(env):
+    app = env["app"]
+    s = app.session()
+    runs.refresh_runs(app, s, None)
+    page, head, *_ = run_view.load_run(app, s, URL_ID)
+    assert not LIVE.search(page) and not LIVE.search(head), (page, head)
+    assert "evil.example/n" in head.replace(WJ, "") and "\\[click\\]" in head  # the note, shown as text
+    note = run_view.reference_note(app, s, URL_ID, LINK_ID)
+    assert not LIVE.search(note)
+    _, msg = search.search_runs(app, "http://evil.example $$x$$", False)
+    assert not LIVE.search(msg) and "evil.example" in msg
+    msg, *_ = kv_whatif.kv_whatif_stored(app, s, URL_ID)
+    assert not LIVE.search(msg)
+    msg, *_ = compare.compare(app, "http://nope.example", URL_ID)[1:2]
+    assert not LIVE.search(msg) and "nope" in msg  # the failure quotes the id: as text
+
+
+def test_the_sql_console_caps_cells_and_result_size(env):
+    from workbench.apps.tabs import sql
+    from workbench.data import sqlsafe
+
+    t0 = time.monotonic()
+    rows, msg = sql.sql(env["app"], "SELECT repeat('x', 60000) AS s FROM range(1000)")
+    assert time.monotonic() - t0 < 20
+    assert rows.estimated_size() <= sqlsafe.UI_MAX_RESULT_BYTES and 0 < rows.height < 1000
+    assert rows["s"].str.len_chars().max() == sqlsafe.UI_MAX_CELL_CHARS + 1 and rows["s"][0].endswith("\u2026")
+    assert f"result cut to {rows.height} of 1000 rows (1 MB at most)" in msg
+    assert f"{rows.height} long text cells cut to {sqlsafe.UI_MAX_CELL_CHARS} characters" in msg
+    rows, msg = sql.sql(env["app"], "SELECT run_id FROM runs ORDER BY run_id")  # small results: nothing cut
+    assert rows["run_id"].to_list() == sorted([LINK_ID, URL_ID]) and "cut" not in msg
+    # the API without the caps returns the whole cells (and fails past RESULT_LIMIT_MB, as before)
+    r = sqlsafe.run_readonly(env["store"], "SELECT repeat('x', 3000) AS s FROM range(3)", timeout_s=30)
+    assert r.frame["s"].str.len_chars().to_list() == [3000] * 3 and r.note == ""
+
+
+def test_the_checkpoint_box_loads_only_folders_under_its_roots(env, tmp_path, monkeypatch):
+    from workbench.apps.tabs import record
+    from workbench.model import DEFAULT_CHECKPOINT
+
+    app = env["app"]
+    root, outside = tmp_path / "models", tmp_path / "elsewhere"
+    (root / "mine").mkdir(parents=True)
+    outside.mkdir()
+    (root / "escape").symlink_to(outside)
+    monkeypatch.setattr(record, "CHECKPOINT_ROOTS", [])
+    record.set_checkpoint_roots([root])
+    assert record.allowed_checkpoint(app, "") == ""  # the app's model
+    assert record.allowed_checkpoint(app, str(root / "mine")) == str((root / "mine").resolve())
+    assert record.allowed_checkpoint(app, str(DEFAULT_CHECKPOINT)) == str(DEFAULT_CHECKPOINT.resolve())
+    refused = [str(outside), str(root / "escape"), str(root / "mine" / ".." / ".." / "elsewhere"), "/etc",
+               str(root / "no-such-folder"), "/no/such/folder", "~root", "\x00"]
+    assert [record.allowed_checkpoint(app, p) for p in refused] == [None] * len(refused)
+
+    def status(path):
+        out = list(record.record_stream(app, "x = 1", 2, 0.0, 1.0, 0, path))
+        assert len(out) == 1 and out[0][0] == [] and out[0][2] == ""
+        return out[0][1].replace(md_plain(repr(path)), "PATH")
+
+    # one message, whether the folder exists (and is not allowed) or not: it reveals nothing but the input
+    messages = {status(p) for p in (str(outside), "/etc", str(root / "no-such-folder"), "/no/such/folder")}
+    assert len(messages) == 1 and next(iter(messages)).startswith("⚠️ Recording failed: checkpoint folder PATH")
+    assert app.recorder is None  # nothing was started
+    record.set_checkpoint_roots([])
+    assert record.allowed_checkpoint(app, str(root / "mine")) is None
