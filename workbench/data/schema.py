@@ -16,7 +16,7 @@ _OWN = (
     Table("runs", (
         c("created_at", "TIMESTAMP"),
         c("status", "VARCHAR", "running | complete | failed | interrupted"),
-        c("model", "VARCHAR", "checkpoint path or a module's class name"),
+        c("model", "VARCHAR", "absolute checkpoint folder, or a module's class name"),
         c("config", "VARCHAR", "the model's own config as JSON (ModelArgs, or a transformers config)"),
         c("checkpoint_sha256", "VARCHAR"),
         c("dtype", "VARCHAR"),
@@ -35,7 +35,11 @@ _OWN = (
         c("pid_start", "VARCHAR", "the recording process beyond its pid: <boot id>:<start ticks> (a reused pid differs)"),
         c("detection", "VARCHAR", "the detector settings (JSON) of the run's stored anomalies; NULL: never detected"),
         c("batch_id", "VARCHAR", "the prompt set recording (workbench.record_many) the run belongs to; NULL: none"),
-        c("batch_item", "VARCHAR", "the prompt's key within its batch (its id, else <index>:<text hash>)")),
+        c("batch_item", "VARCHAR", "the prompt's key within its batch (its id, else <index>:<text hash>)"),
+        c("tokenizer", "VARCHAR", "absolute path of the tokenizer.json the run encoded and decoded with; NULL: a "
+          "tokenizer object passed in, or the bundled demo's"),
+        c("weights_sha256", "VARCHAR", "SHA-256 of the weights in memory when the run was recorded (names, shapes, "
+          "dtypes, bytes): differs from a clean load's after an in-place edit or a weight fault")),
         primary_key="run_id"),
 )
 _DERIVED = (
@@ -87,7 +91,8 @@ DERIVED = ("anomalies", "attributions")
 # columns added at the end of a table since a database may have been created (same schema_version:
 # old queries keep working); applied, idempotently, on every open. New tables come from ddl() itself.
 ADDED_COLUMNS = [f"ALTER TABLE runs ADD COLUMN IF NOT EXISTS {name} VARCHAR"
-                 for name in ("summary", "notes", "pid_start", "detection", "batch_id", "batch_item")] + [
+                 for name in ("summary", "notes", "pid_start", "detection", "batch_id", "batch_item",
+                                  "tokenizer", "weights_sha256")] + [
     "ALTER TABLE attributions ADD COLUMN IF NOT EXISTS restored DOUBLE"]
 
 

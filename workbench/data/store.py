@@ -28,6 +28,7 @@ import functools
 import json
 import os
 import queue
+import re
 import threading
 import time
 from pathlib import Path
@@ -790,6 +791,8 @@ class TraceStore(Store):
 
         stamp = self._stamp()
         lit = lambda s: "'" + str(s).replace("'", "''") + "'"  # noqa: E731 - paths in table functions
+        # a folder's own name is never a pattern: * ? [ ] in it match only themselves (DuckDB globs every path)
+        esc = lambda p: re.sub(r"([*?\[\]])", r"[\1]", str(p))  # noqa: E731
         con.execute("CREATE SCHEMA IF NOT EXISTS _wb")
         con.execute(ddl().replace("CREATE TABLE IF NOT EXISTS ", "CREATE TABLE IF NOT EXISTS _wb."))
         types: dict[str, list[tuple[str, str]]] = {}
@@ -801,14 +804,14 @@ class TraceStore(Store):
         meta = self.path / "meta" / "data.parquet"
         if meta.exists():
             try:
-                row = con.execute(f"SELECT value FROM read_parquet({lit(meta)}) WHERE key = 'schema_version'").fetchone()
+                row = con.execute(f"SELECT value FROM read_parquet({lit(esc(meta))}) WHERE key = 'schema_version'").fetchone()
             except duckdb.Error as e:
                 raise StoreError(f"cannot read {meta}: {str(e).splitlines()[0]}") from None
             version = int(row[0]) if row else 0
             if version > SCHEMA_VERSION:
                 raise StoreError(f"{self.path} has schema_version {version}, newer than this workbench understands "
                                  f"({SCHEMA_VERSION}); upgrade moe-workbench to read it")
-            con.execute(f"CREATE OR REPLACE VIEW main.meta AS SELECT * FROM read_parquet({lit(meta)})")
+            con.execute(f"CREATE OR REPLACE VIEW main.meta AS SELECT * FROM read_parquet({lit(esc(meta))})")
         else:
             con.execute("INSERT INTO _wb.meta VALUES ('schema_version', ?) ON CONFLICT DO NOTHING", [str(SCHEMA_VERSION)])
             con.execute("CREATE OR REPLACE VIEW main.meta AS SELECT * FROM _wb.meta")
@@ -820,7 +823,7 @@ class TraceStore(Store):
             if "run_id" not in dict(cols) or not next(files.glob("*/*.parquet"), None):
                 con.execute(f"CREATE OR REPLACE VIEW main.{table} AS SELECT * FROM _wb.{table}")
                 continue
-            src = (f"read_parquet({lit(str(files) + '/*/*.parquet')}, hive_partitioning = true, union_by_name = true, "
+            src = (f"read_parquet({lit(esc(files) + '/*/*.parquet')}, hive_partitioning = true, union_by_name = true, "
                    "hive_types = {'run_id': VARCHAR})")
             try:
                 present = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}

@@ -17,6 +17,7 @@ value through ``_md`` (HTML-escaped, since Markdown passes HTML through; pipes a
 """
 from __future__ import annotations
 
+import hashlib
 import html
 import json
 import math
@@ -398,6 +399,16 @@ def render_md(rep: Report) -> str:
         kv_policy_columns=KV_POLICY_COLUMNS, code_columns=CODE_COLUMNS)
 
 
+def report_name(run_id: str, format: str = "html") -> str:
+    """A report's file name for ``run_id``: ``report_<id>.<format>`` with every character but letters, digits,
+    ``_``, ``.`` and ``-`` as ``_`` (a ``/``, ``..`` or a NUL in a run id makes no path), no leading dot, and a
+    long id shortened with a hash of the whole id (file names stay under 255 bytes, distinct ids distinct names)."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", str(run_id)).strip(".") or "_"
+    if len(safe) > 80 or safe != str(run_id):
+        safe = f"{safe[:80]}_{hashlib.sha256(str(run_id).encode()).hexdigest()[:10]}"
+    return f"report_{safe}.{format}"
+
+
 def write_report(run, out: str | Path | None = None, format: str = "html", *, explain: int = 3,
                  root_cause_kw: dict | None = None, explain_budget_s: float | None = EXPLAIN_BUDGET_S) -> Path:
     """Write ``run``'s anomaly report and return its path.
@@ -412,8 +423,7 @@ def write_report(run, out: str | Path | None = None, format: str = "html", *, ex
     """
     if format not in FORMATS:
         raise ValueError(f"unknown report format {format!r}; choose from {', '.join(FORMATS)}")
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run.run_id)
-    name = f"report_{safe}.{format}"
+    name = report_name(run.run_id, format)
     path = Path(out) if out is not None else Path.cwd() / name
     if path.is_dir():
         path = path / name
