@@ -26,7 +26,7 @@ from tqdm import tqdm
 from workbench.capture.adapters import Adapter, load_adapter
 from workbench.capture.adapters.base import Route
 from workbench.capture.probes import PROBE_CLASSES, Probe, StepInfo
-from workbench.capture.resolve import tokenizer_for
+from workbench.capture.resolve import check_folder, tokenizer_for, tokenizer_path
 from workbench.capture.settings import RecordSettings, check_generation
 from workbench.data.schema import columns
 from workbench.data.signals import PROBES, RECORDED_SEAMS
@@ -102,7 +102,7 @@ def model_identity(model, adapter: Adapter, dtype_changed: bool) -> tuple[str, s
     (a folder given, or a module loaded from a folder and not cast), else the in-memory weights' hash."""
     folder = adapter.checkpoint_path
     if folder and Path(folder).is_dir() and (isinstance(model, (str, Path)) or not dtype_changed):
-        return str(folder), file_sha256(folder)
+        return os.path.abspath(folder), file_sha256(folder)  # absolute: a replay from another folder finds it
     return str(folder or type(adapter.module).__name__), _state_sha(adapter)
 
 
@@ -115,6 +115,14 @@ def _state_sha(adapter: Adapter) -> str:
         cached = (key, state_sha256(module))
         module._workbench_sha = cached  # type: ignore[attr-defined]
     return cached[1]
+
+
+def _weights_sha(adapter: Adapter) -> str | None:
+    """``runs.weights_sha256``: the in-memory weights' hash (``_state_sha``); None when some are offloaded (an
+    accelerate device map's meta tensors hold no data here: hashing them would mean loading them all)."""
+    if any(v.device.type == "meta" for v in adapter.module.state_dict().values()):
+        return None
+    return _state_sha(adapter)
 
 
 def _config_json(adapter: Adapter) -> str:
@@ -166,13 +174,14 @@ def _encode(prompt, adapter: Adapter, tokenizer, max_new_tokens: int) -> list[in
     return ids
 
 
-def _insert_run(store: Store, run_id: str, adapter: Adapter, label: str, sha: str, prompt, ids: list[int], tokenizer,
+def _insert_run(store: Store, run_id: str, adapter: Adapter, source: dict, prompt, ids: list[int], tokenizer,
                 params: dict, seed: int, parent_run_id: str | None, run_fields: dict | None) -> None:
-    """The run's first ``runs`` row (status ``running``), with the neutral model summary."""
+    """The run's first ``runs`` row (status ``running``), with the neutral model summary and ``source``
+    (``_open``'s provenance: model, checkpoint_sha256, tokenizer, weights_sha256)."""
     summary = adapter.summary
     store.append({"runs": pl.DataFrame({
         "run_id": [run_id], "created_at": [datetime.now(timezone.utc).replace(tzinfo=None)], "status": ["running"],
-        "model": [label], "config": [_config_json(adapter)], "checkpoint_sha256": [sha],
+        "config": [_config_json(adapter)], **{k: [v] for k, v in source.items()},
         "dtype": [str(adapter.dtype).removeprefix("torch.")], "device": [str(adapter.device)],
         "prompt": [prompt if isinstance(prompt, str) else tokenizer.decode(ids)], "params": [json.dumps(params)],
         "seed": [seed], "parent_run_id": [parent_run_id], "n_prompt_tokens": [len(ids)], "n_tokens": [len(ids)],
@@ -235,16 +244,24 @@ class _Recording:
         self.writer.then(update)
 
 
-def _open(model, tokenizer, db, settings: RecordSettings, device_map=None):
-    """(store, adapter, tokenizer, model label, model sha256) of a recording."""
+def _open(model, tokenizer, db, settings: RecordSettings, device_map=None, text: bool = True):
+    """(store, adapter, tokenizer, provenance) of a recording: a model folder's config and tokenizer are checked
+    before its weights are read and before the store is opened (``resolve.check_folder``); the provenance is
+    the ``runs`` columns model (absolute folder, or class name), checkpoint_sha256, tokenizer (its file) and
+    weights_sha256 (the weights in memory now, as they will run: an in-place edit or a weight fault shows)."""
+    tok_file = tokenizer_path(model if isinstance(model, (str, Path)) else None, tokenizer)
+    tokenizer = check_folder(model, tokenizer, settings.dtype, device_map, text)
     # a Store, or a stand-in with its append / update_run / replace_rows (workbench.capture.background's relay)
     store = Store(db) if db is None or isinstance(db, (str, Path)) else db
     adapter = load_adapter(model, DTYPES[settings.dtype], backend=settings.backend, device_map=device_map)
+    if tok_file is None and tokenizer is None:
+        tok_file = tokenizer_path(adapter)
     tokenizer = tokenizer_for(adapter, tokenizer)
     label, sha = model_identity(model, adapter, dtype_changed=settings.dtype is not None)
     for note in adapter.summary.notes:
         warnings.warn(f"recording {label}: {note}", stacklevel=4)
-    return store, adapter, tokenizer, label, sha
+    source = {"model": label, "checkpoint_sha256": sha, "tokenizer": tok_file, "weights_sha256": _weights_sha(adapter)}
+    return store, adapter, tokenizer, source
 
 
 def record_run(prompt: str | list[int], settings: RecordSettings | None = None, *, model=None, tokenizer=None,
@@ -260,7 +277,8 @@ def record_run(prompt: str | list[int], settings: RecordSettings | None = None, 
     ``after_run``: run on the stored run once it is recorded (``run_after``; e.g. the anomaly detectors)."""
     settings = RecordSettings.of(settings, **setting_kw)
     probes = _check_request(prompt, settings, run_fields)
-    store, adapter, tokenizer, label, sha = _open(model, tokenizer, db, settings, settings.device_map)
+    store, adapter, tokenizer, source = _open(model, tokenizer, db, settings, settings.device_map,
+                                              text=isinstance(prompt, str))
     ids = _encode(prompt, adapter, tokenizer, settings.max_new_tokens)
     run_id = run_id or new_run_id()
     bar = None
@@ -268,7 +286,7 @@ def record_run(prompt: str | list[int], settings: RecordSettings | None = None, 
         bar = tqdm(total=settings.max_new_tokens, desc=f"record {run_id}", unit="tok", file=sys.stderr)
     run = _Recording(run_id, adapter, probes, ids, tokenizer, settings.max_new_tokens, eos_of(tokenizer, adapter),
                      settings.topk, on_token, bar)  # the probes are made before the run row exists
-    _insert_run(store, run_id, adapter, label, sha, prompt, ids, tokenizer,
+    _insert_run(store, run_id, adapter, source, prompt, ids, tokenizer,
                 settings.params(ids, adapter.summary.backend), settings.seed, parent_run_id, run_fields)
     run.writer = writer = Writer(store)
     try:
@@ -404,7 +422,8 @@ def record_batch(prompts: list, settings: list[RecordSettings], *, model=None, t
             errors[b] = f"ValueError: {e}"
     if first.dtype not in DTYPES:  # no model can load in it: the rows' common error, raised
         first.check()
-    store, adapter, tokenizer, label, sha = _open(model, tokenizer, db, first)
+    store, adapter, tokenizer, source = _open(model, tokenizer, db, first,
+                                              text=any(isinstance(p, str) for p in prompts))
     if not adapter.supports_batch:
         raise ValueError(f"{type(adapter).__name__} records one prompt at a time (no batched generation)")
     probes = first.probe_names
@@ -429,7 +448,7 @@ def record_batch(prompts: list, settings: list[RecordSettings], *, model=None, t
     open_runs: set[int] = set()  # rows with a run row and no final status yet
     with _finishing(lambda: [runs[r] for r in sorted(open_runs)], store, writer):
         for r, b in enumerate(live):
-            _insert_run(store, run_ids[b], adapter, label, sha, prompts[b], ids[b], tokenizer,
+            _insert_run(store, run_ids[b], adapter, source, prompts[b], ids[b], tokenizer,
                         settings[b].params(ids[b], adapter.summary.backend), settings[b].seed, None, run_fields[b])
             open_runs.add(r)
         with adapter.seams(fan_out(listening)):

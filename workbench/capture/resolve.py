@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from workbench.capture.adapters import Adapter, adapter_for, load_adapter
+from workbench.capture.preflight import check_config, check_no_remote_code, check_vocab, config_vocab
 from workbench.model import file_sha256, load_tokenizer
 
 
@@ -49,6 +50,51 @@ def tokenizer_for(model=None, tokenizer=None):
     return load_tokenizer(None)
 
 
+def check_folder(model, tokenizer=None, dtype: str | None = None, device_map=None, text: bool = True):
+    """Before a weight is read: a model folder's config.json (types, ranges, size against the memory here,
+    ``preflight.check_config``), its tokenizer (the one given, else the folder's: a folder without one is an
+    error), and, when ``text`` is to be encoded, the tokenizer's vocabulary within the model's. Returns the
+    tokenizer (loaded) for a folder; anything else (None, a module, an adapter) is returned as it came."""
+    if model is None or not isinstance(model, (str, Path)):
+        return tokenizer
+    cfg = check_config(model, dtype, device_map)
+    check_no_remote_code(model, cfg)
+    tok = tokenizer_for(model, tokenizer)
+    if text:
+        check_vocab(tok, config_vocab(cfg), f"the model in {model}")
+    return tok
+
+
+def tokenizer_path(model=None, tokenizer=None) -> str | None:
+    """The absolute path of the tokenizer.json ``tokenizer_for(model, tokenizer)`` reads; None for a tokenizer
+    object or the bundled demo's fallback (provenance: ``runs.tokenizer``)."""
+    if tokenizer is not None:
+        return str(Path(tokenizer).absolute()) if isinstance(tokenizer, (str, Path)) else None
+    live = model is not None and not isinstance(model, (str, Path))
+    folder = adapter_for(model).checkpoint_path if live else model
+    if folder and (Path(folder) / "tokenizer.json").is_file():
+        return str((Path(folder) / "tokenizer.json").absolute())
+    return None
+
+
+def run_tokenizer(info: dict, model=None, tokenizer=None):
+    """The tokenizer to re-run or read a stored run with: ``tokenizer`` if given; else the tokenizer.json the run
+    was recorded with (``runs.tokenizer``) when it is still there; else ``tokenizer_for`` of ``model`` (an
+    override folder) or of the run's model folder. A recorded tokenizer that is gone is named in the error."""
+    if tokenizer is not None:
+        return tokenizer_for(None, tokenizer)
+    stored = info.get("tokenizer")
+    if stored and Path(stored).is_file():
+        return load_tokenizer(stored)
+    try:
+        return tokenizer_for(model if model is not None else (info.get("model") or None))
+    except FileNotFoundError:
+        if stored:
+            raise FileNotFoundError(f"run {info['run_id']} was recorded with the tokenizer {stored}, which is not "
+                                    "there: pass --tokenizer PATH (Python: tokenizer=PATH)") from None
+        raise
+
+
 def run_dtype(info: dict) -> torch.dtype:
     dtype = getattr(torch, info.get("dtype") or "float32", None)
     if not isinstance(dtype, torch.dtype):
@@ -77,9 +123,13 @@ def load_for_run(info: dict, model=None, verify: bool = True) -> Adapter:
         if not (path / "config.json").exists():
             if model is not None:
                 raise FileNotFoundError(f"{path} is not a checkpoint folder (no config.json)")
-            raise ValueError(f"run {rid} was recorded from {info.get('model')!r}, which is not a checkpoint folder here "
-                             "(an in-memory module, or a folder on another machine); pass model=<module or "
-                             "checkpoint folder> to re-run it")
+            label = info.get("model") or "an unnamed model"
+            what = (f"not a checkpoint folder here: looked for {Path(label).absolute() / 'config.json'}"
+                    if Path(label).is_absolute() or "/" in label or Path(label).exists()
+                    else "an in-memory module, not a checkpoint folder")
+            raise ValueError(f"run {rid} was recorded from {label} ({what}); pass its checkpoint folder with "
+                             "--model FOLDER (in Python: model=FOLDER, or the module itself)")
+        check_config(path, info.get("dtype"))
         if verify:
             have = file_sha256(path)
             if have != want:

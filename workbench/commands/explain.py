@@ -1,5 +1,8 @@
 """workbench explain RUN_ID POS: root cause of one token (source tokens by IG, heads and experts by ablation and
-against the baseline profile; with --reference, every component kind by activation patching)."""
+against the baseline profile; with --reference, every component kind by activation patching).
+
+``--model FOLDER`` and ``--tokenizer PATH`` (read with ``getattr``: declared in workbench/cli.py) replace the
+run's recorded model folder (its weights must hash to the recorded ones) and tokenizer."""
 from __future__ import annotations
 
 import json
@@ -10,7 +13,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from workbench.analysis.rootcause import ig_check
-from workbench.run import Workbench
+from workbench.capture.resolve import load_for_run, run_tokenizer
+from workbench.run import Run, Workbench
 
 
 def _num(v):
@@ -20,6 +24,10 @@ def _num(v):
 def main(args) -> int:
 
     run = Workbench(args.db).run(args.run_id)
+    model, tok = getattr(args, "model", None), getattr(args, "tokenizer", None)
+    if model is not None or tok is not None:  # overrides of the recorded model folder / tokenizer
+        run = Run(run.store, run.run_id, model=load_for_run(run.info, model) if model is not None else None,
+                  tokenizer=run_tokenizer(run.info, model, tok))
     kw = {"method": args.method} if getattr(args, "method", None) else {}
     df = run.root_cause(args.pos, steps=args.steps, mode=args.mode, reference=args.reference, **kw)
     tokens = run.tokens()

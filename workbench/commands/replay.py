@@ -1,15 +1,24 @@
-"""workbench replay: re-run a recorded run and compare tokens and signals; exit 1 if they differ."""
+"""workbench replay: re-run a recorded run and compare tokens and signals; exit 1 if they differ.
+
+``--model FOLDER`` and ``--tokenizer PATH`` (read with ``getattr``: declared in workbench/cli.py) replace the
+run's recorded model folder and tokenizer."""
 from __future__ import annotations
 
 import json
 
 from workbench.analysis.replay import replay_run
+from workbench.capture.resolve import run_tokenizer
+from workbench.data import query
 from workbench.data.store import Store
 
 
 def main(args) -> int:
-
-    res = replay_run(Store(args.db), args.run_id, progress=True)
+    """``--model FOLDER`` / ``--tokenizer PATH`` override the run's recorded model folder and tokenizer (the
+    weights must still hash to the recorded ones); without them, the recorded absolute paths are used."""
+    store = Store(args.db)
+    model, tok = getattr(args, "model", None), getattr(args, "tokenizer", None)
+    tokenizer = run_tokenizer(query.run_row(store, args.run_id), model, tok)
+    res = replay_run(store, args.run_id, model=model, tokenizer=tokenizer, progress=True)
     if args.json:
         print(json.dumps(res, default=str))
     else:

@@ -15,11 +15,16 @@ finished; absent means one was cut short (its files are whole but may mix it wit
 and re-running the export completes it. ``_SUCCESS`` is JSON: the run ids of that export, the files
 written and the schema version. The ``runs`` partitions are written last, so a run's ``runs`` row is
 exported only after its signal tables. Temporary files left by a killed export are removed by the next.
+
+Nothing else is touched: an export writes only ``<table>/run_id=<id>/data.parquet``, ``meta/data.parquet``
+and ``_SUCCESS``, removes only temporary files of exactly its own name pattern in those folders, and refuses a
+folder whose ``_SUCCESS`` is not its own (another tool's marker), so a user's files beside it stay.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import quote
@@ -42,17 +47,39 @@ def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
+_STRAY = re.compile(r"\.(data\.parquet|_SUCCESS)\.\d+\.tmp")
+
+
 def _is_stray(f: Path) -> bool:
-    """A temporary file of an export that did not finish: ours, or DuckDB's own ``tmp_<name>``."""
-    n = f.name
-    return (n.startswith(".") and n.endswith(".tmp")) or (n.startswith("tmp_") and n.endswith(".parquet"))
+    """A temporary file of an export that did not finish: exactly the name ``_tmp_name`` gives (DuckDB writes
+    none of its own: ``USE_TMP_FILE false``). A user's ``.notes.tmp`` or ``tmp_x.parquet`` is not one."""
+    return _STRAY.fullmatch(f.name) is not None
 
 
 def _remove_strays(out: Path) -> None:
-    for pattern in ("*/*/*", "meta/*", "*"):
-        for f in out.glob(pattern):
-            if f.is_file() and _is_stray(f):
+    """Remove the temporary files of a killed export, and only where an export writes: ``<table>/run_id=*/``,
+    ``meta/`` and the folder itself (``_SUCCESS``'s). Nothing else in the folder is touched."""
+    folders = [out, out / "meta"] + [d for t in TABLES if (out / t).is_dir()
+                                     for d in (out / t).glob("run_id=*") if d.is_dir()]
+    for folder in folders:
+        for f in folder.glob(".*.tmp"):  # a literal folder (Path.glob escapes it): only its own entries
+            if f.is_file() and not f.is_symlink() and _is_stray(f):
                 f.unlink(missing_ok=True)
+
+
+def _check_marker(marker: Path) -> None:
+    """A ``_SUCCESS`` that is not an export's own (JSON with ``files`` and ``schema_version``) belongs to
+    someone else (a Spark / Hadoop job, a user): refused, in one line, before anything is written."""
+    if not marker.exists() and not marker.is_symlink():
+        return
+    try:
+        ours = marker.is_file() and not marker.is_symlink() and {"files", "schema_version"} <= set(
+            json.loads(marker.read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError, ValueError, TypeError):
+        ours = False
+    if not ours:
+        raise ValueError(f"{marker} exists and is not a workbench export marker: export into a new (or empty) "
+                         "folder; nothing was written")
 
 
 def _copy(cur, select: str, path: Path) -> None:
@@ -81,8 +108,9 @@ def export_parquet(store: Store, out_dir: str | Path, run_id: str | None = None)
         run_ids = [run_id]
     else:
         run_ids = store.sql("SELECT run_id FROM runs ORDER BY created_at, run_id")["run_id"].to_list()
-    out.mkdir(parents=True, exist_ok=True)
     marker = out / MARKER
+    _check_marker(marker)
+    out.mkdir(parents=True, exist_ok=True)
     marker.unlink(missing_ok=True)  # from here until the end, the folder is not a finished export
     _remove_strays(out)
     written: list[Path] = []

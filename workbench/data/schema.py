@@ -39,7 +39,7 @@ _OWN = (
         c("tokenizer", "VARCHAR", "absolute path of the tokenizer.json the run encoded and decoded with; NULL: a "
           "tokenizer object passed in, or the bundled demo's"),
         c("weights_sha256", "VARCHAR", "SHA-256 of the weights in memory when the run was recorded (names, shapes, "
-          "dtypes, bytes): differs from a clean load's after an in-place edit or a weight fault")),
+          "dtypes, bytes): differs from a clean load's after an in-place edit or a weight fault; NULL: offloaded")),
         primary_key="run_id"),
 )
 _DERIVED = (

@@ -36,6 +36,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
+from workbench.capture.preflight import check_config, check_no_remote_code
 from workbench.model import state_sha256
 from workbench.model.generate import check_prompt, decode
 
@@ -484,20 +485,48 @@ def load_hf(folder: str | Path, dtype: torch.dtype | None = None, device: str = 
     accelerate, for a model larger than one device; inputs then go to the embedding's device and transformers'
     dispatch hooks move activations between devices."""
     from transformers import AutoModelForCausalLM  # lazy: transformers is optional; only its folders get here
+    from transformers.utils import logging as hf_logging  # lazy: as above
 
     folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder} is not a model folder (no config.json)")
+    cfg = check_config(folder, str(dtype).removeprefix("torch.") if dtype is not None else None, device_map)
+    check_no_remote_code(folder, cfg)
     try:
-        # use_safetensors: a folder holding only pickled *.bin weights is refused, never unpickled
-        with warnings.catch_warnings():
+        # use_safetensors: a folder holding only pickled *.bin weights is refused, never unpickled;
+        # trust_remote_code=False: a folder's own Python is never run, and transformers never asks
+        with warnings.catch_warnings(), _quiet(hf_logging):  # missing weights are told in one line below
             warnings.simplefilter("ignore")
-            hf = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, attn_implementation="eager",
-                                                      dtype=dtype or torch.float32, use_safetensors=True,
-                                                      **_placement(device_map))
+            hf, info = AutoModelForCausalLM.from_pretrained(
+                str(folder), local_files_only=True, attn_implementation="eager", dtype=dtype or torch.float32,
+                use_safetensors=True, trust_remote_code=False, output_loading_info=True, **_placement(device_map))
     except ImportError as e:
         raise ValueError(f"device_map needs accelerate (pip install 'moe-workbench[devicemap]'): {e}") from None
     except Exception as e:  # noqa: BLE001 - transformers and safetensors raise many types; one line for all
         raise ValueError(f"cannot load {folder} with transformers: {type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0]}") from None
+    check_loaded(folder, hf, info)
     return HFAdapter(hf if device_map is not None else hf.to(device), folder, attn_chunk)
+
+
+@contextlib.contextmanager
+def _quiet(hf_logging) -> Iterator[None]:
+    """transformers' own loading report (a table of missing keys on stderr) off while a folder loads."""
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(before)
+
+
+def check_loaded(folder: Path, hf: nn.Module, info: dict) -> None:
+    """Weights the model has but the folder's safetensors do not (transformers would leave them random and only
+    warn) or tensors whose shape does not fit: refused, in one line."""
+    missing = sorted(info.get("missing_keys") or [])
+    mismatched = [m if isinstance(m, str) else m[0] for m in (info.get("mismatched_keys") or [])]
+    if missing or mismatched:
+        n = len(hf.state_dict())
+        what = (f"{len(missing)} of the model's {n} weights are not in its safetensors (e.g. {missing[:3]})"
+                if missing else f"{len(mismatched)} weights have another shape than the config's (e.g. "
+                f"{mismatched[:3]})")
+        raise ValueError(f"{folder}: {what}; they would run with random values. Is the folder complete, and "
+                         "saved for this model_type?")
