@@ -39,6 +39,7 @@ from workbench.apps.shared import (  # noqa: F401 - re-exported: the app's helpe
     error_text,
     fail,
     md_text,
+    readable_errors,
     strip_value,
 )
 from workbench.apps.tabs import (
@@ -149,6 +150,8 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
         api_run = gr.Textbox(visible=False)
         api_tokens = gr.Dataframe(visible=False)
         api_run.submit(partial(read_tokens, app), api_run, api_tokens, api_name="tokens", **READ)
+    for block_fn in blocks.fns.values():  # a failed database read: its message, not a bare "Error" badge
+        block_fn.fn = readable_errors(block_fn.fn)
     return blocks
 
 

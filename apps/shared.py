@@ -8,17 +8,20 @@ untrusted: it reaches the page only through components that render text (Highlig
 """
 from __future__ import annotations
 
+import functools
 import html
+import inspect
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import duckdb
 import gradio as gr
 import polars as pl
 
 from workbench.capture.resolve import tokenizer_for
 from workbench.data import query
-from workbench.data.store import Store
+from workbench.data.store import Store, StoreError
 from workbench.model import state_sha256
 from workbench.run import Run
 from workbench.views.session import RunFrames, Session
@@ -81,6 +84,27 @@ def fail(where: str, e: BaseException) -> str:
     if isinstance(e, ImportError):
         return f"⚠️ {where} is not available in this installation yet ({md_text(e)})."
     return f"⚠️ {where} failed: {md_text(type(e).__name__)}: {md_text(first)}"
+
+
+def readable_errors(fn):
+    """``fn`` (a plain, synchronous event handler) raising a database failure (``StoreError``, e.g. a full disk
+    that closed the connection, which reopens at the next action; or a DuckDB error) as ``gr.Error`` with its
+    one-line message, escaped, instead of Gradio's bare "Error" badge. Generators and coroutines are returned
+    as they are."""
+    if (not callable(fn) or inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)
+            or inspect.iscoroutinefunction(fn) or getattr(fn, "_readable_errors", False)):
+        return fn
+
+    @functools.wraps(fn)
+    def handler(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (StoreError, duckdb.Error) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise gr.Error(error_text(f"the database failed: {first}")) from None
+
+    handler._readable_errors = True  # type: ignore[attr-defined]
+    return handler
 
 
 def empty_table(columns: list[str]) -> pl.DataFrame:

@@ -47,7 +47,8 @@ def test_bad_prompts_are_value_errors(tmp_path, checkpoint):
         workbench.record("hello " * 100, model=checkpoint, max_new_tokens=200, db=db)  # tiny context is 256
     with pytest.raises(ValueError, match="unknown probes"):
         workbench.record([1, 2], model=tiny(), probes=["tokens", "vibes"], db=db)
-    assert workbench.open(db).runs().height == 0 or workbench.open(db).runs()["status"].to_list() != ["complete"]
+    wb = workbench.open(db, create=True)
+    assert wb.runs().height == 0 or wb.runs()["status"].to_list() != ["complete"]
 
 
 def test_record_from_checkpoint_folder(tmp_path, checkpoint):
@@ -188,7 +189,7 @@ def test_cli_refuses_bad_generation_settings_with_exit_code_2(tmp_path, capsys):
         assert cli.main(["record", "--prompt", "x = 1", *bad, "--db", db]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("workbench record: error:"), err
-    assert workbench.open(db).runs().height == 0
+    assert workbench.open(db, create=True).runs().height == 0
 
 
 def test_a_truncated_checkpoint_is_a_one_line_error(tmp_path, capsys):

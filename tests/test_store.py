@@ -122,7 +122,7 @@ def test_foreign_duckdb_is_refused(tmp_path):
 
 
 def test_unknown_run_is_run_not_found(tmp_path):
-    wb = workbench.open(tmp_path / "w.duckdb")
+    wb = workbench.open(tmp_path / "w.duckdb", create=True)
     with pytest.raises(RunNotFound, match="no run 'nope'"):
         wb.run("nope")
     with pytest.raises(RunNotFound):

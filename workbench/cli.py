@@ -8,9 +8,17 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
+
+import duckdb
 
 from workbench.data.query import RunNotFound
-from workbench.data.store import StoreError
+from workbench.data.store import StoreError, default_db
+
+# commands that read a database someone recorded before: a --db that does not exist is a typo, refused before
+# anything is created (record, demo, import, profile and ui make a new one; ui records from its Record tab)
+READS_DB = ("search", "runs", "explain", "anomalies", "findings", "replay", "diff", "report", "kv-whatif",
+            "expert-cache", "export")
 
 
 def _db(p: argparse.ArgumentParser) -> None:
@@ -190,8 +198,71 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+class _Stop(Exception):
+    """An error of the lenient first pass of ``parse_args``."""
+
+
+class _Lenient(argparse.ArgumentParser):
+    def error(self, message):  # noqa: D401 - argparse's hook
+        raise _Stop(message)
+
+
+def _relax(ap: argparse.ArgumentParser) -> None:
+    """Nothing of ``ap`` (or its subcommands) required, typed or limited to choices: what is left over is only
+    what no parser knows."""
+    for action in ap._actions:  # noqa: SLF001 - argparse has no public walk
+        action.required = False
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            for sub in action.choices.values():
+                _relax(sub)
+        else:
+            action.type, action.choices = None, None
+    for group in ap._mutually_exclusive_groups:  # noqa: SLF001
+        group.required = False
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line. An unknown flag is named (argparse's "unrecognized arguments: --promt", exit 2)
+    even where a required option is missing too: argparse checks required options first, so ``record --promt x``
+    said "one of the arguments --prompt ... is required". A lenient pass (nothing required) finds what no parser
+    takes; the real pass then reports everything else as argparse does."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    lenient = build_parser()
+    for ap in [lenient] + [sub for a in lenient._actions if isinstance(a, argparse._SubParsersAction)  # noqa: SLF001
+                            for sub in a.choices.values()]:
+        ap.__class__ = _Lenient
+    _relax(lenient)
+    real = build_parser()
+    if "-h" in argv or "--help" in argv:
+        return real.parse_args(argv)
+    try:
+        args, extra = lenient.parse_known_args(argv)
+    except _Stop:
+        return real.parse_args(argv)  # its own error (an invalid choice, a bad number, ...)
+    if extra:
+        sub = {a.dest: a for a in real._actions}.get("command")  # noqa: SLF001
+        target = sub.choices.get(getattr(args, "command", None)) if sub is not None else None
+        (target or real).error(f"unrecognized arguments: {' '.join(extra)}")
+    return real.parse_args(argv)
+
+
+def _missing_db(args: argparse.Namespace) -> str | None:
+    """For a command that reads a database: a one-line error when its --db does not exist (nothing is created)."""
+    if args.command not in READS_DB:
+        return None
+    db = Path(args.db) if getattr(args, "db", None) else default_db()
+    if db.exists():
+        return None
+    return (f"no database at {db} (nothing was created); record a run first (`workbench record`, `workbench demo "
+            f"--no-ui`) or give --db an existing file or shard folder")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
+    missing = _missing_db(args)
+    if missing:
+        print(f"workbench {args.command}: error: {missing}", file=sys.stderr)
+        return 2
 
     name = {"import": "import_traces"}.get(args.command, args.command.replace('-', '_'))  # kv-whatif: kv_whatif.py
     mod = importlib.import_module(f"workbench.commands.{name}")
@@ -200,9 +271,17 @@ def main(argv: list[str] | None = None) -> int:
     except (RunNotFound, StoreError, ValueError, FileNotFoundError) as e:
         print(f"workbench {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except duckdb.Error as e:  # a database that fails mid-command (a truncated file read past its end, ...)
+        db = getattr(args, "db", None) or default_db()
+        print(f"workbench {args.command}: error: {db}: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"workbench {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split("\n", 1)[0].split()) or type(e).__name__
 
 
 if __name__ == "__main__":

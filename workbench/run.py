@@ -24,7 +24,7 @@ from workbench.capture.settings import RecordSettings
 from workbench.data import query
 from workbench.data.signals import PROBES, TABLES
 from workbench.data.sqlsafe import readonly_sql
-from workbench.data.store import Store
+from workbench.data.store import Store, default_db
 from workbench.data.summary import ModelSummary
 from workbench.views import figures
 from workbench.views.figures import precision_figure
@@ -433,7 +433,15 @@ def record_many(prompts, *, ray: str | bool | None = None, workers: int = 1, **k
     return out
 
 
-def open(db: str | Path | None = None) -> Workbench:  # noqa: A001 - the documented name
-    """Open (or create) a workbench database; a folder of Parquet shards (``workbench export``, ``workbench
-    record --prompts ... --out DIR``) opens read-only (``workbench.data.store.TraceStore``)."""
+def open(db: str | Path | Store | None = None, create: bool = False) -> Workbench:  # noqa: A001 - the documented name
+    """Open a workbench database (default ``$WORKBENCH_DB`` or ``data/workbench.duckdb``); a folder of Parquet
+    shards (``workbench export``, ``workbench record --prompts ... --out DIR``) opens read-only
+    (``workbench.data.store.TraceStore``). A path that does not exist is a FileNotFoundError naming it, and
+    nothing is created (a typo makes no empty database and no folders); ``create=True`` makes a new database
+    there (at its first query)."""
+    if not isinstance(db, Store) and not create:
+        path = Path(db) if db else default_db()
+        if not path.exists():
+            raise FileNotFoundError(f"no workbench database at {path} (nothing was created); "
+                                    "workbench.open(path, create=True) makes a new one")
     return Workbench(db)

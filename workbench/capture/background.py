@@ -33,7 +33,7 @@ import torch
 
 from workbench.capture.recorder import record_run
 from workbench.capture.settings import RecordSettings
-from workbench.data.store import FINAL_STATUSES, Store
+from workbench.data.store import FINAL_STATUSES, Store, StoreError
 
 START_TIMEOUT_S = 120.0  # for the worker to import torch and connect back
 
@@ -231,7 +231,10 @@ class RecordingProcess:
                 if kind == "done" and write_error is not None:
                     # a write that failed after the final status (after_run's rows) is this run's error, never the
                     # next run's
-                    payload = payload or RuntimeError(f"storing the run's rows failed: {write_error}")
+                    # a StoreError says itself what happened and whether the run is saved (a full disk: the store
+                    # dropped its connection, which reopens at the next write)
+                    payload = payload or (write_error if isinstance(write_error, StoreError)
+                                          else RuntimeError(f"storing the run's rows failed: {write_error}"))
                     write_error = None
                 with self._lock:
                     q = self._waiting.pop(rid, None) if kind == "done" else self._waiting.get(rid)

@@ -12,6 +12,7 @@ from pathlib import Path
 import polars as pl
 
 from workbench.apps.app import launch
+from workbench.commands.ui import check_port
 from workbench.model import file_sha256, load_checkpoint
 from workbench.run import Workbench, record
 
@@ -44,6 +45,8 @@ def main(args) -> int:
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.no_ui:
+        check_port(args.host, args.port)  # before minutes of recording, not after
     wb = Workbench(args.db)
     model = load_checkpoint()  # the bundled demo model; FileNotFoundError (one line) if it is missing
     sha = file_sha256(model.checkpoint_path)

@@ -49,6 +49,34 @@ class StoreError(RuntimeError):
     """A database that cannot be used: corrupt, locked by another process, or from a newer version."""
 
 
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def is_fatal(e: BaseException) -> bool:
+    """Whether a DuckDB error invalidated its database (a failed checkpoint on a full disk, an internal error):
+    every later query of that connection fails ("database has been invalidated") until it is closed and opened
+    again."""
+    return (isinstance(e, (duckdb.FatalException, duckdb.InternalException))
+            or (isinstance(e, duckdb.Error) and "database has been invalidated" in str(e)))
+
+
+def _write_failed(e: BaseException) -> bool:
+    """Whether a DuckDB error is the file system refusing a write (a full disk, a file size limit)."""
+    return "could not write" in str(e).lower() or isinstance(e, duckdb.IOException) and "write" in str(e).lower()
+
+
+def schema_version(path, raw) -> int:
+    """The ``meta`` table's schema version as a number; StoreError naming ``path`` when it is not one."""
+    if raw is None:
+        return 0
+    try:
+        return int(str(raw).strip())
+    except ValueError:
+        raise StoreError(f"{path} has schema_version {str(raw)[:40]!r}, not a number: not a workbench database "
+                         "this version can read") from None
+
+
 def key_filter(table: str, keys: dict[str, Any]) -> tuple[str, list]:
     """(WHERE clause, parameters) matching ``keys`` (``{column: value or collection of values}``) in ``table``:
     the clause holds only the schema's own table and column names and ``?`` marks; a ValueError names an
@@ -198,6 +226,18 @@ class _Shared:
                 self.con.close()
                 self.con = None
 
+    def reset(self) -> None:
+        """Drop the connection whatever uses it (it is invalidated: every cursor of it fails anyway); the next
+        ``acquire`` opens the file again, which replays its WAL."""
+        with self.lock:
+            con, self.con = self.con, None
+            self.checked = False
+        if con is not None:
+            try:
+                con.close()
+            except duckdb.Error:
+                pass
+
 
 class _Lease:
     """A cursor on the shared connection; ``close()`` gives the connection back."""
@@ -213,6 +253,8 @@ class _Lease:
             self._open = False
             try:
                 self._cur.close()
+            except duckdb.Error:  # its connection was invalidated and dropped (Store._broken)
+                pass
             finally:
                 self._shared.release()
 
@@ -258,6 +300,9 @@ class Store:
                 return con
             except duckdb.IOException as e:
                 msg = str(e)
+                if _write_failed(e):
+                    raise StoreError(f"cannot open {self.path}: writing its WAL into it failed "
+                                     f"({msg.splitlines()[0]}); free disk space and try again") from None
                 if "lock" not in msg.lower():
                     raise StoreError(f"cannot open {self.path}: not a readable DuckDB database "
                                      f"({msg.splitlines()[0]})") from None
@@ -321,7 +366,11 @@ class Store:
                                                   "WHERE table_schema = 'main'").fetchall()}
             if "meta" in existing:
                 row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-                version = int(row[0]) if row else 0
+                try:
+                    version = schema_version(self.path, row[0] if row else None)
+                except StoreError:
+                    con.close()
+                    raise
                 if version > SCHEMA_VERSION:
                     con.close()
                     raise StoreError(f"{self.path} has schema_version {version}, newer than this workbench "
@@ -430,13 +479,34 @@ class Store:
                 raise
         return lease
 
+    def _broken(self, e: duckdb.Error) -> BaseException:
+        """What to raise for a DuckDB error: for one that invalidated the database (``is_fatal``: e.g. a
+        checkpoint on a full disk), the connection is dropped, so the next action opens the file again (and
+        works once there is space), and a one-line StoreError says so; any other error as it is."""
+        if isinstance(e, duckdb.IOException) and not is_fatal(e):  # a damaged or truncated file, read past its end
+            return StoreError(f"cannot use {self.path}: {_first_line(e)}")
+        if not is_fatal(e):
+            return e
+        self._shared.reset()
+        return StoreError(f"{self.path}: the database failed and was closed ({_first_line(e)}); it reopens at the "
+                          "next action (free disk space first if the disk is full)")
+
     def checkpoint(self) -> None:
-        """Write the WAL into the database file now (best effort: a failure leaves it to the next one)."""
+        """Write the WAL into the database file now. Another transaction still open makes it wait for the next
+        checkpoint (or the close), silently; a write that fails (a full disk) raises StoreError: what was
+        committed stays in the WAL (``<db>.wal``), which the next open writes into the file, and the connection,
+        which the failure invalidated, is dropped and reopens at the next action."""
         cur = self.cursor()
         try:
             cur.execute("CHECKPOINT")
-        except duckdb.Error:
-            pass
+        except duckdb.Error as e:
+            if is_fatal(e) or isinstance(e, duckdb.IOException):
+                if is_fatal(e):
+                    self._broken(e)
+                raise StoreError(f"writing {self.path} failed ({_first_line(e)}); what was committed is kept in "
+                                 f"{self.path.name}.wal, written into the file when it is next opened with space "
+                                 "free") from None
+            # e.g. "there are other write transactions active": the next checkpoint or the close writes it
         finally:
             cur.close()
 
@@ -445,13 +515,18 @@ class Store:
         cur = self.cursor()
         try:
             return cur.sql(query, params=params or None).pl()
+        except duckdb.Error as e:
+            raise self._broken(e) from None
         finally:
             cur.close()
 
     def execute(self, query: str, params: list | dict | None = None) -> list[tuple]:
         cur = self.cursor()
         try:
-            res = cur.execute(query, params or [])
+            try:
+                res = cur.execute(query, params or [])
+            except duckdb.Error as e:
+                raise self._broken(e) from None
             try:
                 return res.fetchall()
             except duckdb.Error:
@@ -468,11 +543,16 @@ class Store:
             cur.execute("BEGIN")
             yield cur
             cur.execute("COMMIT")
-        except BaseException:
+        except BaseException as e:
             try:
                 cur.execute("ROLLBACK")
             except duckdb.Error:
                 pass
+            if isinstance(e, duckdb.Error) and _write_failed(e) and not is_fatal(e):
+                raise StoreError(f"{self.path}: could not write ({_first_line(e)}); this transaction's rows are not "
+                                 "saved (free disk space first if the disk is full)") from None
+            if isinstance(e, duckdb.Error):
+                raise self._broken(e) from None
             raise
         finally:
             if own:
@@ -565,7 +645,11 @@ class Store:
             sets.append(f"n_tokens = {_RECORDED_SQL}")  # what was committed, whatever the caller counted
         self.execute(f"UPDATE runs SET {', '.join(sets)} WHERE run_id = $r", params)
         if fields.get("status") in FINAL_STATUSES or fields.get("finished_at") is not None:
-            self.checkpoint()
+            try:
+                self.checkpoint()
+            except StoreError as e:
+                what = f" ({fields['status']})" if "status" in fields else ""
+                raise StoreError(f"run {run_id} is saved{what}, but {e}") from None
 
     def close(self) -> None:
         """Close this process's connection to the file now if no cursor is in use (checkpoints the WAL)."""
@@ -645,9 +729,15 @@ class Writer:
                     except BaseException as e:  # noqa: BLE001
                         self.error = self.error or e
 
+    def _failed(self) -> StoreError:
+        """The write error as a StoreError: one the store raised says what happened (and names the file) itself."""
+        if isinstance(self.error, StoreError):
+            return self.error
+        return StoreError(f"writing to {self.store.path} failed: {self.error}")
+
     def put(self, batches: dict[str, pl.DataFrame]) -> None:
         if self.error is not None:
-            raise StoreError(f"writing to {self.store.path} failed: {self.error}")
+            raise self._failed()
         self.queue.put(batches)
 
     def then(self, fn: Callable[[BaseException | None], None]) -> None:
@@ -660,7 +750,7 @@ class Writer:
         self.queue.put(None)
         self._thread.join()
         if self.error is not None:
-            raise StoreError(f"writing to {self.store.path} failed: {self.error}")
+            raise self._failed()
 
 
 def _rows_frame(parts: list[Rows]) -> pl.DataFrame:
@@ -807,7 +897,7 @@ class TraceStore(Store):
                 row = con.execute(f"SELECT value FROM read_parquet({lit(esc(meta))}) WHERE key = 'schema_version'").fetchone()
             except duckdb.Error as e:
                 raise StoreError(f"cannot read {meta}: {str(e).splitlines()[0]}") from None
-            version = int(row[0]) if row else 0
+            version = schema_version(meta, row[0] if row else None)
             if version > SCHEMA_VERSION:
                 raise StoreError(f"{self.path} has schema_version {version}, newer than this workbench understands "
                                  f"({SCHEMA_VERSION}); upgrade moe-workbench to read it")
