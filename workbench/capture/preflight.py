@@ -19,8 +19,8 @@ from pathlib import Path
 from workbench.model import ModelArgs
 
 try:
-    import psutil
-except ImportError:  # optional: os.sysconf / /proc/meminfo below
+    import psutil  # optional: not a dependency; /proc/meminfo or os.sysconf below without it
+except ImportError:
     psutil = None
 
 # integer fields of a model config and their plausible range (largest real models are far below the upper ends)
