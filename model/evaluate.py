@@ -41,6 +41,7 @@ import gzip
 import math
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -189,11 +190,14 @@ def python_measure(prompt: str, continuation: str) -> dict:
             "error": None if err is None else f"{err.msg} (line {err.lineno})"}
 
 
-def completions(model: Transformer, tok, files: list[Path] | None = None, tokens: int = COMPLETION_TOKENS
-                ) -> list[dict]:
+def completions(model: Transformer, tok, files: list[Path] | None = None, tokens: int = COMPLETION_TOKENS,
+                progress: Callable[[str], None] | None = None) -> list[dict]:
     """Greedy continuations of the prompt files, each with its ``python_measure``."""
     out = []
-    for f in files if files is not None else sorted(PROMPTS.glob("*.txt")):
+    files = files if files is not None else sorted(PROMPTS.glob("*.txt"))
+    for i, f in enumerate(files):
+        if progress:
+            progress(f"completing prompt file {i + 1}/{len(files)} ({f.name})")
         # without trailing whitespace: a prompt's final "\n" (or " ") becomes a token of its own, which the
         # tokenizer only ever made before column-0 code, so the model would leave the block it was in
         prompt = f.read_text(encoding="utf-8").rstrip()
@@ -210,9 +214,10 @@ def _windows(stream: torch.Tensor, seq_len: int) -> list[tuple[torch.Tensor, tor
     return [(stream[s: min(s + seq_len, n)], stream[s + 1: min(s + seq_len, n) + 1]) for s in range(0, n, seq_len)]
 
 
-def model_nll_bits(model: Transformer, stream: torch.Tensor, seq_len: int = 512, batch: int = 8
-                   ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """Per-target NLL in bits for ``stream[1:]`` and the routed-slot counts per MoE layer.
+def model_nll_bits(model: Transformer, stream: torch.Tensor, seq_len: int = 512, batch: int = 8,
+                   on_batch: Callable[[int, int], None] | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Per-target NLL in bits for ``stream[1:]`` and the routed-slot counts per MoE layer (``on_batch(done,
+    total)`` after each batch of windows).
 
     Returns:
         (bits [len(stream) - 1], {layer index: counts [E]}).
@@ -233,12 +238,14 @@ def model_nll_bits(model: Transformer, stream: torch.Tensor, seq_len: int = 512,
                for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoE)]
     try:
         with torch.inference_mode():
-            for g in groups:
+            for done, g in enumerate(groups, 1):
                 x = torch.stack([w[0] for w in g]).to(device)
                 y = torch.stack([w[1] for w in g]).to(device)
                 logits = model(x)
                 nll = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none") / math.log(2)
                 bits.append(nll.cpu())
+                if on_batch:
+                    on_batch(done, len(groups))
     finally:
         for h in handles:
             h.remove()
@@ -247,7 +254,9 @@ def model_nll_bits(model: Transformer, stream: torch.Tensor, seq_len: int = 512,
 
 
 def evaluate(model: Transformer | str | Path | None = None, tokenizer=None, max_tokens: int | None = None,
-             seq_len: int = 512, batch: int = 8, sample_tokens: int = 48) -> dict:
+             seq_len: int = 512, batch: int = 8, sample_tokens: int = 48,
+             progress: Callable[[str], None] | None = None,
+             on_batch: Callable[[int, int], None] | None = None) -> dict:
     """The model card's numbers on the validation files (see the module docstring for definitions).
 
     Args:
@@ -255,14 +264,18 @@ def evaluate(model: Transformer | str | Path | None = None, tokenizer=None, max_
         tokenizer: a ``tokenizers.Tokenizer``; default: the checkpoint folder's, else the bundled one.
         max_tokens: score only the first N validation target tokens (None: all of them).
         seq_len: window length in tokens (the training context).
+        progress: called with a line naming each step as it starts (``workbench eval`` prints them);
+        on_batch: ``model_nll_bits``'s, for the longest step.
     Returns:
         a JSON-ready dict: ``bits_per_byte`` {model, bigram, gzip}, ``expert_load`` (per MoE layer),
         ``sample``, and the counts behind them.
     """
     t0 = time.time()
+    say = progress or (lambda _msg: None)
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"--max-tokens must be a positive number of tokens, got {max_tokens}")
     if not isinstance(model, torch.nn.Module):
+        say("loading the model")
         folder = Path(model) if model else DEFAULT_CHECKPOINT
         model = load_checkpoint(folder)
         if tokenizer is None and (folder / "tokenizer.json").exists():
@@ -278,6 +291,7 @@ def evaluate(model: Transformer | str | Path | None = None, tokenizer=None, max_
     if not val_packages:
         raise ValueError("none of the validation packages is installed: " + ", ".join(VALIDATION_PACKAGES))
     eot = tok.token_to_id(EOT)
+    say(f"encoding the validation files of {', '.join(p.name for p in val_packages)}")
     per = [encode_files(tok, p.files) for p in val_packages]
     capped = max_tokens is not None and max_tokens < sum(x.numel() for x in per)
     if capped:  # the same share of every package, from its start
@@ -292,12 +306,15 @@ def evaluate(model: Transformer | str | Path | None = None, tokenizer=None, max_
     n_bytes = len(scored)
 
     t_model = time.time()
-    bits, counts = model_nll_bits(model, stream, seq_len=seq_len, batch=batch)
+    say(f"scoring {stream.numel() - 1} tokens with the model")
+    bits, counts = model_nll_bits(model, stream, seq_len=seq_len, batch=batch, on_batch=on_batch)
     t_model = time.time() - t_model
     model_bits = bits[text].double().sum().item()
 
+    say(f"fitting the token bigram on {len(train_files)} training files")
     bigram = Bigram.fit(tok, train_files)
     bigram_bits = bigram.nll_bits(prev[text], target[text]).sum().item()
+    say("gzip -9 of the same bytes and of the whole packages")
     gzip_bits = 8 * len(gzip.compress(scored, compresslevel=9, mtime=0))
     by_package = []
     for i, p in enumerate(val_packages):
@@ -318,9 +335,10 @@ def evaluate(model: Transformer | str | Path | None = None, tokenizer=None, max_
         load.append({"layer": layer, "slots": int(c.sum()), "share": share,
                      "min_share_vs_uniform": min(share) / uniform, "max_share_vs_uniform": max(share) / uniform})
 
+    say(f"greedy sample of {sample_tokens} tokens")
     prompt_ids = tok.encode(SAMPLE_PROMPT).ids
     out_ids = generate(model, prompt_ids, max_new_tokens=sample_tokens, temperature=0.0)
-    comps = completions(model, tok)
+    comps = completions(model, tok, progress=progress)
     n_tok = int(text.sum())
     return {
         "checkpoint": getattr(model, "checkpoint_path", None),

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
 
 from rich.console import Console
 from rich.markup import escape
@@ -10,9 +12,38 @@ from rich.table import Table
 from workbench.model.evaluate import evaluate
 
 
+class Progress:
+    """``workbench eval``'s progress on stderr: a line as each step starts, with the time so far, and, while the model
+    scores the validation windows (the long step), a line every ``EVERY`` seconds with an estimate of the rest."""
+
+    EVERY = 5.0
+
+    def __init__(self, out=None):
+        self.out = out or sys.stderr
+        self.t0 = time.monotonic()
+        self.step_t0, self.last = self.t0, 0.0
+
+    def _print(self, text: str) -> None:
+        print(f"eval: {text} ({time.monotonic() - self.t0:.0f} s)", file=self.out, flush=True)
+
+    def step(self, text: str) -> None:
+        self.step_t0 = self.last = time.monotonic()
+        self._print(text)
+
+    def batch(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - self.last < self.EVERY:
+            return
+        self.last = now
+        left = (now - self.step_t0) / done * (total - done)
+        self._print(f"  window batch {done}/{total}" + (f", about {left:.0f} s left" if done < total else ""))
+
+
 def main(args) -> int:
 
-    r = evaluate(args.model, max_tokens=args.max_tokens)
+    progress = Progress()
+    r = evaluate(args.model, max_tokens=args.max_tokens, progress=progress.step, on_batch=progress.batch)
+    progress._print("done")
     if args.json:
         print(json.dumps(r))
         return 0
