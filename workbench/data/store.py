@@ -20,6 +20,11 @@ Durability and liveness:
   is not taken for the recorder. Every open, and every process holding the file at most every
   ``LIVENESS_INTERVAL_S`` seconds, marks a run whose process is gone ``interrupted`` (its ``n_tokens``
   recounted from the rows committed).
+- A fatal DuckDB error (``is_fatal``: a checkpoint on a full disk) invalidates the connection; the store drops
+  it and raises a one-line StoreError (a run's final update says the run is saved: it is committed in the WAL,
+  which the next open writes into the file), and the next action opens the file again, so it works once there
+  is space. A transaction that could not be written says its rows are not saved. A file DuckDB cannot read
+  (truncated, foreign) or whose schema version is not a number, or newer, is a StoreError naming it.
 """
 from __future__ import annotations
 
