@@ -8,7 +8,12 @@ import os
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import re
+import shutil
+import subprocess
+import sys
 import time
+import zipfile
+from pathlib import Path
 
 import pytest
 from helpers import tiny_model
@@ -187,3 +192,45 @@ def test_export_report_in_the_ui_works_for_a_run_id_with_a_slash(env):
     assert file.visible and file.value and os.path.exists(file.value["path"] if isinstance(file.value, dict)
                                                           else file.value), msg
     assert "Report written" in msg and "/" not in msg.split(":", 1)[1]
+
+
+# -- newcomer polish (item 6): the README as written in a fresh shell, a quiet build -------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_readme_commands_work_in_a_fresh_shell():
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```(bash|python)\n(.*?)```", text, flags=re.S)
+    for kind, body in blocks:
+        assert "/tmp/" not in body, body  # outputs go to a temporary or project folder, never a fixed /tmp path
+        if kind == "bash":
+            active = False
+            for line in body.splitlines():
+                active = active or line.startswith("source .venv/bin/activate")
+                cmd = re.sub(r"^(\w+=\S+ )+", "", line)  # MALLOC_...=x workbench ...
+                if cmd.startswith("workbench "):  # bare: only after activating the venv in the same block
+                    assert active, line
+    # inside a with block Jupyter shows nothing: the faults example prints its findings, and says what they hold
+    faults = next(body for kind, body in blocks if "faults.break_head" in body)
+    inside = faults.split("faults.break_head", 1)[1].split("\nsorted(", 1)[0]
+    assert "print(bad.findings()" in inside and "layer 2 head 1" in inside
+
+
+@pytest.mark.slow
+def test_building_the_package_prints_no_warning_of_ours(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for d in ("workbench", "model", "probes", "apps"):
+        shutil.copytree(ROOT / d, src / d, ignore=shutil.ignore_patterns("__pycache__"))
+    got = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "wheel", "--no-deps",
+                          "--no-build-isolation", "--no-index", "-v", "-w", str(tmp_path / "dist"), str(src)],
+                         capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    out = got.stdout + got.stderr
+    assert "BuildBackendWarning" not in out and "SetuptoolsDeprecationWarning" not in out, \
+        "\n".join(line for line in out.splitlines() if "Warning" in line)
+    shipped = set(zipfile.ZipFile(next((tmp_path / "dist").glob("*.whl"))).namelist())
+    assert {"workbench/model/presets/tiny.json", "workbench/views/templates/report.html.j2"} <= shipped

@@ -133,7 +133,8 @@ def build(session: Page) -> None:
         with gr.Row():
             with gr.Column(scale=2):
                 prompt = gr.Textbox(label="Prompt", lines=6, value="def fibonacci(n):\n", elem_id="record-prompt")
-                ckpt = gr.Textbox(label="Checkpoint folder (empty: the app's model)", value="")
+                ckpt = gr.Textbox(label="Checkpoint folder (empty: the app's model; a folder under the bundled demo or "
+                                        "the app's checkpoint roots)", value="")
             with gr.Column(scale=1):
                 max_new = gr.Slider(1, 512, value=48, step=1, label="max new tokens")
                 temp = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)")

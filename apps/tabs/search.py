@@ -19,7 +19,8 @@ def search_runs(app: AppContext, text: str, ignore_case: bool):
         return empty_table(COLUMNS), "Type some text to look for."
     df = query.search(app.store, text, ignore_case=bool(ignore_case), limit=200)
     shown = df.select("run_id", "pos", "end_pos", pl.col("context").str.replace_all("\n", " \u21b5 "))
-    return shown, f"{df.height} match{'es' if df.height != 1 else ''} of “{md_plain(text)}” (click one to open its run)."
+    many = "es" if df.height != 1 else ""
+    return shown, f"{df.height} match{many} of “{md_plain(text)}” (click one to open its run)."
 
 
 def pick_run_row(evt: gr.SelectData, df: pl.DataFrame | None):
