@@ -234,3 +234,19 @@ def test_building_the_package_prints_no_warning_of_ours(tmp_path):
         "\n".join(line for line in out.splitlines() if "Warning" in line)
     shipped = set(zipfile.ZipFile(next((tmp_path / "dist").glob("*.whl"))).namelist())
     assert {"workbench/model/presets/tiny.json", "workbench/views/templates/report.html.j2"} <= shipped
+
+
+def test_stored_method_and_kind_names_are_escaped_in_the_components_and_attribution_figures():
+    import polars as pl
+
+    from workbench.views import figures
+
+    hostile = '<a href="http://x">m</a>'
+    attributions = pl.DataFrame({"target_pos": [3, 3], "kind": [hostile, "token"], "layer": [1, None],
+                                 "head": [None, None], "expert": [None, None], "source_pos": [None, 1],
+                                 "score": [0.5, 0.2], "rank": [1, 2], "method": [hostile, hostile], "delta": [None, None],
+                                 "restored": [None, None]})
+    tokens = pl.DataFrame({"pos": [0, 1, 2, 3], "text": ["a", hostile, "b", "c"]})
+    for fig in (figures.fig_components(attributions, 3), figures.fig_attribution(attributions, tokens, 3)):
+        assert not _markup(fig), _markup(fig)
+    assert "&lt;a href" in figures.fig_components(attributions, 3).layout.title.text

@@ -492,8 +492,8 @@ def fig_components(attributions: pl.DataFrame, pos: int, top: int = 15) -> go.Fi
     fig = go.Figure(go.Bar(x=[r["score"] for r in rows][::-1], y=[html.escape(name(r)) for r in rows][::-1],
                            orientation="h", marker={"color": "#e76f51"}))
     methods = ", ".join(sorted({m for m in c["method"].to_list() if m})) if "method" in c.columns else ""
-    _layout(fig, f"Components ranked for pos {pos} ({methods or 'score'}; nats of the token's logprob)", height=360,
-            xaxis={"title": "score (nats)"}, yaxis={"dtick": 1, "automargin": True})
+    _layout(fig, f"Components ranked for pos {pos} ({html.escape(methods or 'score')}; nats of the token's logprob)",
+            height=360, xaxis={"title": "score (nats)"}, yaxis={"dtick": 1, "automargin": True})
     return fig
 
 
