@@ -15,13 +15,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import duckdb
 import gradio as gr
 import polars as pl
 
 from workbench.capture.resolve import tokenizer_for
 from workbench.data import query
-from workbench.data.store import Store, StoreError
+from workbench.data.store import DB_ERRORS, Store
 from workbench.model import state_sha256
 from workbench.run import Run
 from workbench.views.session import RunFrames, Session
@@ -99,7 +98,7 @@ def readable_errors(fn):
     def handler(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (StoreError, duckdb.Error) as e:
+        except DB_ERRORS as e:
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise gr.Error(error_text(f"the database failed: {first}")) from None
 

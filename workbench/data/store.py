@@ -54,6 +54,10 @@ class StoreError(RuntimeError):
     """A database that cannot be used: corrupt, locked by another process, or from a newer version."""
 
 
+# what a failing database raises: StoreError (what the store understood), or DuckDB's own error
+DB_ERRORS: tuple[type[BaseException], ...] = (StoreError, duckdb.Error)
+
+
 def _first_line(e: BaseException) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
