@@ -87,6 +87,14 @@ def test_token_id_prompts_only_decode_and_the_model_own_tokenizer_works(folders,
     assert run.info["status"] == "complete"
 
 
+def test_a_module_with_a_larger_tokenizer_is_refused_before_its_run_exists(tmp_path):
+    """A module passed in (no config.json to read first): the encoded prompt is checked against its vocabulary."""
+    db = Store(tmp_path / "w.duckdb")
+    with pytest.raises(ValueError, match="past the model's vocabulary of 256"):
+        workbench.record("def fibonacci(n):", model=tiny_model(), tokenizer=DEFAULT_TOKENIZER, db=db, detect=False)
+    assert db.sql("SELECT count(*) AS n FROM runs")["n"][0] == 0
+
+
 def _native_cfg(**kw) -> dict:
     return ModelArgs.preset("tiny").to_dict() | kw
 
@@ -114,6 +122,7 @@ HOSTILE = {
 }
 
 
+@pytest.mark.timeout(120)  # a regression would build the model: fail, not hang
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_configs_are_refused_in_one_line_before_anything_is_built(folders, tmp_path, capsys, no_loading,
                                                                           monkeypatch, name):
@@ -123,9 +132,11 @@ def test_hostile_configs_are_refused_in_one_line_before_anything_is_built(folder
     (folder / "config.json").write_text(json.dumps(HOSTILE[name](folders)))
     err = refused(["record", "--model", str(folder), "--prompt", "x"], capsys, tmp_path / "w.duckdb")
     assert "config.json" in err
-    # the loaders refuse it too (replay, explain and Python callers do not go through record)
-    with pytest.raises((ValueError, FileNotFoundError)):
-        preflight.check_config(folder)
+    # the loader refuses it too (prompt sets, replay, explain and Python callers do not go through record)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="config.json"):
+        load_adapter(str(folder))
+    assert time.monotonic() - t0 < 2.0
 
 
 def test_oversized_models_are_refused_against_the_memory_limit(folders, tmp_path, monkeypatch):

@@ -167,6 +167,10 @@ def _encode(prompt, adapter: Adapter, tokenizer, max_new_tokens: int) -> list[in
         tokenizer.encode(prompt).ids
     if not ids:
         raise ValueError("the prompt encodes to no tokens" if isinstance(prompt, str) else "empty prompt: no token ids")
+    vocab = adapter.summary.vocab_size
+    if isinstance(prompt, str) and max(ids) >= vocab:  # a tokenizer larger than the model (a module passed in)
+        raise ValueError(f"the prompt encodes to token id {max(ids)}, past the model's vocabulary of {vocab}: the "
+                         "tokenizer does not fit the model; pass the model's own (--tokenizer PATH)")
     limit = adapter.summary.max_seq_len
     if len(ids) + max_new_tokens - 1 > limit:  # the last new token is produced, never fed: it needs no slot
         raise ValueError(f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds the model's "

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from workbench.capture.preflight import check_config
 from workbench.model import Transformer, load_checkpoint
 
 from .base import SEAMS, Adapter, ModelSummary, Route
@@ -78,6 +79,8 @@ def load_adapter(model=None, dtype: torch.dtype | None = None, device: str = "cp
     if model is None or isinstance(model, (str, Path)):
         if model is not None and not Path(model).exists():
             raise FileNotFoundError(f"no model at {model}: pass a checkpoint folder (config.json + *.safetensors)")
+        if model is not None:  # types, ranges and size against memory, before anything is built
+            check_config(model, str(dtype).removeprefix("torch.") if dtype is not None else None, device_map)
         if model is not None and (device_map is not None or uses_transformers(model, backend)):
             return load_hf(model, dtype=dtype, device=device, device_map=device_map)
         return NativeAdapter(load_checkpoint(Path(model) if model else None, dtype=dtype or torch.float32,
