@@ -250,3 +250,41 @@ def test_stored_method_and_kind_names_are_escaped_in_the_components_and_attribut
     for fig in (figures.fig_components(attributions, 3), figures.fig_attribution(attributions, tokens, 3)):
         assert not _markup(fig), _markup(fig)
     assert "&lt;a href" in figures.fig_components(attributions, 3).layout.title.text
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not Path("/usr/bin/chromium").exists(), reason="Debian chromium not installed at /usr/bin/chromium")
+def test_gradio_renders_plain_markdown_without_links_or_math():
+    """In the page itself: Gradio's Markdown makes links and math of the old escaping (the control), none of
+    md_plain's, with Gradio's default LaTeX delimiters and with LaTeX off."""
+    import gradio as gr
+    from helpers import free_port
+    from playwright.sync_api import sync_playwright
+
+    from workbench.apps.shared import md_text
+
+    text = f"{URL_ID} {LINK_ID}"
+    with gr.Blocks() as blocks:
+        gr.Markdown("control " + md_text(text), elem_id="control")
+        gr.Markdown("plain " + md_plain(text), elem_id="plain")
+        gr.Markdown("plain " + md_plain(text), elem_id="plain-nolatex", latex_delimiters=[])
+    port = free_port()
+    blocks.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        with sync_playwright() as p:
+            b = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--headless", "--no-sandbox"])
+            pg = b.new_page()
+            pg.goto(f"http://127.0.0.1:{port}/")
+            pg.wait_for_selector("#control a", timeout=30_000)  # the control's links: the page has rendered
+            pg.wait_for_timeout(1000)  # KaTeX loads after the Markdown
+            seen = {el: (pg.eval_on_selector_all(f"#{el} a", "e => e.length"),
+                         pg.eval_on_selector_all(f"#{el} .katex", "e => e.length"),
+                         pg.inner_text(f"#{el}").replace(WJ, ""))
+                    for el in ("control", "plain", "plain-nolatex")}
+            b.close()
+    finally:
+        blocks.close()
+    assert seen["control"][0] >= 3 and seen["control"][1] >= 1, seen["control"]  # what the page would do
+    for el in ("plain", "plain-nolatex"):
+        links, math, shown = seen[el]
+        assert links == 0 and math == 0 and shown == f"plain {text}", seen[el]
