@@ -3,6 +3,7 @@ and a store that survives a full disk (a real one: a file size limit; and an inj
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import socket
 import subprocess
@@ -10,7 +11,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
 import duckdb
+import gradio as gr
 import polars as pl
 import pytest
 import torch
@@ -18,9 +22,15 @@ from helpers import tiny_model
 
 import workbench
 from workbench import cli
+from workbench.apps.app import build_app
+from workbench.capture import background
+from workbench.commands import demo
+from workbench.commands import eval as eval_cmd
+from workbench.commands.ui import check_port
 from workbench.data import store as store_mod
 from workbench.data.store import Store, StoreError
 from workbench.model import save_checkpoint
+from workbench.model.evaluate import model_nll_bits
 from workbench.model.tokenizer import DEFAULT_TOKENIZER
 from workbench.run import Workbench
 
@@ -59,8 +69,6 @@ def recorded(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("command", ["ui", "demo"])
 def test_busy_port_is_one_line_and_nothing_is_made(command, busy_port, tmp_path, capsys, monkeypatch):
-    from workbench.commands import demo
-
     def no_model(*a, **k):
         raise AssertionError("the demo loaded its model before checking the port")
     monkeypatch.setattr(demo, "load_checkpoint", no_model)
@@ -72,8 +80,6 @@ def test_busy_port_is_one_line_and_nothing_is_made(command, busy_port, tmp_path,
 
 
 def test_free_port_passes_the_check():
-    from workbench.commands.ui import check_port
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -210,7 +216,7 @@ FULL_DISK = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not hasattr(os, "setrlimit") and sys.platform != "linux", reason="needs RLIMIT_FSIZE")
+@pytest.mark.skipif(sys.platform != "linux", reason="a file size limit (RLIMIT_FSIZE) stands in for a full disk")
 def test_a_full_disk_at_the_final_checkpoint_is_reported_and_the_store_reopens(tmp_path):
     db = tmp_path / "w.duckdb"
     r = subprocess.run([sys.executable, "-c", FULL_DISK, str(db)], cwd=ROOT, capture_output=True, text=True,
@@ -282,10 +288,6 @@ def test_a_fatal_read_drops_the_connection_and_the_next_read_works(recorded, tmp
 
 
 def test_a_fatal_error_in_the_ui_is_a_readable_message_and_the_next_view_works(recorded, tmp_path, fatal_once):
-    import gradio as gr
-
-    from workbench.apps.app import build_app
-
     db = tmp_path / "w.duckdb"
     shutil.copy(recorded, db)
     store = Store(db)
@@ -300,8 +302,6 @@ def test_a_fatal_error_in_the_ui_is_a_readable_message_and_the_next_view_works(r
 
 
 def test_the_background_recorder_passes_the_stores_message_on(tmp_path, monkeypatch):
-    from workbench.capture import background
-
     class Conn:
         def __init__(self, messages):
             self.messages = list(messages)
@@ -324,7 +324,6 @@ def test_the_background_recorder_passes_the_stores_message_on(tmp_path, monkeypa
         raise saved
     monkeypatch.setattr(store, "update_run", update_run)
     rp = background.RecordingProcess(store)
-    import queue
     q: queue.Queue = queue.Queue()
     rp._waiting["r1"] = q
     rp._pump(Proc(), Conn([("update", "r1", {"status": "complete"}), ("done", "r1", None)]))
@@ -336,8 +335,6 @@ def test_the_background_recorder_passes_the_stores_message_on(tmp_path, monkeypa
 def test_eval_prints_each_step_and_an_estimate(monkeypatch, capsys):
     """The whole evaluation takes minutes even capped (the bigram reads every training file): its steps are driven
     here by a stand-in with evaluate's signature; the model loop's callback is checked for real below."""
-    from workbench.commands import eval as eval_cmd
-
     def fake(model, max_tokens=None, progress=None, on_batch=None):
         progress("loading the model")
         progress("scoring 100 tokens with the model")
@@ -355,8 +352,6 @@ def test_eval_prints_each_step_and_an_estimate(monkeypatch, capsys):
 
 
 def test_model_scoring_reports_each_batch():
-    from workbench.model.evaluate import model_nll_bits
-
     calls = []
     model_nll_bits(tiny_model(vocab_size=256), torch.arange(200) % 256, seq_len=32, batch=2,
                    on_batch=lambda done, total: calls.append((done, total)))
