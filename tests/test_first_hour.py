@@ -202,6 +202,11 @@ FULL_DISK = textwrap.dedent("""
     store.checkpoint()
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path) + 100_000, hard))  # the disk is nearly full
+    try:  # a commit whose WAL does not fit
+        store.execute("INSERT INTO filler SELECT md5(i::VARCHAR) || md5(i::VARCHAR) FROM range(80000) r(i)")
+        print("COMMIT: no error")
+    except StoreError as e:
+        print("COMMIT:", e)
     store.execute("INSERT INTO filler SELECT md5(i::VARCHAR) || 'y' FROM range(1000) r(i)")  # the WAL still fits
     try:
         store.update_run("r1", status="complete")  # its checkpoint grows the file past the limit
@@ -213,6 +218,7 @@ FULL_DISK = textwrap.dedent("""
     store.execute("INSERT INTO runs (run_id, status) VALUES ('r2', 'complete')")
     store.checkpoint()
     print("WRITE:", store.execute("SELECT count(*) FROM runs")[0][0])
+    print("FILLER:", store.execute("SELECT count(*) FROM filler")[0][0])
 """)
 
 
@@ -226,7 +232,9 @@ def test_a_full_disk_at_the_final_checkpoint_is_reported_and_the_store_reopens(t
     # what happened, and that the run is saved (the checkpoint's failure is not swallowed)
     assert lines["FINAL"].startswith("run r1 is saved (complete), but writing"), lines
     assert "w.duckdb.wal" in lines["FINAL"] and "\n" not in lines["FINAL"]
+    assert lines["COMMIT"].endswith("these rows are not saved (free disk space first if the disk is full)"), lines
     assert lines["READ"] == "complete" and lines["WRITE"] == "2"  # the connection reopened; the next actions work
+    assert lines["FILLER"] == "41000"  # the refused commit left nothing
     assert Store(db).execute("SELECT status FROM runs WHERE run_id = 'r1'") == [("complete",)]
 
 

@@ -491,7 +491,11 @@ class Store:
     def _broken(self, e: duckdb.Error) -> BaseException:
         """What to raise for a DuckDB error: for one that invalidated the database (``is_fatal``: e.g. a
         checkpoint on a full disk), the connection is dropped, so the next action opens the file again (and
-        works once there is space), and a one-line StoreError says so; any other error as it is."""
+        works once there is space), and a one-line StoreError says so; a write the file system refused, or a file
+        that cannot be read, a StoreError naming the file; any other error as it is."""
+        if _write_failed(e) and not is_fatal(e):  # the commit's WAL write: the transaction is rolled back
+            return StoreError(f"{self.path}: could not write ({_first_line(e)}); these rows are not saved (free "
+                              "disk space first if the disk is full)")
         if isinstance(e, duckdb.IOException) and not is_fatal(e):  # a damaged or truncated file, read past its end
             return StoreError(f"cannot use {self.path}: {_first_line(e)}")
         if not is_fatal(e):
@@ -557,9 +561,6 @@ class Store:
                 cur.execute("ROLLBACK")
             except duckdb.Error:
                 pass
-            if isinstance(e, duckdb.Error) and _write_failed(e) and not is_fatal(e):
-                raise StoreError(f"{self.path}: could not write ({_first_line(e)}); this transaction's rows are not "
-                                 "saved (free disk space first if the disk is full)") from None
             if isinstance(e, duckdb.Error):
                 raise self._broken(e) from None
             raise
