@@ -41,7 +41,7 @@ import polars as pl  # noqa: E402
 import torch  # noqa: E402
 
 import workbench  # noqa: E402
-from workbench.analysis import faults  # noqa: E402
+from workbench.analysis import activations, faults  # noqa: E402
 from workbench.analysis.baseline import build_profile, load_profile, save_profile  # noqa: E402
 from workbench.capture.adapters import Adapter, adapter_for, load_adapter  # noqa: E402
 from workbench.model import load_tokenizer  # noqa: E402
@@ -169,8 +169,8 @@ def run_case(case: Case, model, reference, tok, prompt_ids: list[int], db, args)
             counter = Counter(model, reference)
             t1 = time.perf_counter()
             try:
-                rc_ref = run.root_cause(pos, batch_size=args.batch_size, reference=reference, store=False,
-                                        top_layers=args.top_layers)
+                rc_ref = rc if args.alone_only else run.root_cause(
+                    pos, batch_size=args.batch_size, reference=reference, store=False, top_layers=args.top_layers)
             finally:
                 counter.close()
             ref_seconds = time.perf_counter() - t1
@@ -289,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     ap.add_argument("--json", default=None, help="also write the raw results here")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--alone-only", action="store_true",
+                    help="skip the root cause against a reference (a quicker look at the no-reference ranking; "
+                         "implies --no-write)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -326,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
             calib = [workbench.record(tok.encode(p).ids, model=model, tokenizer=tok,
                                       max_new_tokens=args.max_new_tokens, db=db) for p in CALIBRATION]
             save_profile(db, sha, build_profile(db, [r.run_id for r in calib]), "root_cause_eval calibration")
+        if activations.load(db, sha) is None:  # and the components' activations, on the same other prompts
+            activations.save(db, sha, activations.build(model, [tok.encode(p).ids for p in CALIBRATION]),
+                             "root_cause_eval calibration")
         for n_kind, kind in enumerate(kinds):
             rng = random.Random(args.seed * 1000 + list(faults.KINDS).index(kind))
             found, seen = 0, set()
@@ -364,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             "notes": NOTES if demo else TINY_NOTES}
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "results": results}, indent=1))
-    if not args.no_write:
+    if not (args.no_write or args.alone_only):
         write_section(Path(args.out), meta["section"], markdown(summary, results, meta))
         print(f"wrote the root-cause section of {args.out}")
     return 0

@@ -85,6 +85,7 @@ import polars as pl
 import torch
 from captum.attr import FeatureAblation, LayerIntegratedGradients
 
+from workbench.analysis import activations
 from workbench.analysis.baseline import bucket_of, load_profile, resid_growth
 from workbench.analysis.patching import patch_causes
 from workbench.capture.adapters import Adapter, Route, adapter_for, load_adapter
@@ -417,9 +418,12 @@ def _heads_and_block(z: pl.DataFrame) -> list[tuple[tuple, float]]:
                   for layer, same in both.sort("layer").iter_rows() if same]
 
 
-def profile_evidence(store, run_id: str, pos: int, profile: pl.DataFrame) -> list[tuple[tuple, float]]:
+def profile_evidence(store, run_id: str, pos: int, profile: pl.DataFrame,
+                     only_routing: bool = False) -> list[tuple[tuple, float]]:
     """((kind, layer, head, expert, source_pos), signed surprise in nats) of every component the profile covers,
-    from the run's recorded signals over the context of the token at ``pos`` (positions < pos)."""
+    from the run's recorded signals over the context of the token at ``pos`` (positions < pos). ``only_routing``:
+    only the never-chosen experts (where the components' activations are profiled too, workbench.analysis
+    .activations, they judge the rest)."""
     out: list[tuple[tuple, float]] = []
 
     def cells(signal: str) -> pl.DataFrame:
@@ -438,17 +442,21 @@ def profile_evidence(store, run_id: str, pos: int, profile: pl.DataFrame) -> lis
         return got.filter(pl.col("pos") < pos) if got.height else got
 
     hn, (hp, hv) = read("head_norm"), norm_cells("head_norm", "norm")
+    if only_routing:
+        hn = hn.clear()
     if hn.height and hp.height:
         z = hn.join(hp.drop("expert", "bucket"), on=["layer", "head"]).group_by("layer", "head").agg(
             ((hv - pl.col("mean")) / pl.col("std")).mean().alias("z")).sort("layer", "head")
         out += _heads_and_block(z)
     at, ap = read("attention"), cells("norm_entropy")
-    if at.height and ap.height:  # collapsed (too low) or flattened (too high) attention
+    if at.height and ap.height and not only_routing:  # collapsed (too low) or flattened (too high) attention
         at = at.filter(pl.col("norm_entropy").is_not_null()).with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"))
         z = at.join(ap.drop("expert"), on=["layer", "head", "bucket"]).group_by("layer", "head").agg(
             ((pl.col("norm_entropy") - pl.col("mean")) / pl.col("std")).mean().alias("z")).sort("layer", "head")
         out += _heads_and_block(z)
     rn, gp = read("resid_norm"), cells("log_resid_growth")
+    if only_routing:
+        rn = rn.clear()
     if rn.height and gp.height:  # each block's log change of the norm: the token's own scale cancels
         g = resid_growth(rn.with_columns(bucket_of(pl.col("pos") + 1).alias("bucket")))
         z = g.join(gp.drop("head", "expert"), on=["layer", "bucket"]).group_by("layer").agg(
@@ -465,7 +473,7 @@ def profile_evidence(store, run_id: str, pos: int, profile: pl.DataFrame) -> lis
                 out.append((("resid", layer, None, None, None), float(_surprise(np.array(zl - prev)))))
                 prev = zl
     kv, (kp, kv_v) = read("kv_tokens"), norm_cells("latent_norm", "latent_norm")
-    if kv.height and kp.height:
+    if kv.height and kp.height and not only_routing:
         kv = kv.filter(pl.col("step") == pl.col("step").min())  # the prefill's cache: the prompt's tokens
         z = kv.join(kp.drop("head", "expert", "bucket"), on="layer").group_by("layer").agg(
             ((kv_v - pl.col("mean")) / pl.col("std")).mean().alias("z")).sort("layer")
@@ -505,6 +513,15 @@ def row_evidence(model: Adapter, ids: list[int], target: int) -> list[tuple[tupl
                 p = int(np.argmax(np.abs(z[ids])))
                 out.append((("embed", None, None, None, p), float(_surprise(np.array(z[ids[p]])))))
     return out
+
+
+def strongest(evidence: list[tuple[tuple, float]]) -> list[tuple[tuple, float]]:
+    """One row per component: where several kinds of evidence name it, the largest surprise."""
+    best: dict[tuple, float] = {}
+    for key, v in evidence:
+        if key not in best or abs(v) > abs(best[key]):
+            best[key] = v
+    return list(best.items())
 
 
 def interleave(df: pl.DataFrame, evidence: list[tuple[tuple, float]]) -> pl.DataFrame:
@@ -614,9 +631,14 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
         scores, delta, suffix = scores - r_scores, delta - r_delta, "_vs_reference"
     df = rank_causes(scores, token_method + suffix, delta, comps, effects, pos, "ablation" + suffix)
     if ref is None:
-        profile = load_profile(store, info.get("checkpoint_sha256"))
-        evidence = profile_evidence(store, run_id, pos, profile) if profile is not None else []
-        df = interleave(df, evidence + row_evidence(model, ids_all[:pos], target))
+        sha = info.get("checkpoint_sha256")
+        profile = load_profile(store, sha)
+        aprof = activations.load(store, sha)
+        # the components' own activations supersede the recorded signals' statistics where a model has both
+        evidence = profile_evidence(store, run_id, pos, profile, only_routing=aprof is not None) \
+            if profile is not None else []
+        evidence += activations.evidence(model, ids_all[:pos], aprof)
+        df = interleave(df, strongest(evidence + row_evidence(model, ids_all[:pos], target)))
     if save:
         _save(store, run_id, pos, df)
     return df

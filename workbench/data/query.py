@@ -201,6 +201,12 @@ def profile(store: Store, sha: str) -> pl.DataFrame:
                      "ORDER BY signal, layer, head, expert, bucket", [sha])
 
 
+def activation_profile(store: Store, sha: str) -> pl.DataFrame:
+    """A model's activation profile rows (workbench/analysis/activations.py), empty when it has none."""
+    return store.sql("SELECT * EXCLUDE (checkpoint_sha256, created_at, source) FROM activation_profiles "
+                     "WHERE checkpoint_sha256 = ? ORDER BY kind, layer, head, expert, signal", [sha])
+
+
 def run_summary(store: Store, run_id: str) -> ModelSummary:
     return model_summary(run_row(store, run_id))
 

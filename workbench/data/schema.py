@@ -80,6 +80,21 @@ _DERIVED = (
         c("first_divergence", "INTEGER", "first position whose argmax differs; NULL: none"),
         c("events", "BIGINT", "evictions / low-precision entries / recompute triggers (per policy)"),
         c("created_at", "TIMESTAMP"))),
+    Table("activation_profiles", (
+        c("checkpoint_sha256", "VARCHAR", "the model (runs.checkpoint_sha256) these statistics describe"),
+        c("kind", "VARCHAR", "component kind, as in attributions.kind (head, attn_block, resid, router, ...)"),
+        c("layer", "INTEGER"), c("head", "INTEGER"), c("expert", "INTEGER"),
+        c("signal", "VARCHAR", "out (the component's output vector) | logit | pos_distance | prev_weight"),
+        c("n", "BIGINT", "calibration positions"),
+        c("mean", "FLOAT[]", "per-dimension mean"),
+        c("std", "FLOAT[]", "per-dimension standard deviation"),
+        c("log_norm_mean", "DOUBLE"), c("log_norm_std", "DOUBLE"),
+        c("dev_mean", "DOUBLE", "mean of log(mean over dimensions of z^2)"), c("dev_std", "DOUBLE"),
+        c("run_norm_mean", "DOUBLE", "over clean prompts: mean of a run's mean z of the log norm"),
+        c("run_norm_std", "DOUBLE"), c("run_dev_mean", "DOUBLE"), c("run_dev_std", "DOUBLE"),
+        c("created_at", "TIMESTAMP"),
+        c("source", "VARCHAR", "what it was calibrated on")), keyed=False,
+        doc="workbench.analysis.activations: each component's activations on clean prompts"),
 )
 
 # meta and runs, the signal tables (from the registry, workbench/data/signals.py), then the derived ones

@@ -1,0 +1,109 @@
+"""The components' activation profile (workbench.analysis.activations): what it measures, that a broken
+component stands out against it, the routing consistency check, the store round trip, and root cause
+using it without a reference."""
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from helpers import tiny_model
+
+import workbench
+from workbench.analysis import activations, faults
+from workbench.capture.adapters import adapter_for
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return adapter_for(tiny_model(n_layers=4))
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    g = np.random.default_rng(seed)
+    return [g.integers(3, 250, size=length).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def prof(tiny):
+    return activations.build(tiny, _prompts(24, 40, seed=1))
+
+
+def test_profile_cells_are_the_calibration_moments(tiny, prof):
+    prompts = _prompts(24, 40, seed=1)
+    got = [activations.capture(tiny, p)[0] for p in prompts]
+    key = ("attn_block", 1, None, None, "out")
+    y = torch.cat([g[key][1:] for g in got])  # position 0 (the sink) is left out
+    row = prof.filter((pl.col("kind") == "attn_block") & (pl.col("layer") == 1)).row(0, named=True)
+    assert row["n"] == y.size(0)
+    np.testing.assert_allclose(row["mean"], y.mean(0).numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(row["std"], y.std(0).numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(row["log_norm_mean"], float(y.norm(dim=-1).log().mean()), rtol=1e-5)
+    # the residual row is what the layer added: stream after minus stream before
+    g = got[0]
+    s = tiny.summary
+    assert ("resid", s.n_layers - 1, None, None, "out") in g
+    kinds = set(prof["kind"])
+    assert {"attn_norm", "kv_latent", "head", "attn_block", "mlp_norm", "resid", "router"} <= kinds
+    assert prof.filter(pl.col("signal") == "pos_distance").height == s.n_layers * s.n_heads
+    assert (prof["run_norm_std"] > 0).all() and (prof["run_dev_std"] > 0).all()
+
+
+def _top(ev, k=3):
+    return [key for key, _ in sorted(ev, key=lambda kv: -abs(kv[1]))[:k]]
+
+
+@pytest.mark.parametrize("kind,layer,index,named", [
+    ("layer", 2, 0, ("resid", 2)),            # a skipped layer adds nothing to the stream
+    ("dead_shared", 1, 0, ("shared_expert", 1)),  # a missing contribution (two-sided: too small)
+    ("norm", 3, 0, ("attn_norm", 3)),
+    ("head", 2, 1, ("head", 2)),
+])
+def test_a_broken_component_is_the_most_unusual(tiny, prof, kind, layer, index, named):
+    ids = _prompts(1, 30, seed=7)[0]
+    with faults.KINDS[kind](tiny, layer, index=index):
+        ev = activations.evidence(tiny, ids, prof)
+    top = _top(ev, 1)[0]
+    assert top[:2] == named, (kind, _top(ev, 5))
+    score = dict(ev)[top]
+    if kind in ("layer", "dead_shared"):
+        assert score < 0  # smaller than on clean prompts
+    clean = activations.evidence(tiny, ids, prof)
+    assert abs(score) > 10 * max(abs(v) for _, v in clean)
+
+
+def test_clean_prompts_have_no_strong_rows(tiny, prof):
+    worst = [max(abs(v) for _, v in activations.evidence(tiny, p, prof)) for p in _prompts(6, 30, seed=11)]
+    assert max(worst) < 12, worst  # nats, after the Bonferroni adjustment within each family
+
+
+def test_routing_that_disagrees_with_the_router_is_named(tiny):
+    ids = _prompts(1, 30, seed=3)[0]
+    layer = tiny.summary.moe_layers[0]
+    chosen = tiny.routing_of(torch.tensor([ids]))[layer]
+    expert = int(torch.bincount(chosen.flatten()).argmax())
+    assert activations.evidence(tiny, ids, None) == []  # a clean model agrees with itself, profile or not
+    with faults.starve_expert(tiny, layer, expert):
+        ev = dict(activations.evidence(tiny, ids, None))
+    assert ev[("router", layer, None, None, None)] > 0
+    assert ev[("expert", layer, None, expert, None)] == pytest.approx(
+        activations.MISMATCH_NATS * int((chosen[1:] == expert).any(1).sum()))
+
+
+def test_store_round_trip_and_root_cause_uses_it(tiny, prof, tmp_path):
+    db = workbench.Store(tmp_path / "a.duckdb")
+    run = workbench.record(_prompts(1, 24, seed=5)[0], model=tiny.module, max_new_tokens=2, db=db)
+    sha = run.info["checkpoint_sha256"]
+    assert activations.load(db, sha) is None
+    assert activations.save(db, sha, prof, "test") == prof.height
+    back = activations.load(db, sha)
+    assert back.columns == prof.columns and back.height == prof.height
+    a = back.sort("kind", "layer", "head", "expert", "signal", nulls_last=True)
+    b = prof.sort("kind", "layer", "head", "expert", "signal", nulls_last=True)
+    np.testing.assert_allclose(np.concatenate(a["mean"].to_list()), np.concatenate(b["mean"].to_list()), rtol=1e-6)
+    with faults.skip_layer(tiny.module, 2):
+        df = run.root_cause(20, steps=4, store=False)
+    prof_rows = df.filter(pl.col("method") == "profile")
+    assert prof_rows["kind"][0] == "resid" and prof_rows["layer"][0] == 2
+    assert df["rank"][0] == 1 and (df["kind"][0], df["layer"][0]) == ("resid", 2)

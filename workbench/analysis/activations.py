@@ -1,0 +1,272 @@
+"""What each component's activations look like on clean prompts, and how far one run's are from that.
+
+The baseline profile (workbench.analysis.baseline) holds statistics of the *recorded* signals: head output
+norms, attention entropy, the residual norm, routing shares. Many faults leave those inside the spread of clean
+prompts: a shared expert that went dead, a layer that passes its input on, a router row pushed toward another
+expert, a rotation of the wrong frequency. This module profiles the components themselves, from one
+teacher-forced forward per calibration prompt (no generation), through the adapter's seams and module hooks
+(``patching._Taps``), so it works on our ``Transformer`` and on every ``transformers`` family the adapters cover.
+
+Per component (``kind, layer, head, expert``), over every calibration position but the first (position 0 is
+every model's attention sink):
+
+- the per-dimension mean and standard deviation of its output vector (``mean``, ``std``: FLOAT[]);
+- the log of its output's L2 norm: mean and std (``log_norm_mean``, ``log_norm_std``);
+- the log of its mean squared per-dimension z: mean and std (``dev_mean``, ``dev_std``): how far the vector lies
+  from the clean mean in the component's own units (a direction change with the same size: a sign flip, a
+  rotation, a pushed router row).
+
+Components: the input norms' outputs (``attn_norm``, ``mlp_norm``), the KV latent (``kv_latent``), each head's
+output before the output projection (``head``), the attention block's output (``attn_block``), the MLP or MoE
+block's output (``mlp_block``, ``dense_mlp`` in dense layers), the shared experts' (``shared_expert``), what the
+layer added to the residual stream (``resid``: stream after minus stream before; a skipped layer adds nothing),
+the router's logit for each expert (``router`` with ``expert``), and per head two scalars of its attention
+pattern, scored as that head: the mean log distance to the keys it reads and the weight on the previous token
+(``head`` rows with signal ``pos_distance`` / ``prev_weight``: a rotation of the wrong frequency moves them).
+
+A run is scored on the context of one token (positions 1 .. pos - 1, every position the target's forward
+sees): each component's z of the log norm and of the deviation, averaged over the context, and at the last
+position (the one whose output is the target's distribution) at half weight. The score is the larger of
+those absolute values; its surprise in nats is ``z^2 / 2`` signed by the norm's direction (+ larger than
+clean, - smaller). Besides the statistics, one consistency check that needs no profile: where the router's
+own logits select other experts than the ones the tokens were sent to (``RouterMath.select``), the routing
+was changed after the router (a dropped expert, a dispatch bug): a ``router`` row for the layer and an
+``expert`` row for the expert that lost the most slots, scored 10 nats per position that disagrees.
+"""
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import torch
+from scipy.stats import norm
+
+from workbench.analysis.patching import _Taps
+from workbench.capture.adapters import Adapter, Route
+from workbench.data import query
+
+Key = tuple  # (kind, layer, head, expert, signal)
+COLUMNS = {"kind": pl.Utf8, "layer": pl.Int32, "head": pl.Int32, "expert": pl.Int32, "signal": pl.Utf8,
+           "n": pl.Int64, "mean": pl.List(pl.Float32), "std": pl.List(pl.Float32), "log_norm_mean": pl.Float64,
+           "log_norm_std": pl.Float64, "dev_mean": pl.Float64, "dev_std": pl.Float64, "run_norm_mean": pl.Float64,
+           "run_norm_std": pl.Float64, "run_dev_mean": pl.Float64, "run_dev_std": pl.Float64}
+RUN_LENGTHS = (8, 64)  # the calibration contexts a run-level z is calibrated on: prefixes of 8..64 tokens
+# within a layer, what a part's input passes through first: a part more unusual than this is explained by it
+UPSTREAM = {"kv_latent": ("attn_norm",), "rotary": ("attn_norm",), "head": ("attn_norm", "kv_latent", "rotary"),
+            "attn_block": ("attn_norm", "kv_latent", "rotary", "head"), "router": ("mlp_norm",),
+            "shared_expert": ("mlp_norm",), "mlp_block": ("mlp_norm", "shared_expert", "expert"),
+            "dense_mlp": ("mlp_norm",),
+            "resid": ("attn_norm", "attn_block", "mlp_norm", "shared_expert", "mlp_block", "dense_mlp")}
+EXPLAINS = 10.0  # nats: an upstream part this unusual caps its layer's downstream parts at half its surprise
+MISMATCH_NATS = 10.0  # per context position whose experts differ from what the router's logits select
+LAST_WEIGHT = 0.5  # the last context position's z counts at this weight beside the context mean
+
+
+def capture(a: Adapter, ids: list[int]) -> tuple[dict[Key, torch.Tensor], dict[int, torch.Tensor]]:
+    """One teacher-forced forward of ``ids``: every component's output [T, D] (float32, CPU), and per MoE layer
+    the experts the router's logits select but the tokens did not go to ([T, E] bool)."""
+    taps = _Taps(a)
+    taps.capture = True
+    logits: dict[int, torch.Tensor] = {}
+    lost: dict[int, torch.Tensor] = {}
+    pos_stats: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+
+    def routed(layer: int, r: Route) -> None:
+        lg = r.logits.detach()
+        logits[layer] = lg.float().cpu()
+        want = r.math.select(lg)
+        e = lg.size(1)
+        exp = torch.zeros(lg.size(0), e, dtype=torch.bool).scatter_(1, want.cpu(), True)
+        got = torch.zeros(lg.size(0), e, dtype=torch.bool).scatter_(1, r.indices.detach().cpu(), True)
+        lost[layer] = exp & ~got
+
+    def probs(layer: int, p: torch.Tensor, q_start: int, window=None) -> None:  # p [Tq, H, S]
+        p = p.detach().float()
+        tq, s = p.size(0), p.size(-1)
+        key0 = max(0, q_start + tq - s)
+        q = torch.arange(q_start, q_start + tq, device=p.device)[:, None, None]
+        k = torch.arange(key0, key0 + s, device=p.device)[None, None, :]
+        dist = torch.log1p((q - k).clamp_min(0).float())
+        ld = (p * dist).sum(-1)  # [Tq, H]
+        prev = (q[:, :, 0] - 1 - key0).clamp(0, s - 1)  # [Tq, 1]
+        pw = p.gather(-1, prev[:, :, None].expand(tq, p.size(1), 1))[..., 0]
+        pos_stats.setdefault(layer, []).append((q_start, ld.cpu(), pw.cpu()))
+
+    x = torch.tensor([ids], device=a.device)
+    with torch.no_grad(), taps.attached(), a.seams({"routed": routed, "attn_probs": probs}):
+        a.forward(x)
+    c, s = taps.cache, a.summary
+    out: dict[Key, torch.Tensor] = {}
+    prev = c.get(("embed", None))
+    for layer in range(s.n_layers):
+        moe = layer in s.moe_layers
+        for kind in ("attn_norm", "kv_latent", "attn_block", "mlp_norm", "shared_expert", "mlp_block"):
+            y = c.get((kind, layer))
+            if y is not None:
+                kind = "dense_mlp" if kind == "mlp_block" and not moe else kind
+                out[(kind, layer, None, None, "out")] = y.float().cpu()
+        after = c.get(("resid", layer))
+        if after is not None and prev is not None and after.shape == prev.shape:
+            out[("resid", layer, None, None, "out")] = (after.float() - prev.float()).cpu()
+        prev = after
+        z = c.get(("z", layer))
+        if z is not None:
+            for h in range(z.size(1)):
+                out[("head", layer, h, None, "out")] = z[:, h].float().cpu()
+        if layer in logits:
+            for e in range(logits[layer].size(1)):
+                out[("router", layer, None, e, "logit")] = logits[layer][:, e:e + 1]
+        if layer in pos_stats:
+            blocks = sorted(pos_stats[layer], key=lambda b: b[0])
+            ld = torch.cat([b[1] for b in blocks])
+            pw = torch.cat([b[2] for b in blocks])
+            for h in range(ld.size(1)):
+                out[("head", layer, h, None, "pos_distance")] = ld[:, h:h + 1]
+                out[("head", layer, h, None, "prev_weight")] = pw[:, h:h + 1]
+    return out, lost
+
+
+def _moments(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return y.mean(0), y.std(0).clamp_min(1e-6) if y.size(0) > 1 else torch.ones(y.size(1))
+
+
+def _zs(y: torch.Tensor, r: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position: the z of the log norm and of the log deviation, against the component's cell ``r``."""
+    mu, sd = torch.as_tensor(r["mean"]), torch.as_tensor(r["std"]).clamp_min(1e-6)
+    zl = (y.norm(dim=-1).clamp_min(1e-30).log() - r["log_norm_mean"]) / r["log_norm_std"]
+    zd = ((((y - mu) / sd) ** 2).mean(-1).clamp_min(1e-30).log() - r["dev_mean"]) / r["dev_std"]
+    return zl, zd
+
+
+def build(a: Adapter, prompts: list[list[int]], seed: int = 0) -> pl.DataFrame:
+    """The activation profile of ``a`` from teacher-forced forwards of ``prompts`` (token-id lists).
+
+    Two passes: the per-position cells, then the run-level spread: each prompt cut at a random length in
+    ``RUN_LENGTHS`` (the contexts root cause explains), the mean over its positions of each z; how much that mean
+    varies between clean prompts (positions along one prompt are strongly correlated, so a run's mean z varies
+    far more than 1 / sqrt(positions)) is what a run is judged against."""
+    prompts = [list(p)[: a.summary.max_seq_len] for p in prompts if len(p) >= 3]
+    if not prompts:
+        raise ValueError("no calibration prompt had 3 tokens or more")
+    acc: dict[Key, list[torch.Tensor]] = {}
+    captured = []
+    for ids in prompts:
+        got, _ = capture(a, ids)
+        captured.append(got)
+        for k, y in got.items():
+            acc.setdefault(k, []).append(y[1:])
+    cells: dict[Key, dict] = {}
+    for k, ys in acc.items():
+        y = torch.cat(ys).float()
+        if y.size(0) < 2:
+            continue
+        mu, sd = _moments(y)
+        ln = y.norm(dim=-1).clamp_min(1e-30).log()
+        dev = (((y - mu) / sd) ** 2).mean(-1).clamp_min(1e-30).log()
+        cells[k] = {"kind": k[0], "layer": k[1], "head": k[2], "expert": k[3], "signal": k[4], "n": y.size(0),
+                    "mean": mu.tolist(), "std": sd.tolist(), "log_norm_mean": float(ln.mean()),
+                    "log_norm_std": max(float(ln.std()), 1e-3), "dev_mean": float(dev.mean()),
+                    "dev_std": max(float(dev.std()), 1e-3)}
+    rng = np.random.default_rng(seed)
+    runs: dict[Key, list[tuple[float, float]]] = {}
+    for got, ids in zip(captured, prompts):
+        n = int(rng.integers(RUN_LENGTHS[0], RUN_LENGTHS[1] + 1))
+        for k, y in got.items():
+            if k in cells and y.size(0) > 2:
+                zl, zd = _zs(y[1:n], cells[k])
+                runs.setdefault(k, []).append((float(zl.mean()), float(zd.mean())))
+    for k, r in cells.items():
+        v = np.array(runs.get(k, [(0.0, 0.0)]))
+        r |= {"run_norm_mean": float(v[:, 0].mean()), "run_norm_std": max(float(v[:, 0].std()), 0.1),
+              "run_dev_mean": float(v[:, 1].mean()), "run_dev_std": max(float(v[:, 1].std()), 0.1)}
+    return pl.DataFrame(list(cells.values()), schema=COLUMNS)
+
+
+def save(store, sha: str, rows: pl.DataFrame, source: str) -> int:
+    """Replace the model's activation profile with ``rows``; returns the number of components."""
+    stamp = datetime.now(timezone.utc).replace(tzinfo=None)
+    full = rows.with_columns(pl.lit(sha).alias("checkpoint_sha256"), pl.lit(stamp).alias("created_at"),
+                             pl.lit(source).alias("source"))
+    store.replace_rows("activation_profiles", {"checkpoint_sha256": sha}, full)
+    return full.height
+
+
+def load(store, sha: str | None) -> pl.DataFrame | None:
+    """The model's activation profile, or None (the bundled demo's is copied in on first use)."""
+    if not sha:
+        return None
+    got = query.activation_profile(store, sha)
+    if got.height == 0 and BUNDLED.exists():
+        bundled = pl.read_parquet(BUNDLED)
+        if bundled.height and bundled["checkpoint_sha256"][0] == sha:
+            if getattr(store, "read_only", False):
+                return bundled
+            store.replace_rows("activation_profiles", {"checkpoint_sha256": sha}, bundled)
+            got = query.activation_profile(store, sha)
+    return got if got.height else None
+
+
+def _log_tail(z: float) -> float:
+    """-log P(|Z| >= z) for a standard normal Z (two-sided), in nats."""
+    return -float(norm.logsf(abs(z))) - math.log(2.0)
+
+
+def _signed_nats(nats: float, sign: float) -> float:
+    return float(math.copysign(max(nats, 0.0), sign if sign else 1.0))
+
+
+def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None) -> list[tuple[tuple, float]]:
+    """((kind, layer, head, expert, source_pos), signed surprise in nats) for every profiled component, on the
+    context ``ids`` (the tokens before the explained one), plus the routing consistency rows (no profile
+    needed). A head's output and its two attention-pattern scalars give one ``head`` row: the largest."""
+    got, lost = capture(a, list(ids))
+    best: dict[tuple, float] = {}
+
+    def put(key: tuple, v: float) -> None:
+        if abs(v) > abs(best.get(key, 0.0)):
+            best[key] = v
+
+    for layer, m in lost.items():
+        bad = m[1:].any(1)  # positions whose experts differ from the router's own choice
+        if bad.any():
+            put(("router", layer, None, None, None), MISMATCH_NATS * float(bad.sum()))
+            e = int(m[1:].sum(0).argmax())
+            put(("expert", layer, None, e, None), MISMATCH_NATS * float(m[1:, e].sum()))
+    if prof is not None and len(ids) >= 2:
+        zs: dict[tuple, tuple[float, float]] = {}  # component -> (|z|, sign)
+        positional: dict[int, list[float]] = {}
+        for r in prof.iter_rows(named=True):
+            k = (r["kind"], r["layer"], r["head"], r["expert"], r["signal"])
+            y = got.get(k)
+            if y is None or y.size(0) < 2 or len(r["mean"]) != y.size(1):
+                continue
+            zl, zd = _zs(y[1:], r)
+            run_l = (float(zl.mean()) - r["run_norm_mean"]) / r["run_norm_std"]
+            run_d = (float(zd.mean()) - r["run_dev_mean"]) / r["run_dev_std"]
+            z = max(abs(run_l), run_d, LAST_WEIGHT * abs(float(zl[-1])), LAST_WEIGHT * float(zd[-1]))
+            sign = run_l if k[4] == "out" else float(y[1:].mean()) - float(np.mean(r["mean"]))
+            zs[k] = (z, sign)
+            if k[4] in ("pos_distance", "prev_weight"):
+                positional.setdefault(k[1], []).append(run_l)
+        family: dict[tuple, int] = {}
+        for k in zs:
+            family[(k[0], k[4])] = family.get((k[0], k[4]), 0) + 1
+        for k, (z, sign) in zs.items():  # two-sided tail, Bonferroni over the component's family
+            put((k[0], k[1], k[2], k[3], None), _signed_nats(_log_tail(z) - math.log(family[(k[0], k[4])]), sign))
+        for layer, vs in positional.items():  # every head of a layer reads other positions: its rotation
+            nats = _log_tail(float(np.min(np.abs(vs)))) - math.log(len(positional))  # the least-off head's
+            put(("rotary", layer, None, None, None), _signed_nats(nats, 1.0))
+        size = {}  # (kind, layer) -> the largest |surprise| of that kind in that layer (any head or expert)
+        for key, v in best.items():
+            size[key[:2]] = max(size.get(key[:2], 0.0), abs(v))
+        for key in list(best):  # a part downstream of a clearly unusual part of its layer is explained by it
+            up = max([size.get((u, key[1]), 0.0) for u in UPSTREAM.get(key[0], ())], default=0.0)
+            if up >= EXPLAINS:
+                best[key] = math.copysign(min(abs(best[key]), up / 2), best[key])
+    return list(best.items())
+
+
+BUNDLED = Path(__file__).resolve().parents[2] / "data" / "demo" / "activations.parquet"
