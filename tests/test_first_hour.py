@@ -22,14 +22,16 @@ from helpers import tiny_model
 
 import workbench
 from workbench import cli
-from workbench.apps.app import build_app
+from workbench.apps.app import build_app, read_tokens
+from workbench.apps.shared import AppContext
+from workbench.apps.tabs import record as record_tab
 from workbench.capture import background
 from workbench.commands import demo
 from workbench.commands import eval as eval_cmd
 from workbench.commands.ui import check_port
 from workbench.data import store as store_mod
 from workbench.data.store import Store, StoreError
-from workbench.model import save_checkpoint
+from workbench.model import load_tokenizer, save_checkpoint
 from workbench.model.evaluate import model_nll_bits
 from workbench.model.tokenizer import DEFAULT_TOKENIZER
 from workbench.run import Workbench
@@ -364,3 +366,18 @@ def test_model_scoring_reports_each_batch():
     model_nll_bits(tiny_model(vocab_size=256), torch.arange(200) % 256, seq_len=32, batch=2,
                    on_batch=lambda done, total: calls.append((done, total)))
     assert calls == [(i, 4) for i in range(1, 5)]  # 6 full windows in 3 batches of 2, then the partial one
+
+
+def test_a_full_disk_at_the_end_of_a_record_tab_recording_says_the_run_is_saved(tmp_path, fatal_once, monkeypatch):
+    """The Record tab (recording in a thread here; the worker process relays the same StoreError, tested above):
+    the status says what happened and that the run is saved; the next view reads it on the reopened connection."""
+    monkeypatch.setenv("WORKBENCH_RECORD_PROCESS", "0")
+    store = Store(tmp_path / "w.duckdb")
+    app = AppContext(store, model=tiny_model(vocab_size=4096), tokenizer=load_tokenizer())
+    fatal_once["prefix"] = "CHECKPOINT"
+    out = list(record_tab.record_stream(app, "x = 1", 3, 0.0, 1.0, 0, ""))
+    strip, status, rid = out[-1]
+    assert status.startswith("⚠️ Recording failed") and "is saved (complete)" in status, status
+    assert "No space left on device" in status and rid
+    assert store.execute("SELECT status FROM runs WHERE run_id = ?", [rid]) == [("complete",)]
+    assert read_tokens(app, rid).height == len(strip) > 0
