@@ -192,6 +192,8 @@ def test_profile_round_trip_through_the_store_and_detection_against_it(tmp_path)
             "resid_norm", "head_norm", "log_latent_norm", "log_resid_norm", "log_head_norm"} <= set(stored["signal"])
     share = stored.filter(pl.col("signal") == "expert_share")
     assert share.group_by("layer").agg(pl.col("mean").sum())["mean"].to_list() == pytest.approx([1.0])
+    acts = query.activation_profile(db, res["sha"])  # the components' activations, from the same runs
+    assert acts.height == res["components"] > 0 and {"head", "attn_block", "resid", "router"} <= set(acts["kind"])
     out = pr.export_profile(db, res["sha"], tmp_path / "p.parquet")
     back = pl.read_parquet(out)
     assert back.height == stored.height and set(back["checkpoint_sha256"]) == {res["sha"]}

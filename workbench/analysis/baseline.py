@@ -314,4 +314,22 @@ def profile(prompts, *, model=None, db=None, max_new_tokens: int = 32, tokenizer
     source = json.dumps({"prompts": str(prompts) if isinstance(prompts, (str, Path)) else f"{len(items)} prompts",
                          "runs": len(run_ids), "max_new_tokens": max_new_tokens})
     cells = save_profile(store, sha, build_profile(store, run_ids), source)
-    return {"sha": sha, "runs": run_ids, "cells": cells, "source": source}
+    return {"sha": sha, "runs": run_ids, "cells": cells, "source": source,
+            "components": profile_activations(store, run_ids, model, source)}
+
+
+ACTIVATION_TOKENS = 256  # each calibration run's first tokens, teacher-forced, for the activation profile
+
+
+def profile_activations(store: Store, run_ids: list[str], model, source: str) -> int:
+    """The components' activation profile (workbench.analysis.activations) from the calibration runs' tokens;
+    returns the number of components stored."""
+    from workbench.analysis import activations  # lazy: imports torch
+    from workbench.capture.adapters import adapter_for  # lazy: imports torch
+    from workbench.capture.resolve import load_for_run  # lazy: imports torch
+
+    info = query.run_row(store, run_ids[0])
+    adapter = load_for_run(info) if model is None or isinstance(model, (str, Path)) else adapter_for(model)
+    toks = [query.table(store, "tokens", r, "pos", cols=["token_id"])["token_id"].to_list()[:ACTIVATION_TOKENS]
+            for r in run_ids]
+    return activations.save(store, info["checkpoint_sha256"], activations.build(adapter, toks), source)

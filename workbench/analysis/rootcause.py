@@ -35,8 +35,14 @@ is its IG attribution (the token rows of a frozen run add up to f(x) - f(baselin
 f(x) - f(x without it), the drop in the target's logprob when it is removed (negative: removing it
 would make the token more likely). Rows are ranked by absolute score (rank 1 = most responsible).
 
-Without a reference, one more kind of evidence: how unusual each component's activations are against the
-model's baseline profile (workbench.analysis.baseline, ``load_profile``; rows of method ``profile``), two-sided,
+Without a reference, one more kind of evidence: how unusual each component's activations are. Where the model
+has an activation profile (workbench.analysis.activations: ``workbench profile`` makes one; the demo ships
+one) one teacher-forced forward over the context measures every component against it (input norms, KV latent,
+heads and their attention's reach, attention / MLP blocks, shared experts, what each layer adds to the
+stream, each expert's router logit; run-level calibrated, two-sided, Bonferroni within each family of rows, a
+part downstream of a clearly unusual part of its layer capped below it), and routing that disagrees with the
+router's own logits is named; of the recorded signals' profile only the never-chosen experts are then used.
+Otherwise, against the model's baseline profile (workbench.analysis.baseline, ``load_profile``; rows of method ``profile``), two-sided,
 from the signals the run recorded over the explained token's context: a head's output norm (``head_norm``,
 too large or too small, a dead head), its attention's normalised entropy (``norm_entropy``: collapsed or
 flattened; every head of a layer off the same way gives an ``attn_block`` row scored with their surprises

@@ -13,6 +13,7 @@ def main(args) -> int:
                   tokenizer=args.tokenizer, progress=True)
     if args.out:
         export_profile(Store(args.db), res["sha"], args.out)
-    out = {"checkpoint_sha256": res["sha"], "runs": len(res["runs"]), "cells": res["cells"], "source": res["source"]}
+    out = {"checkpoint_sha256": res["sha"], "runs": len(res["runs"]), "cells": res["cells"],
+           "components": res["components"], "source": res["source"]}
     print(json.dumps(out))
     return 0
