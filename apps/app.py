@@ -76,7 +76,7 @@ def export_report(app: AppContext, run_id: str | None):
     """The picked run's HTML report as a file to download, and a message."""
     if not run_id:
         return gr.File(visible=False), "Choose a run first."
-    out = Path(tempfile.mkdtemp(prefix="workbench-report-")) / f"report-{run_id}.html"
+    out = Path(tempfile.mkdtemp(prefix="workbench-report-"))  # a folder: the report names its file (sanitised)
     try:
         path = app.run(run_id).report(out, "html")
     except gr.Error:

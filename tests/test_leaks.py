@@ -183,8 +183,6 @@ def test_report_file_names_are_sanitised(env, tmp_path):
     assert path.parent == tmp_path and path.exists()
 
 
-@pytest.mark.xfail(strict=True, reason="apps/app.py export_report must pass the folder, not a file named after the run "
-                                       "id: out = Path(tempfile.mkdtemp(prefix='workbench-report-')) (owned by H1)")
 def test_export_report_in_the_ui_works_for_a_run_id_with_a_slash(env):
     from workbench.apps import app as app_mod
 
