@@ -83,14 +83,16 @@ def test_replay_and_explain_take_model_and_tokenizer_overrides(tmp_path, capsys)
     # the model given, the tokenizer still missing: the recorded tokenizer's path is named
     with pytest.raises(FileNotFoundError, match=str(tok)):
         replay_cmd.main(ns("replay", rid, db, model=str(moved)))
-    # both given: replayed, same tokens
-    assert replay_cmd.main(ns("replay", rid, db, model=str(moved), tokenizer=str(moved_tok))) == 0
+    # both given on the command line: replayed, same tokens
+    assert cli.main(["replay", rid, "--model", str(moved), "--tokenizer", str(moved_tok), "--json",
+                     "--db", str(db)]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["match"] is True and out["tokens_match"] is True
     # explain: the recorded folder is gone, --model finds the weights (hash-checked)
     assert cli.main(["explain", rid, "3", "--json", "--steps", "4", "--db", str(db)]) == 2
     assert str(bare) in capsys.readouterr().err
-    assert explain_cmd.main(ns("explain", rid, db, model=str(moved), tokenizer=str(moved_tok))) == 0
+    assert cli.main(["explain", rid, "3", "--json", "--steps", "4", "--model", str(moved), "--tokenizer",
+                     str(moved_tok), "--db", str(db)]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert got["run_id"] == rid and got["causes"]
     # a folder with other weights is refused, not silently used

@@ -21,6 +21,13 @@ READS_DB = ("search", "runs", "explain", "anomalies", "findings", "replay", "dif
             "expert-cache", "export")
 
 
+def _moved(p) -> None:
+    """--model / --tokenizer: where a run's model and tokenizer are now, if they moved since it was recorded."""
+    p.add_argument("--model", default=None, metavar="FOLDER",
+                   help="the run's checkpoint folder, if it moved (weights must hash to the recorded ones)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH", help="the run's tokenizer.json, if it moved")
+
+
 def _db(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", default=None, help="DuckDB file (default: $WORKBENCH_DB or data/workbench.duckdb)")
 
@@ -136,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default=None, choices=["patching", "attribution_diff", "ablation"],
                    help="with --reference: patching (default) or attribution_diff; without: ablation")
     p.add_argument("--json", action="store_true")
+    _moved(p)
     _db(p)
 
     p = sub.add_parser("anomalies", help="detect and list a run's anomalies")
@@ -156,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("replay", help="re-run a recorded run and compare")
     p.add_argument("run_id")
     p.add_argument("--json", action="store_true")
+    _moved(p)
     _db(p)
 
     p = sub.add_parser("diff", help="compare two runs")
