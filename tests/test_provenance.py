@@ -18,7 +18,6 @@ from safetensors.torch import load_file, save_file
 import workbench
 from workbench import cli
 from workbench.analysis import faults
-from workbench.commands import explain as explain_cmd
 from workbench.commands import replay as replay_cmd
 from workbench.data.export import MARKER, export_parquet
 from workbench.data.store import Store, TraceStore
