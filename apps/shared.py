@@ -3,26 +3,26 @@ and the presentation helpers (escaping, the token strip's buckets, empty tables)
 
 Every string from the database (token text, prompts, statuses, errors, run ids) and every exception message is
 untrusted: it reaches the page only through components that render text (HighlightedText, Dataframe with
-``str`` columns, Code, Dropdown labels) or through ``md_text`` (escaped HTML and Markdown) in Markdown and
-``error_text`` in ``gr.Error`` / ``gr.Warning`` (whose message Gradio renders as HTML), never as markup.
+``str`` columns, Code, Dropdown labels) or through ``md_text`` (escaped HTML and Markdown, no autolink, no math)
+in Markdown and ``error_text`` in ``gr.Error`` / ``gr.Warning`` (whose message Gradio renders as HTML), never as markup.
 """
 from __future__ import annotations
 
 import functools
 import html
 import inspect
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import gradio as gr
 import polars as pl
 
-from workbench.capture.resolve import tokenizer_for
+from workbench.capture.resolve import run_tokenizer
 from workbench.data import query
 from workbench.data.store import DB_ERRORS, Store
 from workbench.model import state_sha256
 from workbench.run import Run
+from workbench.views.markup import md_plain
 from workbench.views.session import RunFrames, Session
 
 # confidence buckets of the token strip (label -> colour); the legend explains them
@@ -60,16 +60,12 @@ def strip_value(tokens: pl.DataFrame) -> list[tuple[str, str]]:
     return [(t if t else "\u2205", bucket(c)) for t, c in zip(tokens["text"].to_list(), tokens["confidence"].to_list())]
 
 
-# what can turn one line of text into markup: links and images ([..](..), ![..](..)), emphasis, code,
-# strike-through, backslash escapes; < > & (HTML) are escaped as entities by html.escape
-_MD_SPECIAL = re.compile(r"([\\`*_\[\]!~])")
-
-
 def md_text(value) -> str:
-    """``value`` as literal text inside Markdown: HTML escaped, Markdown's inline syntax backslash-escaped, on
-    one line. Everything stored (token text, prompt, status, error) or raised goes through it."""
-    one_line = " ".join(str(value).splitlines())
-    return html.escape(_MD_SPECIAL.sub(r"\\\1", one_line), quote=True)
+    """``value`` as literal text inside Markdown, on one line: HTML escaped, Markdown's inline syntax
+    backslash-escaped, and no autolink (bare URLs, ``www.``, e-mail addresses) and no ``$$`` math
+    (``workbench.views.markup.md_plain``). Everything stored (token text, prompt, status, error, run id) or
+    raised goes through it, or through ``md_plain`` itself."""
+    return md_plain(value)
 
 
 def error_text(value) -> str:
@@ -131,7 +127,7 @@ class AppContext:
         self.store, self.model, self.tokenizer = store, model, tokenizer
         self.live: dict[str, Run] = {}  # runs recorded in this app keep their module, so root cause uses it
         self._model_sha: str | None = None
-        self._tokenizers: dict[str, object] = {}  # runs.model -> its tokenizer (None: none fits)
+        self._tokenizers: dict[tuple[str, str], object] = {}  # (runs.model, runs.tokenizer) -> its tokenizer or None
         self.recorder = None  # the Record tab's worker (workbench.views.recording), made on the first recording
 
     def session(self) -> Session:
@@ -146,15 +142,16 @@ class AppContext:
         return info["checkpoint_sha256"] == self._model_sha
 
     def tokenizer_for(self, info: dict):
-        """The tokenizer for a run's top-k texts: the app's for a run of the app's model, else its checkpoint
-        folder's (or the bundled one for a run that names no folder here), loaded once; None where none fits the
-        run's vocabulary (the figures then show the run's own texts, else ``#id``)."""
+        """The tokenizer for a run's top-k texts: the app's for a run of the app's model, else the tokenizer.json
+        the run was recorded with (``runs.tokenizer``), else its checkpoint folder's (or the bundled one for a
+        run that names no folder here; ``workbench.capture.resolve.run_tokenizer``), loaded once; None where
+        none fits the run's vocabulary (the figures then show the run's own texts, else ``#id``)."""
         if self.tokenizer is not None and self._same_model(info):
             return self.tokenizer
-        key = str(info.get("model") or "")
+        key = (str(info.get("model") or ""), str(info.get("tokenizer") or ""))
         if key not in self._tokenizers:
             try:
-                tok = tokenizer_for(key or None)
+                tok = run_tokenizer(info)
                 vocab = query.model_summary(info).vocab_size
                 self._tokenizers[key] = tok if tok.get_vocab_size() >= vocab else None
             except Exception:  # noqa: BLE001 - no tokenizer here: the run's own texts instead

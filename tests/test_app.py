@@ -99,14 +99,25 @@ def test_tokens_of_an_unknown_run_is_a_clear_escaped_error(served):
 
 
 def test_md_text_leaves_no_markup():
-    from workbench.apps.app import md_text
+    from workbench.apps.app import fail, md_text
+    from workbench.views.markup import WJ, md_plain
 
     assert md_text("<img src=x onerror=alert(1)>") == "&lt;img src=x onerror=alert(1)&gt;"
     assert md_text('"><svg onload=alert(1)>') == "&quot;&gt;&lt;svg onload=alert(1)&gt;"
     # Markdown images and links, emphasis, code and line breaks are literal text too
     assert md_text("![t](http://x/a.png) [l](javascript:alert(1)) *b* `c`\n# h") == \
-        "\\!\\[t\\](http://x/a.png) \\[l\\](javascript:alert(1)) \\*b\\* \\`c\\` # h"
+        f"\\!\\[t\\](http{WJ}://x/a.png) \\[l\\](javascript:alert(1)) \\*b\\* \\`c\\` # h"
     assert md_text("no-such-checkpoint 0.5") == "no-such-checkpoint 0.5"
+    # bare URLs, www., e-mail addresses (Gradio's autolinks) and $$ (its math) are broken by an invisible joiner
+    assert md_text("see https://evil.example/x, WWW.evil.example or a.b@evil.example; $$x^2$$ costs $5") == \
+        (f"see https{WJ}://evil.example/x, WWW{WJ}.evil.example or a.b{WJ}@evil.example; ${WJ}$x^2${WJ}$ "
+         "costs $5")
+    assert md_text("ftp://x\nhttp://y") == f"ftp{WJ}://x http{WJ}://y"
+    # what the page's messages are made of (page head, report message, fail()) is md_plain's escaping
+    for value in ("<a href='http://x'>r/1</a> $$1$$", "r1", "*x* [y](z)"):
+        assert md_text(value) == md_plain(value)
+    msg = fail("Report export", ValueError("no run https://evil.example $$x$$"))
+    assert "https://" not in msg and "$$" not in msg and f"https{WJ}://" in msg
 
 
 def test_strip_buckets():

@@ -17,12 +17,14 @@ from safetensors.torch import load_file, save_file
 
 import workbench
 from workbench import cli
+from workbench.apps.shared import AppContext
 from workbench.analysis import faults
 from workbench.commands import replay as replay_cmd
 from workbench.data.export import MARKER, export_parquet
 from workbench.data.store import Store, TraceStore
-from workbench.model import load_checkpoint, save_checkpoint, state_sha256
+from workbench.model import load_checkpoint, load_tokenizer, save_checkpoint, state_sha256
 from workbench.model.tokenizer import DEFAULT_TOKENIZER
+from workbench.views.figures import token_label
 
 PROMPT = "def f(x):"
 
@@ -180,3 +182,33 @@ def test_a_traces_folder_is_read_literally_not_as_a_glob(ckpt, tmp_path):
         assert got == [rid], (name, got)
     assert workbench.open(base / "s*").runs()["run_id"].to_list() == [mine]
     assert os.path.isdir(base / "sibling")
+
+
+def test_a_run_recorded_with_a_tokenizer_elsewhere_reads_its_texts_with_it(tmp_path):
+    """``record --tokenizer PATH`` for a folder without tokenizer.json: ``Run.tokenizer()`` and the app's
+    ``tokenizer_for`` use the stored ``runs.tokenizer``, so the top-k texts are token text, not ``#id``."""
+    bare = save_checkpoint(tiny_model(vocab_size=4096), tmp_path / "bare")
+    assert not (bare / "tokenizer.json").exists()
+    tok_file = tmp_path / "tokens" / "tok.json"
+    tok_file.parent.mkdir()
+    shutil.copy(DEFAULT_TOKENIZER, tok_file)
+    db = tmp_path / "w.duckdb"
+    rid = workbench.record(PROMPT, model=str(bare), tokenizer=str(tok_file), max_new_tokens=4, db=db,
+                           detect=False).run_id
+    want = load_tokenizer(tok_file)
+    run = workbench.open(db).run(rid)  # a fresh Run: no tokenizer passed, its model folder has none
+    assert run.info["tokenizer"] == str(tok_file.absolute())
+    ids = run.tokens()["token_id"].to_list()
+    assert run.tokenizer().to_str() == want.to_str()
+    assert run.tokenizer().decode(ids) == want.decode(ids) and run.tokenizer().decode(ids).startswith(PROMPT)
+    # the UI: the app's tokenizer_for, and the top-k labels of the Run view are the tokens' text
+    app = AppContext(Store(db))
+    assert app.tokenizer_for(run.info).to_str() == want.to_str()
+    frames = app.session().pick(rid)
+    pos = run.info["n_prompt_tokens"] + 1
+    labels = [y.split(". ", 1)[1] for y in list(frames.fig_topk(pos).data[0].y)[::-1]]
+    assert labels == [token_label(want.decode([i]), 20) for i in run.tokens()["topk_ids"][pos]]
+    assert not any(label.startswith("#") for label in labels), labels
+    # the tokenizer moved away: no tokenizer fits (the run's own texts, else #id), no exception
+    shutil.move(tok_file, tmp_path / "gone.json")
+    assert AppContext(Store(db)).tokenizer_for(run.info) is None

@@ -99,11 +99,12 @@ class Run:
         return self.adapter().module
 
     def tokenizer(self):
-        """The run's tokenizer (``workbench.capture.resolve.tokenizer_for`` of its model: the folder's, else the
-        bundled demo's for a model that names no folder here)."""
+        """The run's tokenizer (``workbench.capture.resolve.run_tokenizer``): the tokenizer.json it was recorded
+        with (``runs.tokenizer``, e.g. ``record --tokenizer PATH``) while it is there; else its model folder's,
+        else the bundled demo's for a model that names no folder here."""
         if self._tokenizer is None:
-            from workbench.capture.resolve import tokenizer_for  # lazy: imports torch; reading a run needs none
-            self._tokenizer = tokenizer_for(self.info["model"] or None)
+            from workbench.capture.resolve import run_tokenizer  # lazy: imports torch; reading a run needs none
+            self._tokenizer = run_tokenizer(self.info)
         return self._tokenizer
 
     # -- signals: one accessor per registry table (tokens, attention, routing, kv, kv_tokens, steps, ...) --
