@@ -18,7 +18,7 @@ import gradio as gr
 import polars as pl
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import free_port, tiny_model
 
 import workbench
 from workbench import cli
@@ -28,6 +28,7 @@ from workbench.apps.tabs import record as record_tab
 from workbench.capture import background
 from workbench.commands import demo
 from workbench.commands import eval as eval_cmd
+from workbench.commands import ui as ui_cmd
 from workbench.commands.ui import check_port
 from workbench.data import store as store_mod
 from workbench.data.store import Store, StoreError
@@ -138,6 +139,58 @@ def test_open_refuses_a_missing_database_unless_asked_to_create(tmp_path):
     wb = workbench.open(db, create=True)
     assert wb.runs().height == 0 and db.exists()
     assert workbench.open(db).runs().height == 0  # it exists now
+
+
+@pytest.fixture
+def no_server(monkeypatch):
+    """``workbench ui`` up to the server: the databases ``launch`` was given (nothing is served); the Record tab's
+    checkpoint roots restored afterwards."""
+    launched: list = []
+    monkeypatch.setattr(ui_cmd, "launch", lambda db, host, port, auth: launched.append(db))
+    monkeypatch.setattr(record_tab, "CHECKPOINT_ROOTS", [])
+    return launched
+
+
+def test_ui_refuses_a_missing_database_unless_asked_to_create(tmp_path, recorded, capsys, monkeypatch, no_server):
+    db = tmp_path / "typo" / "x.duckdb"
+    assert cli.main(["ui", "--db", str(db), "--port", str(free_port())]) == 2
+    err = one_line_error(capsys, "ui")
+    assert str(db) in err and "no database" in err and "--create" in err
+    assert sorted(tmp_path.iterdir()) == [] and no_server == []
+    # --create: served (the store makes the file at its first query)
+    assert cli.main(["ui", "--db", str(db), "--create", "--port", str(free_port())]) == 0
+    assert no_server == [str(db)]
+    # the default database, not made yet (a first `workbench ui`): served as before, by name or by default
+    default = tmp_path / "default" / "workbench.duckdb"
+    monkeypatch.setenv("WORKBENCH_DB", str(default))
+    assert cli.main(["ui", "--port", str(free_port())]) == 0
+    assert cli.main(["ui", "--db", str(default), "--port", str(free_port())]) == 0
+    assert no_server[1:] == [None, str(default)]
+    # an existing database needs no flag
+    assert cli.main(["ui", "--db", str(recorded), "--port", str(free_port())]) == 0
+    assert no_server[-1] == str(recorded)
+
+
+def test_ui_checkpoint_roots_reach_the_record_tab(tmp_path, recorded, capsys, no_server):
+    a, b, outside = tmp_path / "a", tmp_path / "b", tmp_path / "outside"
+    for folder in (a / "m1", b / "m2", outside / "m3"):
+        folder.mkdir(parents=True)
+    assert cli.main(["ui", "--checkpoint-root", str(a), "--checkpoint-root", str(b / "m2" / ".."),
+                     "--db", str(recorded), "--port", str(free_port())]) == 0
+    assert no_server == [str(recorded)] and record_tab.CHECKPOINT_ROOTS == [a.resolve(), b.resolve()]
+    app = AppContext(Store(recorded))  # the Record tab's callback, as the served app calls it
+    assert record_tab.allowed_checkpoint(app, str(a / "m1")) == str((a / "m1").resolve())
+    assert record_tab.allowed_checkpoint(app, str(b / "m2")) == str((b / "m2").resolve())
+    assert record_tab.allowed_checkpoint(app, str(outside / "m3")) is None
+    out = list(record_tab.record_stream(app, "x = 1", 2, 0.0, 1.0, 0, str(outside / "m3")))
+    assert len(out) == 1 and "cannot be loaded here" in out[0][1] and app.recorder is None
+    # started again without the flag: only the bundled demo (and the app's model folder) are roots
+    assert cli.main(["ui", "--db", str(recorded), "--port", str(free_port())]) == 0
+    assert record_tab.CHECKPOINT_ROOTS == [] and record_tab.allowed_checkpoint(app, str(a / "m1")) is None
+    # a root that is not a folder: one line, exit 2, nothing served
+    assert cli.main(["ui", "--checkpoint-root", str(tmp_path / "nope"), "--db", str(recorded),
+                     "--port", str(free_port())]) == 2
+    assert "--checkpoint-root" in one_line_error(capsys, "ui") and len(no_server) == 2
 
 
 def test_record_still_creates_its_database(tmp_path, capsys):

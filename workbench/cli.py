@@ -16,7 +16,7 @@ from workbench.data.query import RunNotFound
 from workbench.data.store import StoreError, default_db
 
 # commands that read a database someone recorded before: a --db that does not exist is a typo, refused before
-# anything is created (record, demo, import, profile and ui make a new one; ui records from its Record tab)
+# anything is created (record, demo, import and profile make a new one; ui only with --create or at the default)
 READS_DB = ("search", "runs", "explain", "anomalies", "findings", "replay", "diff", "report", "kv-whatif",
             "expert-cache", "export")
 
@@ -102,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auth", default=None, help="USER:PASS")
     p.add_argument("--traces", default=None, metavar="DIR", help="serve a folder of Parquet shards (export / record "
                                                                 "--out) read-only instead of --db")
+    p.add_argument("--checkpoint-root", action="append", default=[], metavar="DIR",
+                   help="a folder whose checkpoints (it and every folder under it) the Record tab may load, besides "
+                        "the bundled demo (repeatable)")
+    p.add_argument("--create", action="store_true",
+                   help="make a new database at --db if there is none (default: a missing --db is refused)")
     _db(p)
 
     p = sub.add_parser("train", help="train the demo model from scratch (reproduces data/demo in a new folder)")
