@@ -24,7 +24,7 @@ the plain cells' mean / std serve the root cause's profile evidence.
 
 Buckets: context length ``pos + 1`` falls in bucket b when ``BUCKETS[b] <= pos + 1 < BUCKETS[b + 1]``.
 
-    wb = workbench.open()
+    wb = workbench.open(create=True)   # the default database; create=True: a new one if it is not there yet
     workbench.profile("data/prompts/calibration.jsonl", model=None, db=wb.store)   # record + store
 """
 from __future__ import annotations
