@@ -70,11 +70,12 @@ def length_bucket(n: int) -> str:
     return f">= {LENGTHS[-1][1]}"
 
 
-def clean_runs(store, run_ids: list[str], kinds: dict[str, str]) -> list[dict]:
-    """One record per clean run: kind, prompt length, generated tokens, rows by kind and severity, findings."""
+def clean_runs(store, run_ids: list[str], kinds: dict[str, str], model=None) -> list[dict]:
+    """One record per clean run: kind, prompt length, generated tokens, rows by kind and severity, findings.
+    ``model``: the model the runs were recorded with (its components are judged too, as after a recording)."""
     out = []
     for rid in run_ids:
-        a = detect(store, rid)
+        a = detect(store, rid, model=model)
         info = query.run_row(store, rid)
         loud = a.filter(pl.col("severity") != "info")
         out.append({"run_id": rid, "kind": kinds.get(rid, "?"), "n_prompt": int(info["n_prompt_tokens"]),
@@ -147,8 +148,8 @@ def fault_eval(model, store, prompts: list[list[int]], args) -> list[dict]:
                 layer, index = draw(kind, rng, model, len(ids))
                 if kind in ("embedding", "unembedding"):  # a token the run meets: one of the prompt's
                     index = ids[rng.randrange(1, len(ids))]
-                with inject(kind, model, layer, index):
-                    run = workbench.record(ids, model=model, db=store, max_new_tokens=args.fault_tokens, detect=False)
+                with inject(kind, model, layer, index):  # detected as after a recording: with the faulty model
+                    run = workbench.record(ids, model=model, db=store, max_new_tokens=args.fault_tokens)
                     seq = run.tokens()["token_id"].to_list()
                     bad = teacher_forced_logprobs(model, seq)
             except (ValueError, NotImplementedError, KeyError) as e:  # a kind this model lacks
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         clean, tiny, results, loop = [], [], [], {}
         if "clean" not in skip:
             run_ids, kinds = record_set(items, model, store, args.max_new_tokens)
-            clean = clean_runs(store, run_ids, kinds)
+            clean = clean_runs(store, run_ids, kinds, model)
             print(json.dumps(summary(clean)), flush=True)
         if "loop" not in skip:
             demo = workbench.record((ROOT / "data" / "prompts" / "04_is_prime.txt").read_text(), model=model,

@@ -10,6 +10,7 @@ import torch
 from helpers import tiny_model
 
 import workbench
+import workbench.analysis.anomalies
 from workbench.analysis import activations, faults
 from workbench.capture.adapters import adapter_for
 
@@ -36,7 +37,7 @@ def test_profile_cells_are_the_calibration_moments(tiny, prof):
     key = ("attn_block", 1, None, None, "out")
     y = torch.cat([g[key][1:] for g in got])  # position 0 (the sink) is left out
     row = prof.filter((pl.col("kind") == "attn_block") & (pl.col("layer") == 1)).row(0, named=True)
-    assert row["n"] == y.size(0)
+    assert row["n"] == y.size(0)  # every position of every prompt but the first
     np.testing.assert_allclose(row["mean"], y.mean(0).numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(row["std"], y.std(0).numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(row["log_norm_mean"], float(y.norm(dim=-1).log().mean()), rtol=1e-5)
@@ -47,7 +48,10 @@ def test_profile_cells_are_the_calibration_moments(tiny, prof):
     kinds = set(prof["kind"])
     assert {"attn_norm", "kv_latent", "head", "attn_block", "mlp_norm", "resid", "router"} <= kinds
     assert prof.filter(pl.col("signal") == "pos_distance").height == s.n_layers * s.n_heads
-    assert (prof["run_norm_std"] > 0).all() and (prof["run_dev_std"] > 0).all()
+    cells = prof.filter(pl.col("kind") != "router_check")
+    spread = np.array(cells["run_norm_std"].to_list() + cells["run_dev_std"].to_list())
+    assert spread.shape == (2 * cells.height, len(activations.RUN_BUCKETS)) and (spread >= 0.1).all()
+    assert prof.filter(pl.col("kind") == "router_check")["n"].to_list() == [0]  # RouterMath agrees with the model
 
 
 def _top(ev, k=3):
@@ -107,3 +111,25 @@ def test_store_round_trip_and_root_cause_uses_it(tiny, prof, tmp_path):
     prof_rows = df.filter(pl.col("method") == "profile")
     assert prof_rows["kind"][0] == "resid" and prof_rows["layer"][0] == 2
     assert df["rank"][0] == 1 and (df["kind"][0], df["layer"][0]) == ("resid", 2)
+
+
+def test_detection_after_a_recording_judges_the_components(tiny, tmp_path):
+    """``workbench profile`` stores both profiles; a recording's detectors (handed the model by the recorder)
+    then name a dead shared expert and a skipped layer, and leave a clean run without component rows."""
+    db = workbench.Store(tmp_path / "d.duckdb")
+    res = workbench.profile(_prompts(24, 30, seed=21), model=tiny.module, db=db, max_new_tokens=4)
+    assert res["components"] > 0
+    prompt = _prompts(1, 30, seed=8)[0]
+    clean = workbench.record(prompt, model=tiny.module, db=db, max_new_tokens=8)
+    assert clean.anomalies().filter(pl.col("kind") == "component_outlier").height == 0
+    assert "components against their activation profile" in workbench.analysis.anomalies.what_was_tested(
+        db, clean.run_id)
+    for kind, layer, component in (("dead_shared", 2, "shared_expert"), ("layer", 1, "layer")):
+        with faults.KINDS[kind](tiny, layer, index=0):
+            bad = workbench.record(prompt, model=tiny.module, db=db, max_new_tokens=8)
+        rows = bad.anomalies().filter(pl.col("kind") == "component_outlier")
+        assert rows.height and rows.sort("score", descending=True)["layer"][0] == layer, rows
+        f = bad.findings()
+        assert ((f["component"] == component) & (f["layer"] == layer)).any(), f
+        # a recompute with the run's model keeps them; the stored rows survive a plain read
+        assert bad.anomalies().filter(pl.col("kind") == "component_outlier").height == rows.height

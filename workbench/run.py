@@ -119,7 +119,7 @@ class Run:
     def anomalies(self, recompute: bool = False, reference=None, **thresholds) -> pl.DataFrame:
         """Anomalies of this run (detected and stored on first call, or when ``recompute``)."""
         ref = getattr(reference, "run_id", reference)
-        return detect(self.store, self.run_id, recompute=recompute, reference=ref, **thresholds)
+        return detect(self.store, self.run_id, recompute=recompute, reference=ref, model=self._adapter, **thresholds)
 
     def findings(self, **thresholds) -> pl.DataFrame:
         """The run's anomalies grouped into ranked findings: one per component or token span (workbench.analysis.findings)."""

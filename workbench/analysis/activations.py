@@ -42,24 +42,29 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import torch
-from scipy.stats import norm
+from scipy.stats import hypergeom, norm
 
 from workbench.analysis.patching import _Taps
-from workbench.capture.adapters import Adapter, Route
+from workbench.capture.adapters import Adapter, Route, adapter_for
 from workbench.data import query
 
 Key = tuple  # (kind, layer, head, expert, signal)
 COLUMNS = {"kind": pl.Utf8, "layer": pl.Int32, "head": pl.Int32, "expert": pl.Int32, "signal": pl.Utf8,
            "n": pl.Int64, "mean": pl.List(pl.Float32), "std": pl.List(pl.Float32), "log_norm_mean": pl.Float64,
-           "log_norm_std": pl.Float64, "dev_mean": pl.Float64, "dev_std": pl.Float64, "run_norm_mean": pl.Float64,
-           "run_norm_std": pl.Float64, "run_dev_mean": pl.Float64, "run_dev_std": pl.Float64}
-RUN_LENGTHS = (8, 64)  # the calibration contexts a run-level z is calibrated on: prefixes of 8..64 tokens
+           "log_norm_std": pl.Float64, "dev_mean": pl.Float64, "dev_std": pl.Float64,
+           "run_norm_mean": pl.List(pl.Float64), "run_norm_std": pl.List(pl.Float64),
+           "run_dev_mean": pl.List(pl.Float64), "run_dev_std": pl.List(pl.Float64)}
+# a run-level z is calibrated per context length: prefixes of calibration prompts with at least RUN_BUCKETS[b]
+# (and fewer than RUN_BUCKETS[b + 1]) tokens; a head's output and attention change with how much it can read
+RUN_BUCKETS = (3, 32, 128, 512)
+MIN_RUNS = 5  # calibration prefixes a bucket needs, else it takes the nearest shorter bucket's spread
 # within a layer, what a part's input passes through first: a part more unusual than this is explained by it
 UPSTREAM = {"kv_latent": ("attn_norm",), "rotary": ("attn_norm",), "head": ("attn_norm", "kv_latent", "rotary"),
             "attn_block": ("attn_norm", "kv_latent", "rotary", "head"), "router": ("mlp_norm",),
             "shared_expert": ("mlp_norm",), "mlp_block": ("mlp_norm", "shared_expert", "expert"),
             "dense_mlp": ("mlp_norm",),
             "resid": ("attn_norm", "attn_block", "mlp_norm", "shared_expert", "mlp_block", "dense_mlp")}
+OUTLIER_Z = 4.0  # a position whose block output is this far from clean (z of the log norm or the deviation)
 EXPLAINS = 10.0  # nats: an upstream part this unusual caps its layer's downstream parts at half its surprise
 MISMATCH_NATS = 10.0  # per context position whose experts differ from what the router's logits select
 LAST_WEIGHT = 0.5  # the last context position's z counts at this weight beside the context mean
@@ -116,6 +121,9 @@ def capture(a: Adapter, ids: list[int]) -> tuple[dict[Key, torch.Tensor], dict[i
         if z is not None:
             for h in range(z.size(1)):
                 out[("head", layer, h, None, "out")] = z[:, h].float().cpu()
+        route = c.get(("route", layer))
+        if route is not None:
+            out[("route", layer, None, None, "indices")] = route[0].cpu()
         if layer in logits:
             for e in range(logits[layer].size(1)):
                 out[("router", layer, None, e, "logit")] = logits[layer][:, e:e + 1]
@@ -144,20 +152,23 @@ def _zs(y: torch.Tensor, r: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def build(a: Adapter, prompts: list[list[int]], seed: int = 0) -> pl.DataFrame:
     """The activation profile of ``a`` from teacher-forced forwards of ``prompts`` (token-id lists).
 
-    Two passes: the per-position cells, then the run-level spread: each prompt cut at a random length in
-    ``RUN_LENGTHS`` (the contexts root cause explains), the mean over its positions of each z; how much that mean
-    varies between clean prompts (positions along one prompt are strongly correlated, so a run's mean z varies
-    far more than 1 / sqrt(positions)) is what a run is judged against."""
+    Two passes: the per-position cells, then the run-level spread: each prompt cut at a random length in each
+    ``RUN_BUCKETS`` bucket it reaches, the mean over its positions of each z; how much that mean varies between
+    clean prompts of that length (positions along one prompt are strongly correlated, so a run's mean z varies
+    far more than 1 / sqrt(positions), and short and long contexts differ) is what a run is judged against."""
     prompts = [list(p)[: a.summary.max_seq_len] for p in prompts if len(p) >= 3]
     if not prompts:
         raise ValueError("no calibration prompt had 3 tokens or more")
     acc: dict[Key, list[torch.Tensor]] = {}
     captured = []
+    disagree = 0  # positions where clean routing differs from what RouterMath selects (a family it mis-models)
     for ids in prompts:
-        got, _ = capture(a, ids)
+        got, lost = capture(a, ids)
+        disagree += sum(int(m.any(1).sum()) for m in lost.values())
         captured.append(got)
         for k, y in got.items():
-            acc.setdefault(k, []).append(y[1:])
+            if k[0] != "route":  # the chosen experts: read beside the block, not profiled
+                acc.setdefault(k, []).append(y[1:])
     cells: dict[Key, dict] = {}
     for k, ys in acc.items():
         y = torch.cat(ys).float()
@@ -171,18 +182,32 @@ def build(a: Adapter, prompts: list[list[int]], seed: int = 0) -> pl.DataFrame:
                     "log_norm_std": max(float(ln.std()), 1e-3), "dev_mean": float(dev.mean()),
                     "dev_std": max(float(dev.std()), 1e-3)}
     rng = np.random.default_rng(seed)
-    runs: dict[Key, list[tuple[float, float]]] = {}
+    runs: dict[tuple, list[tuple[float, float]]] = {}  # (key, bucket) -> per prefix (mean z log norm, deviation)
     for got, ids in zip(captured, prompts):
-        n = int(rng.integers(RUN_LENGTHS[0], RUN_LENGTHS[1] + 1))
-        for k, y in got.items():
-            if k in cells and y.size(0) > 2:
-                zl, zd = _zs(y[1:n], cells[k])
-                runs.setdefault(k, []).append((float(zl.mean()), float(zd.mean())))
+        for b, lo in enumerate(RUN_BUCKETS):
+            hi = min(RUN_BUCKETS[b + 1] - 1 if b + 1 < len(RUN_BUCKETS) else len(ids), len(ids))
+            if hi < lo:
+                break
+            n = int(round(np.exp(rng.uniform(np.log(lo), np.log(hi + 1))))) if hi > lo else lo
+            n = min(max(n, lo), hi)
+            for k, y in got.items():
+                if k in cells:
+                    zl, zd = _zs(y[1:n], cells[k])
+                    runs.setdefault((k, b), []).append((float(zl.mean()), float(zd.mean())))
     for k, r in cells.items():
-        v = np.array(runs.get(k, [(0.0, 0.0)]))
-        r |= {"run_norm_mean": float(v[:, 0].mean()), "run_norm_std": max(float(v[:, 0].std()), 0.1),
-              "run_dev_mean": float(v[:, 1].mean()), "run_dev_std": max(float(v[:, 1].std()), 0.1)}
-    return pl.DataFrame(list(cells.values()), schema=COLUMNS)
+        stats, last = [], (0.0, 1.0, 0.0, 1.0)
+        for b in range(len(RUN_BUCKETS)):
+            v = np.array(runs.get((k, b), []))
+            if len(v) >= MIN_RUNS:
+                last = (float(v[:, 0].mean()), max(float(v[:, 0].std()), 0.1),
+                        float(v[:, 1].mean()), max(float(v[:, 1].std()), 0.1))
+            stats.append(last)
+        r |= {"run_norm_mean": [x[0] for x in stats], "run_norm_std": [x[1] for x in stats],
+              "run_dev_mean": [x[2] for x in stats], "run_dev_std": [x[3] for x in stats]}
+    check = {"kind": "router_check", "layer": None, "head": None, "expert": None, "signal": "disagree",
+             "n": disagree, "mean": [], "std": [], "log_norm_mean": 0.0, "log_norm_std": 1.0, "dev_mean": 0.0,
+             "dev_std": 1.0, "run_norm_mean": [], "run_norm_std": [], "run_dev_mean": [], "run_dev_std": []}
+    return pl.DataFrame([*cells.values(), check], schema=COLUMNS)
 
 
 def save(store, sha: str, rows: pl.DataFrame, source: str) -> int:
@@ -209,6 +234,22 @@ def load(store, sha: str | None) -> pl.DataFrame | None:
     return got if got.height else None
 
 
+def concentrated_expert(indices: torch.Tensor, odd: torch.Tensor) -> int | None:
+    """The expert that most of the ``odd`` positions ([T] bool) are routed to (``indices`` [T, K]) far more than
+    the other positions are (hypergeometric p < 1e-3, and at least 80% of the odd positions), else None."""
+    n, k = int(odd.numel()), int(odd.sum())
+    if k < 2 or k == n:
+        return None
+    best = None
+    for e in indices[odd].flatten().unique().tolist():
+        has = (indices == e).any(1)
+        hit, total = int(has[odd].sum()), int(has.sum())
+        p = float(hypergeom.sf(hit - 1, n, total, k))
+        if hit >= math.ceil(0.8 * k) and p < 1e-3 and (best is None or p < best[1]):
+            best = (int(e), p)
+    return None if best is None else best[0]
+
+
 def _log_tail(z: float) -> float:
     """-log P(|Z| >= z) for a standard normal Z (two-sided), in nats."""
     return -float(norm.logsf(abs(z))) - math.log(2.0)
@@ -218,7 +259,7 @@ def _signed_nats(nats: float, sign: float) -> float:
     return float(math.copysign(max(nats, 0.0), sign if sign else 1.0))
 
 
-def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None) -> list[tuple[tuple, float]]:
+def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool = True) -> list[tuple[tuple, float]]:
     """((kind, layer, head, expert, source_pos), signed surprise in nats) for every profiled component, on the
     context ``ids`` (the tokens before the explained one), plus the routing consistency rows (no profile
     needed). A head's output and its two attention-pattern scalars give one ``head`` row: the largest."""
@@ -229,13 +270,16 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None) -> list[tupl
         if abs(v) > abs(best.get(key, 0.0)):
             best[key] = v
 
-    for layer, m in lost.items():
+    check = prof.filter(pl.col("kind") == "router_check") if prof is not None else None
+    trusted = check is None or check.height == 0 or int(check["n"][0]) == 0  # clean routing agreed with RouterMath
+    for layer, m in lost.items() if trusted else ():
         bad = m[1:].any(1)  # positions whose experts differ from the router's own choice
         if bad.any():
             put(("router", layer, None, None, None), MISMATCH_NATS * float(bad.sum()))
             e = int(m[1:].sum(0).argmax())
             put(("expert", layer, None, e, None), MISMATCH_NATS * float(m[1:, e].sum()))
     if prof is not None and len(ids) >= 2:
+        bucket = max(i for i, lo in enumerate(RUN_BUCKETS) if len(ids) >= lo or i == 0)
         zs: dict[tuple, tuple[float, float]] = {}  # component -> (|z|, sign)
         positional: dict[int, list[float]] = {}
         for r in prof.iter_rows(named=True):
@@ -244,9 +288,11 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None) -> list[tupl
             if y is None or y.size(0) < 2 or len(r["mean"]) != y.size(1):
                 continue
             zl, zd = _zs(y[1:], r)
-            run_l = (float(zl.mean()) - r["run_norm_mean"]) / r["run_norm_std"]
-            run_d = (float(zd.mean()) - r["run_dev_mean"]) / r["run_dev_std"]
-            z = max(abs(run_l), run_d, LAST_WEIGHT * abs(float(zl[-1])), LAST_WEIGHT * float(zd[-1]))
+            b = min(bucket, len(r["run_norm_mean"]) - 1)
+            run_l = (float(zl.mean()) - r["run_norm_mean"][b]) / r["run_norm_std"][b]
+            run_d = (float(zd.mean()) - r["run_dev_mean"][b]) / r["run_dev_std"][b]
+            z = max(abs(run_l), run_d, *((LAST_WEIGHT * abs(float(zl[-1])), LAST_WEIGHT * float(zd[-1]))
+                                         if last else ()))
             sign = run_l if k[4] == "out" else float(y[1:].mean()) - float(np.mean(r["mean"]))
             zs[k] = (z, sign)
             if k[4] in ("pos_distance", "prev_weight"):
@@ -256,8 +302,16 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None) -> list[tupl
             family[(k[0], k[4])] = family.get((k[0], k[4]), 0) + 1
         for k, (z, sign) in zs.items():  # two-sided tail, Bonferroni over the component's family
             put((k[0], k[1], k[2], k[3], None), _signed_nats(_log_tail(z) - math.log(family[(k[0], k[4])]), sign))
-        for layer, vs in positional.items():  # every head of a layer reads other positions: its rotation
-            nats = _log_tail(float(np.min(np.abs(vs)))) - math.log(len(positional))  # the least-off head's
+        for r in prof.filter(pl.col("kind") == "mlp_block").iter_rows(named=True):  # the expert behind a block
+            nats = best.get(("mlp_block", r["layer"], None, None, None), 0.0)
+            idx = got.get(("route", r["layer"], None, None, "indices"))
+            if abs(nats) >= EXPLAINS and idx is not None:
+                zl, zd = _zs(got[("mlp_block", r["layer"], None, None, "out")][1:], r)
+                e = concentrated_expert(idx[1:], (zl.abs() > OUTLIER_Z) | (zd > OUTLIER_Z))
+                if e is not None:
+                    put(("expert", r["layer"], None, e, None), math.copysign(abs(nats) + 1.0, nats))
+        for layer, vs in positional.items():  # most heads of a layer read other positions: its rotation
+            nats = _log_tail(float(np.median(np.abs(vs)))) - math.log(len(positional))  # the middle head's
             put(("rotary", layer, None, None, None), _signed_nats(nats, 1.0))
         size = {}  # (kind, layer) -> the largest |surprise| of that kind in that layer (any head or expert)
         for key, v in best.items():
@@ -270,3 +324,38 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None) -> list[tupl
 
 
 BUNDLED = Path(__file__).resolve().parents[2] / "data" / "demo" / "activations.parquet"
+
+
+# detection over a whole run (workbench.analysis.anomalies.detect with the recording's model)
+WARNING_NATS = 15.0  # a component this unusual (after Bonferroni within its family) is a warning row
+CRITICAL_NATS = 60.0  # and a critical one
+MAX_TOKENS = 2048  # a run's first tokens that the check reads (one teacher-forced forward with attention)
+WORDS = {"attn_norm": "the attention's input norm", "kv_latent": "the KV latent", "head": "head {head}",
+         "attn_block": "the attention block", "mlp_norm": "the MLP's input norm", "mlp_block": "the MoE block",
+         "dense_mlp": "the MLP", "shared_expert": "the shared experts", "resid": "what the layer adds to the stream",
+         "router": "the router", "expert": "expert {expert}", "rotary": "the rotary part (every head's reach)"}
+
+
+def anomaly_rows(a: Adapter, ids: list[int], prof: pl.DataFrame | None) -> list[dict]:
+    """Anomaly rows (kind ``component_outlier``, the schema of workbench.analysis.anomalies) for the components
+    whose activations over the run's first ``MAX_TOKENS`` tokens are at least ``WARNING_NATS`` unusual."""
+    rows = []
+    a = adapter_for(a)
+    for (kind, layer, head, expert, _), nats in evidence(a, list(ids)[:MAX_TOKENS], prof, last=False):
+        if abs(nats) < WARNING_NATS:
+            continue
+        what = WORDS.get(kind, kind).format(head=head, expert=expert)
+        if kind == "router" and expert is not None:
+            what, how = f"the router's logit for expert {expert}", "is outside its clean range"
+        elif kind == "router":
+            how = "sends tokens to other experts than its own logits select"
+        elif kind == "expert":
+            how = "loses tokens that its router's logits give it"
+        else:
+            how = "puts out unusually small values" if nats < 0 else "puts out values far from its clean range"
+        rows.append({"kind": "component_outlier", "severity": "critical" if abs(nats) >= CRITICAL_NATS else "warning",
+                     "pos": None, "layer": layer, "head": head, "expert": expert,
+                     "score": abs(nats) / math.log(10), "threshold": WARNING_NATS / math.log(10),
+                     "explanation": f"layer {layer} {what} {how} against the activation profile "
+                                    f"({abs(nats):.0f} nats, {kind})"})
+    return rows

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -585,8 +586,27 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
     return out.sort(sev, pl.col("pos"), pl.col("layer"), pl.col("head"), pl.col("expert"), nulls_last=False)
 
 
-def _compute(store, run_id: str, reference: str | None = None, **thresholds) -> tuple[pl.DataFrame, dict]:
-    """(rows with run_id and anomaly_id, what was tested) of one run, computed from its signals."""
+def component_rows(store, run_id: str, info: dict, model, meta: dict) -> pl.DataFrame:
+    """``component_outlier`` rows: the run's components against the model's activation profile
+    (workbench.analysis.activations), from one teacher-forced forward of the model the run was recorded with;
+    empty without a model or a profile. ``meta`` gets ``component_tests`` (components judged)."""
+    if model is None:
+        return empty()
+    from workbench.analysis import activations  # lazy: imports torch; reading a stored run needs none
+
+    prof = activations.load(store, info.get("checkpoint_sha256"))
+    if prof is None:
+        return empty()
+    ids = query.table(store, "tokens", run_id, "pos", cols=["token_id"])["token_id"].to_list()
+    meta["component_tests"] = int(prof.filter(pl.col("kind") != "router_check").height)
+    meta["component_calibration"] = str(prof["n"].max())
+    return _rows(activations.anomaly_rows(model, ids, prof))
+
+
+def _compute(store, run_id: str, reference: str | None = None, model=None,
+             **thresholds) -> tuple[pl.DataFrame, dict]:
+    """(rows with run_id and anomaly_id, what was tested) of one run, computed from its signals (and, with the
+    ``model`` it was recorded with, its components against their activation profile)."""
     info = query.run_row(store, run_id)
     prof = load_profile(store, info.get("checkpoint_sha256"))
     summary = query.model_summary(info)
@@ -599,6 +619,14 @@ def _compute(store, run_id: str, reference: str | None = None, **thresholds) -> 
                        resid=query.signal(store, "resid_norm", run_id), kv_tokens=query.kv_tokens(store, run_id),
                        head_norm=query.signal(store, "head_norm", run_id), meta=meta,
                        **thresholds)
+    if prof is not None:
+        try:
+            comp = component_rows(store, run_id, info, model, meta)
+        except Exception as e:  # noqa: BLE001 - the recorded signals' rows stand without it
+            warnings.warn(f"the component check of run {run_id} failed: {e}")
+            comp = empty()
+        if comp.height:
+            df = pl.concat([df, comp], how="vertical_relaxed")
     df = df.with_columns(pl.lit(run_id).alias("run_id"),
                          pl.arange(0, df.height, dtype=pl.Int32).alias("anomaly_id"))
     return df, meta
@@ -610,7 +638,8 @@ def _sorted(df: pl.DataFrame) -> pl.DataFrame:
         [sev, pl.col("score"), pl.col("anomaly_id")], descending=[False, True, False], nulls_last=True)
 
 
-def detect(store, run_id: str, recompute: bool = False, reference: str | None = None, **thresholds) -> pl.DataFrame:
+def detect(store, run_id: str, recompute: bool = False, reference: str | None = None, model=None,
+           **thresholds) -> pl.DataFrame:
     """Anomalies of run ``run_id``: the stored ones, or computed from its signals, stored, and returned.
 
     Computed (and stored, replacing the old rows) when ``recompute`` is set, when thresholds or a
@@ -619,6 +648,9 @@ def detect(store, run_id: str, recompute: bool = False, reference: str | None = 
     model's profile (``runs.checkpoint_sha256``), if the database (or the bundled demo) has one. The run's
     ``detection`` (JSON) records the settings and what was tested (``what_was_tested``).
 
+    ``model``: the adapter the run was recorded with (the recorder hands it to ``after_run``): with it, and an
+    activation profile for the model, the run's components are judged too (``component_rows``).
+
     Returns: the ``anomalies`` rows of the run (without ``run_id``), most severe first.
     """
 
@@ -626,7 +658,7 @@ def detect(store, run_id: str, recompute: bool = False, reference: str | None = 
         have = query.anomalies(store, run_id)
         if have.height or query.detected(store, run_id):
             return have
-    df, meta = _compute(store, run_id, reference, **thresholds)
+    df, meta = _compute(store, run_id, reference, model, **thresholds)
     if getattr(store, "read_only", False):  # a folder of Parquet shards (TraceStore): computed, not stored
         return _sorted(df)
     store.replace("anomalies", run_id, df)
@@ -662,6 +694,8 @@ def what_was_tested(store, run_id: str) -> str:
     n_prof = int(meta.get("profile_tests", n))
     if n_prof < n:
         base += f", {n - n_prof} of them against the run's reference"
+    if meta.get("component_tests"):
+        base += f", {meta['component_tests']} components against their activation profile"
     base += " and a check for repetition loops"
     if crit + warn == 0:
         return f"{base}, none significant at FDR {alpha:g}"

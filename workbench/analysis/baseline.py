@@ -318,7 +318,7 @@ def profile(prompts, *, model=None, db=None, max_new_tokens: int = 32, tokenizer
             "components": profile_activations(store, run_ids, model, source)}
 
 
-ACTIVATION_TOKENS = 256  # each calibration run's first tokens, teacher-forced, for the activation profile
+ACTIVATION_TOKENS = 1024  # each calibration run's first tokens, teacher-forced, for the activation profile
 
 
 def profile_activations(store: Store, run_ids: list[str], model, source: str) -> int:

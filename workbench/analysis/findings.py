@@ -15,7 +15,9 @@ Rows (warning and critical) become findings by what they point at:
 - ``head_entropy_shift`` / ``head_norm_shift`` (run-level): with the head's rows; ``block_shift``: one ``layer`` finding
   per layer;
 - ``low_confidence`` / ``high_surprise``: one per span of consecutive token positions;
-- ``repetition``: one ``generation`` finding per loop, repeated span or copy (degenerate generation).
+- ``repetition``: one ``generation`` finding per loop, repeated span or copy (degenerate generation);
+- ``component_outlier`` (a component's activations against the model's activation profile): one finding per
+  component (its input norms, attention block, rotary part and what it adds to the stream: a ``layer`` finding).
 
 Columns: rank, component (kind: head | expert | router | shared_expert | mlp | layer | kv | tokens |
 generation | non_finite), layer, head, expert, pos_start, pos_end, positions (the evidence), n_rows, kinds, severity,
@@ -42,6 +44,9 @@ HEAD_KINDS = ("head_norm_outlier", "entropy_spike", "entropy_collapse", "entropy
               "head_norm_shift")
 EXPERT_KINDS = ("overloaded_expert", "dead_expert", "starved_expert")
 SEVERITY = {"critical": 0, "warning": 1, "info": 2}
+# a component_outlier row's component kind (workbench.analysis.activations) -> the finding's component
+COMPONENT_OF = {"head": "head", "expert": "expert", "router": "router", "shared_expert": "shared_expert",
+                "mlp_block": "mlp", "dense_mlp": "mlp", "kv_latent": "kv"}
 UPSTREAM = {c: i for i, c in enumerate(("non_finite", "head", "kv", "router", "expert", "shared_expert", "mlp",
                                         "layer"))}
 
@@ -123,6 +128,11 @@ def group_findings(anomalies: pl.DataFrame, routing: pl.DataFrame | None = None,
         pos = sorted(g["pos"].to_list())
         out.append(_finding("kv", g, f"layer {layer}: cached KV entries out of their usual range{_where(pos)}",
                             layer=layer))
+    for r in a.filter(pl.col("kind") == "component_outlier").iter_rows(named=True):
+        one = a.filter((pl.col("kind") == "component_outlier") & (pl.col("explanation") == r["explanation"]))
+        kind = r["explanation"].rsplit(", ", 1)[-1].rstrip(")")
+        out.append(_finding(COMPONENT_OF.get(kind, "layer"), one, r["explanation"], layer=r["layer"],
+                            head=r["head"], expert=r["expert"], positions=[]))
     tok = a.filter(pl.col("kind").is_in(["low_confidence", "high_surprise"])).sort("pos")
     if tok.height:
         span = (pl.col("pos").diff().fill_null(0) > 1).cum_sum()

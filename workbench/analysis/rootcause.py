@@ -90,6 +90,7 @@ import numpy as np
 import polars as pl
 import torch
 from captum.attr import FeatureAblation, LayerIntegratedGradients
+from scipy.stats import norm
 
 from workbench.analysis import activations
 from workbench.analysis.baseline import bucket_of, load_profile, resid_growth
@@ -515,9 +516,10 @@ def row_evidence(model: Adapter, ids: list[int], target: int) -> list[tuple[tupl
             z = (ln - med) / max(1.4826 * float(np.median(np.abs(ln - med))), 1e-6)
             if kind == "unembed":
                 out.append((("unembed", None, None, None, None), float(_surprise(np.array(z[target])))))
-            elif ids:
+            elif ids:  # the most unusual of the context's rows: Bonferroni over them
                 p = int(np.argmax(np.abs(z[ids])))
-                out.append((("embed", None, None, None, p), float(_surprise(np.array(z[ids[p]])))))
+                nats = -float(norm.logsf(abs(z[ids[p]]))) - np.log(2.0 * len(set(ids)))
+                out.append((("embed", None, None, None, p), float(np.sign(z[ids[p]]) * max(nats, 0.0))))
     return out
 
 

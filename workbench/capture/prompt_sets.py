@@ -106,7 +106,7 @@ def record_one(item: dict, *, store: Store, batch_id: str, adapter, tokenizer, l
                    run_fields={"batch_id": batch_id, "batch_item": item["key"]})
     except Exception as e:  # noqa: BLE001 - one prompt's failure is that run's, not the batch's
         error = f"{type(e).__name__}: {e}"
-    return _finished(store, run_id, item, error, label, mine.seed, batch_id, after_run)
+    return _finished(store, run_id, item, error, label, mine.seed, batch_id, after_run, adapter)
 
 
 def record_group(items: list[dict], *, store: Store, batch_id: str, adapter, tokenizer, label: str,
@@ -125,16 +125,16 @@ def record_group(items: list[dict], *, store: Store, batch_id: str, adapter, tok
                               run_fields=[{"batch_id": batch_id, "batch_item": item["key"]} for item in items])
     except Exception as e:  # noqa: BLE001 - the group's failure is its runs', not the batch's
         errors = [f"{type(e).__name__}: {e}"] * len(items)
-    return [_finished(store, run_id, item, err, label, row.seed, batch_id, after_run)
+    return [_finished(store, run_id, item, err, label, row.seed, batch_id, after_run, adapter)
             for run_id, item, err, row in zip(run_ids, items, errors, rows)]
 
 
 def _finished(store: Store, run_id: str, item: dict, error: str | None, label: str, seed, batch_id: str,
-              after_run) -> dict:
+              after_run, adapter=None) -> dict:
     """A recorded prompt's row: ``after_run`` run on it (if it completed), a ``failed`` run made for a prompt
     refused before it had one."""
     if error is None:
-        run_after(after_run, store, run_id)
+        run_after(after_run, store, run_id, adapter)
     try:
         query.run_row(store, run_id)
     except query.RunNotFound:  # it failed before the recorder made its row

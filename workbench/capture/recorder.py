@@ -271,7 +271,7 @@ def _open(model, tokenizer, db, settings: RecordSettings, device_map=None, text:
 def record_run(prompt: str | list[int], settings: RecordSettings | None = None, *, model=None, tokenizer=None,
                db=None, progress: bool = False, on_token: Callable[[int, str], None] | None = None,
                parent_run_id: str | None = None, run_id: str | None = None, run_fields: dict | None = None,
-               after_run: Callable[[Store, str], object] | None = None,
+               after_run: Callable[..., object] | None = None,
                **setting_kw) -> tuple[str, Store, Adapter, object]:
     """Record one generation; returns (run_id, store, adapter, tokenizer). See ``workbench.record``.
 
@@ -303,17 +303,18 @@ def record_run(prompt: str | list[int], settings: RecordSettings | None = None, 
     finally:
         if bar:
             bar.close()
-    run_after(after_run, store, run_id)
+    run_after(after_run, store, run_id, adapter)
     return run_id, store, adapter, tokenizer
 
 
-def run_after(after_run: Callable[[Store, str], object] | None, store: Store, run_id: str) -> None:
-    """``after_run(store, run_id)`` on a recorded run (capture never imports the analyses: the caller hands in,
-    e.g., the anomaly detectors). Its failure is a warning, never the recording's: the run is stored already."""
+def run_after(after_run: Callable[..., object] | None, store: Store, run_id: str, adapter=None) -> None:
+    """``after_run(store, run_id, model=adapter)`` on a recorded run (capture never imports the analyses: the
+    caller hands in, e.g., the anomaly detectors, which judge the run's components with the model it was
+    recorded with). Its failure is a warning, never the recording's: the run is stored already."""
     if after_run is None:
         return
     try:
-        after_run(store, run_id)
+        after_run(store, run_id, model=adapter)
     except Exception as e:  # noqa: BLE001
         warnings.warn(f"{getattr(after_run, '__name__', 'after_run')} failed for run {run_id}: {e}")
 

@@ -90,8 +90,9 @@ _DERIVED = (
         c("std", "FLOAT[]", "per-dimension standard deviation"),
         c("log_norm_mean", "DOUBLE"), c("log_norm_std", "DOUBLE"),
         c("dev_mean", "DOUBLE", "mean of log(mean over dimensions of z^2)"), c("dev_std", "DOUBLE"),
-        c("run_norm_mean", "DOUBLE", "over clean prompts: mean of a run's mean z of the log norm"),
-        c("run_norm_std", "DOUBLE"), c("run_dev_mean", "DOUBLE"), c("run_dev_std", "DOUBLE"),
+        c("run_norm_mean", "DOUBLE[]", "per context-length bucket, over clean prompts: mean of a run's mean z of "
+          "the log norm"),
+        c("run_norm_std", "DOUBLE[]"), c("run_dev_mean", "DOUBLE[]"), c("run_dev_std", "DOUBLE[]"),
         c("created_at", "TIMESTAMP"),
         c("source", "VARCHAR", "what it was calibrated on")), keyed=False,
         doc="workbench.analysis.activations: each component's activations on clean prompts"),
