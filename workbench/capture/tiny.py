@@ -7,11 +7,14 @@ family without downloading anything. Needs ``transformers``.
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
 import json
 import sys
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from workbench.model.tokenizer import train_tokenizer
 
@@ -120,12 +123,12 @@ PER_LAYER = {"num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank":
 def moe_families() -> list[str]:
     """The model types of the installed ``transformers`` that have a causal LM and are mixtures of experts: their
     modeling module defines an expert / router / MoE class, or their default config counts experts."""
-    import importlib  # lazy: as make_folder (transformers is optional)
-    import inspect  # lazy: as above
-
     import transformers  # optional: tiny folders need transformers, importing this module does not
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto import configuration_auto, modeling_auto  # optional: as above
+
+    CONFIG_MAPPING_NAMES, model_type_to_module_name = (configuration_auto.CONFIG_MAPPING_NAMES,
+                                                       configuration_auto.model_type_to_module_name)
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     out = []
     for mt in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
@@ -224,17 +227,16 @@ def tiny_family(name: str, seed: int = 0, n_layers: int = TINY_LAYERS, std: floa
     its default config shrunk (hidden 64, ``n_layers`` layers keeping every layer kind, 8 experts top-2, a
     300-token vocabulary), weights scaled up as ``make_folder``'s so routing depends visibly on the input."""
     import transformers  # optional: tiny folders need transformers, importing this module does not
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto import configuration_auto, modeling_auto  # optional: as above
 
-    cfg_cls = getattr(transformers, CONFIG_MAPPING_NAMES[name])
+    cfg_cls = getattr(transformers, configuration_auto.CONFIG_MAPPING_NAMES[name])
     d = _shrink(cfg_cls().to_dict(), n_layers)
     d.update(FAMILY_FIXES.get(name, {}))
     if isinstance(d.get("text_config"), dict):
         d["text_config"] = {**d["text_config"], **FAMILY_FIXES.get(d["text_config"].get("model_type"), {})}
     for k in ("transformers_version", "architectures", "_name_or_path"):
         d.pop(k, None)
-    lm_cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[name])
+    lm_cls = getattr(transformers, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[name])
     text_cls = getattr(lm_cls, "config_class", None)
     if text_cls not in (None, cfg_cls) and isinstance(d.get("text_config"), dict):
         cfg = text_cls.from_dict(d["text_config"])  # a multimodal config whose causal LM is its text model
@@ -268,6 +270,8 @@ FAMILY_FIXES: dict[str, dict] = {
              "ffn_config": {"hidden_size": 64, "ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2}},
     "deepseek_v2": {"num_experts_per_tok": 2},
     "dots3_note_text": {"head_dim": 16},  # its sliding layers' head: their qk_nope_head_dim + qk_rope_head_dim
+    "doge": {"is_moe": True},
+    "inkling2_loop_text": {"loop_layer_index_start": 2, "loop_layer_index_end": 4, "loop_num_passes": 2, "n_layers_per_attn_res_block": 2},
     "dots1": {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1},
     "gemma4_text": _MOE_TEXT,
     "hunyuan_v1_moe": {"num_experts": 8, "moe_topk": 2, "head_dim": 16},
@@ -276,6 +280,57 @@ FAMILY_FIXES: dict[str, dict] = {
     "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
                        "indexer_compress_ratio": 2},
 }
+
+
+class RouterReference:
+    """What each decoder layer's experts receive, captured by hooks of its own (independent of the adapters): the
+    indices and weights passed to an ``*Experts`` module, or for a router that hands out a dense score matrix
+    (Llama 4) its top-k. Attach after the adapter is made (its load-time probe of the routers is not a forward);
+    a looped layer's first pass per forward is kept. ``close()`` -> {layer: (indices [N, K], weights [N, K])}."""
+
+    def __init__(self, hf):
+        lists = [m for _, m in hf.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
+        layers = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+        self.got: dict[int, list] = {}
+        self.calls: dict[int, int] = {}
+        self.handles = [hf.register_forward_pre_hook(lambda _m, _a: self.calls.clear())]
+        for i, layer in enumerate(layers):
+            experts = [m for m in layer.modules() if type(m).__name__.endswith("Experts")]
+            for m in experts:
+                self.handles.append(m.register_forward_pre_hook(
+                    lambda _m, a, kw, i=i: self._received(i, [*a, *kw.values()]), with_kwargs=True))
+            if not any("top_k_index" in m.forward.__code__.co_varnames for m in experts):
+                for m in layer.modules():
+                    if type(m).__name__.endswith("Router") and hasattr(m, "top_k"):
+                        self.handles.append(m.register_forward_hook(lambda mod, _a, o, i=i: self._dense(i, mod, o)))
+
+    def _first(self, i: int) -> bool:
+        self.calls[i] = self.calls.get(i, 0) + 1
+        return self.calls[i] == 1
+
+    def _received(self, i: int, values: list) -> None:
+        ints = [v for v in values if isinstance(v, torch.Tensor) and v.ndim == 2 and not v.is_floating_point()]
+        if ints and self._first(i):
+            idx = ints[0]
+            w = next((v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()
+                      and v.shape == idx.shape), None)
+            self.got.setdefault(i, []).append((idx.detach().clone(), None if w is None else w.detach().float().clone()))
+
+    def _dense(self, i: int, router, out) -> None:
+        if isinstance(out, tuple) and len(out) == 2 and self._first(i):
+            scores = out[0].reshape(-1, out[0].size(-1))
+            idx = scores.topk(router.top_k, dim=-1)[1]
+            self.got.setdefault(i, []).append((idx.detach().clone(), scores.gather(1, idx).detach().float().clone()))
+
+    def close(self) -> dict:
+        for h in self.handles:
+            h.remove()
+        out = {}
+        for i, parts in self.got.items():
+            idx = torch.cat([p[0].reshape(-1, p[0].size(-1)) for p in parts])
+            ws = [p[1] for p in parts]
+            out[i] = (idx, None if any(w is None for w in ws) else torch.cat([w.reshape(-1, idx.size(-1)) for w in ws]))
+        return out
 
 
 def main(argv: list[str] | None = None) -> int:

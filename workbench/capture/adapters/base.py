@@ -320,7 +320,7 @@ class Adapter:
             for seam, fn in routing:
                 lists[seam].remove(fn)
             if routing and not (lists["route"] or lists["routed"]):
-                for h in self._route_handles:
+                for h in getattr(self, "_route_handles", None) or []:  # a failed attach must not hide its error
                     h.remove()
                 self._route_handles = []
 

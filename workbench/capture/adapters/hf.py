@@ -24,6 +24,7 @@ A layer that holds experts but no such router (an older or custom MoE) is record
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import re
 import tempfile
@@ -41,11 +42,19 @@ from workbench.model import state_sha256
 from workbench.model.generate import check_prompt, decode
 
 from .base import Adapter, Listener, ModelSummary, QuantPoints, first_output
-from .routing import RouterMath
+from .routing import SCORE_FUNCS, RouterMath
 
-ROUTER_CLASS = re.compile(r"Top[Kk]Router$")
-MOE_HINT = re.compile(r"(moe|sparse|expert)", re.IGNORECASE)
-SELECTION_BIAS = ("e_score_correction_bias",)
+ROUTER_CLASS = re.compile(r"(Router|Gate|Gating)$")
+# a layer holds experts when a module is named so, or its class says so (a family prefix such as "Glm4Moe" in
+# "Glm4MoeMLP" does not: a dense layer of an MoE family is dense)
+MOE_NAME = re.compile(r"^(experts|moe|block_sparse_moe|sparse_moe)$")
+MOE_CLASS = re.compile(r"(Experts?|MoE|Moe|MoeBlock|MoELayer|MoeLayer|Router)$")  # not *Gate: forget gates
+SELECTION_BIAS = ("e_score_correction_bias", "expert_bias", "balancing_biases")
+SCALES = ("routed_scaling_factor", "route_scale", "router_scaling_factor", "moe_routed_scaling_factor")
+EXPERT_SCALE = ("per_expert_scale",)
+ATTN_NAMES = ("self_attn", "self_attention", "attn", "attention")
+OUT_PROJ = ("o_proj", "out_proj", "wo")
+HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_local_heads")
 
 
 def folder_model_type(path: str | Path) -> str | None:
@@ -59,64 +68,298 @@ def folder_model_type(path: str | Path) -> str | None:
         return None
 
 
+def _text_config(cfg):
+    """The language model's config (a multimodal config's text config)."""
+    get = getattr(cfg, "get_text_config", None)
+    try:
+        return get() if callable(get) else cfg
+    except Exception:  # noqa: BLE001 - a config without one is its own text config
+        return cfg
+
+
+def _cfg(cfg, *names, default=None):
+    """The first of ``names`` set on ``cfg`` (a per-layer attribute that refuses global access counts as unset)."""
+    for n in names:
+        try:
+            v = getattr(cfg, n, None)
+        except Exception:  # noqa: BLE001 - transformers' per-layer attributes raise on global access
+            v = None
+        if v is not None:
+            return v
+    return default
+
+
 def _decoder_layers(hf: nn.Module) -> nn.ModuleList:
-    n = int(hf.config.num_hidden_layers)
-    for _, mod in hf.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) == n and all(hasattr(m, "self_attn") for m in mod):
-            return mod
-    raise ValueError(f"cannot find the {n} decoder layers (modules with self_attn) of {type(hf).__name__}")
+    """The decoder layers: the largest ``ModuleList`` of as many modules as the config has layers (hybrid models
+    mix attention, state-space, convolution and MoE-only layers; some count sub-layers instead)."""
+    n = _cfg(_text_config(hf.config), "num_hidden_layers", "n_layers", "num_layers")
+    lists = [m for _, m in hf.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    same = [m for m in lists if n is not None and len(m) == int(n)]
+    pool = same or [m for m in lists if len(m) > 1]
+    if not pool:
+        raise ValueError(f"cannot find the decoder layers of {type(hf).__name__} (no list of modules)")
+    return max(pool, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def _attention(layer: nn.Module) -> nn.Module | None:
+    """A layer's softmax attention module, or None (a state-space, convolution, linear-attention or MLP layer)."""
+    for owner in (layer, *layer.children()):
+        for n in ATTN_NAMES:
+            m = getattr(owner, n, None)
+            if isinstance(m, nn.Module) and not isinstance(m, nn.ModuleList):
+                return m
+    mixer = getattr(layer, "mixer", None)
+    if isinstance(mixer, nn.Module) and "Attention" in type(mixer).__name__ and "Linear" not in type(mixer).__name__:
+        return mixer
+    return None
+
+
+def _out_proj(attn: nn.Module | None) -> nn.Linear | None:
+    for n in OUT_PROJ:
+        m = getattr(attn, n, None)
+        if isinstance(m, nn.Linear):
+            return m
+    return None
+
+
+def _heads(attn: nn.Module | None, default: int | None) -> int | None:
+    """The number of query heads of one attention module (per-layer head counts differ in some families)."""
+    if attn is None:
+        return None
+    o, hd = _out_proj(attn), getattr(attn, "head_dim", None)
+    if o is not None and isinstance(hd, int) and hd > 0 and o.in_features % hd == 0:
+        return o.in_features // hd
+    for n in HEAD_ATTRS:
+        v = getattr(attn, n, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return default
+
+
+def _layer_kind(layer: nn.Module) -> str:
+    """What a layer without softmax attention mixes tokens with (its mixer's class name)."""
+    for n in ("mamba", "linear_attn", "conv", "mixer", "short_conv", "linear_attention", "ssm"):
+        m = getattr(layer, n, None)
+        if isinstance(m, nn.Module):
+            return type(m).__name__
+    return type(layer).__name__
 
 
 def _find_router(layer: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module] | None:
-    """(block, router, experts) of a layer that follows the router convention, else None."""
+    """(block, router, experts): a module holding ``experts`` beside a router (a child named ``gate`` / ``router``
+    or whose class ends in Router / Gate / Gating), else None."""
     for _, mod in layer.named_modules():
+        experts = getattr(mod, "experts", None)
+        if not isinstance(experts, nn.Module):
+            continue
         for rname, router in mod.named_children():
-            if ROUTER_CLASS.search(type(router).__name__) and isinstance(getattr(mod, "experts", None), nn.Module):
-                return mod, router, mod.experts
+            if router is not experts and (ROUTER_CLASS.search(type(router).__name__) or rname in ("gate", "router")):
+                return mod, router, experts
     return None
 
 
-def _router_output(router: nn.Module, hidden: torch.Tensor):
-    out = router(hidden)
-    if not (isinstance(out, tuple) and len(out) == 3):
+def _unrouted_part(layer: nn.Module) -> nn.Module:
+    """What a note names for a layer whose experts are not routed here: its router, else its MoE block."""
+    found = _find_router(layer)
+    if found:
+        return found[1]
+    return next((m for n, m in layer.named_modules() if n and (MOE_NAME.match(n.rsplit(".", 1)[-1])
+                                                                or MOE_CLASS.search(type(m).__name__))), layer)
+
+
+def _holds_experts(layer: nn.Module) -> bool:
+    return any(MOE_NAME.match(n.rsplit(".", 1)[-1]) or MOE_CLASS.search(type(m).__name__)
+               for n, m in layer.named_modules() if n)
+
+
+def _tensor_attr(mods, names):
+    """(owner, name) of the first tensor attribute ``names`` found on ``mods`` (a module's live buffer)."""
+    for m in mods:
+        for n in names:
+            if isinstance(getattr(m, n, None), torch.Tensor):
+                return m, n
+    return None
+
+
+def _received(args, kwargs):
+    """Where the experts' (indices [N, K], weights [N, K]) are in their call: ((kind, key), (kind, key)) or None."""
+    items = [("arg", i, a) for i, a in enumerate(args)] + [("kw", k, v) for k, v in kwargs.items()]
+    idx = next((it for it in items if isinstance(it[2], torch.Tensor) and it[2].ndim == 2
+                and not it[2].is_floating_point() and it[2].dtype != torch.bool), None)
+    if idx is None:
         return None
-    return out
+    w = next((it for it in items if isinstance(it[2], torch.Tensor) and it[2].is_floating_point()
+              and it[2].shape == idx[2].shape), None)
+    return None if w is None else ((idx[0], idx[1]), (w[0], w[1]))
 
 
-def infer_router_math(router: nn.Module, hidden_size: int, seed: int = 0) -> RouterMath | None:
-    """The ``RouterMath`` that reproduces ``router``'s own output on random inputs, or None."""
-    top_k = int(getattr(router, "top_k"))
-    n_exp = int(getattr(router, "num_experts", 0) or router.weight.size(0))
-    bias = next((getattr(router, b) for b in SELECTION_BIAS if isinstance(getattr(router, b, None), torch.Tensor)),
-                None)
-    n_group = int(getattr(router, "num_group", None) or getattr(router, "n_group", None) or 1)
-    topk_group = int(getattr(router, "topk_group", None) or 1)
-    if getattr(router, "topk_method", None) == "greedy":
-        n_group = topk_group = 1
-    scale = float(getattr(router, "routed_scaling_factor", None) or 1.0)
-    norm_attr = getattr(router, "norm_topk_prob", None)
-    p = next(router.parameters())
-    # an offloaded layer (accelerate device map) keeps meta weights and runs where its hook says
-    hook = getattr(router, "_hf_hook", None)
+def _started(cache) -> bool:
+    """True for a cache that holds tokens (a family's own cache class, once the model made it)."""
+    try:
+        return int(cache.get_seq_length()) > 0
+    except Exception:  # noqa: BLE001 - a cache class without get_seq_length: made by the model, so started
+        return True
+
+
+def _get(args, kwargs, where):
+    return args[where[1]] if where[0] == "arg" else kwargs[where[1]]
+
+
+def _put(args, kwargs, where, value):
+    if where[0] == "arg":
+        args = (*args[:where[1]], value, *args[where[1] + 1:])
+    else:
+        kwargs = {**kwargs, where[1]: value}
+    return args, kwargs
+
+
+def _floats(out) -> list[int]:
+    """Positions of the 2-D+ float tensors in a router's output tuple."""
+    return [i for i, o in enumerate(out) if isinstance(o, torch.Tensor) and o.is_floating_point() and o.ndim >= 2]
+
+
+class RouterSeam:
+    """How one layer's routing is observed and replaced: the router's logits, and the (indices, weights) the
+    experts receive, from the experts' call ("experts"), from the router's output tuple ("output"), or from a
+    dense score matrix the router returns with zeros outside the choice ("dense", Llama 4)."""
+
+    def __init__(self, style: str, logits_at: int | None, idx_at=None, w_at=None, top_k: int = 0):
+        self.style, self.logits_at, self.idx_at, self.w_at, self.top_k = style, logits_at, idx_at, w_at, top_k
+
+    def logits(self, out) -> torch.Tensor:
+        x = out if self.logits_at is None else out[self.logits_at]
+        return x.reshape(-1, x.size(-1))
+
+    def from_output(self, out) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.style == "dense":
+            scores = out[0].reshape(-1, out[0].size(-1))
+            idx = scores.topk(self.top_k, dim=-1)[1]
+            return idx, scores.gather(1, idx)
+        return out[self.idx_at], out[self.w_at]
+
+    def rebuild(self, out, idx: torch.Tensor, w: torch.Tensor):
+        out = list(out)
+        if self.style == "dense":
+            s = out[0]
+            out[0] = torch.zeros_like(s.reshape(-1, s.size(-1))).scatter_(1, idx, w.to(s.dtype)).reshape(s.shape)
+        else:
+            out[self.idx_at], out[self.w_at] = idx.to(out[self.idx_at].dtype), w.to(out[self.w_at].dtype)
+        return tuple(out)
+
+
+def _probe_router(block: nn.Module, router: nn.Module, experts: nn.Module, hidden_size: int, bias, seed: int = 0):
+    """Run the MoE block (else the router alone) on random rows: (router output, the experts' call (args, kwargs)
+    or None). A router that takes its selection bias as an argument (HY-V3, MiniMax-M2, AFMoE) gets it."""
+    p = next(router.parameters(), None)
+    p = p if p is not None else next(block.parameters())
+    hook = getattr(router, "_hf_hook", None)  # an offloaded layer (accelerate) runs where its hook says
     device = p.device if p.device.type != "meta" else getattr(hook, "execution_device", None) or "cpu"
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(64, hidden_size, generator=g).to(device, p.dtype)
-    with torch.no_grad():
-        out = _router_output(router, hidden)
-        if out is None:
+    x = torch.randn(1, 64, hidden_size, generator=g).to(device, p.dtype)
+    got: dict = {}
+    hs = [router.register_forward_hook(lambda _m, _a, o: got.setdefault("out", o)),
+          experts.register_forward_pre_hook(lambda _m, a, kw: got.setdefault("call", (a, kw)), with_kwargs=True)]
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if block is not router:
+                try:
+                    block(x)
+                except Exception:  # noqa: BLE001 - a block that needs more than hidden states (a whole layer)
+                    got.clear()
+            if "out" not in got:
+                extra = [p_ for p_ in inspect.signature(router.forward).parameters.values()
+                         if p_.default is inspect.Parameter.empty and p_.kind in (p_.POSITIONAL_ONLY,
+                                                                                 p_.POSITIONAL_OR_KEYWORD)][1:]
+                args = [getattr(*bias) if bias is not None else None for _ in extra]
+                error = None
+                for shape in (x, x[0]):
+                    try:
+                        router(shape, *args)
+                        break
+                    except Exception as e:  # noqa: BLE001 - routers take [1, N, D] or [N, D]
+                        got.clear()
+                        error = error or e
+                if "out" not in got and error is not None:
+                    raise error  # the router's own error, told in the run's notes
+    finally:
+        for h in hs:
+            h.remove()
+    return got.get("out"), got.get("call")
+
+
+def infer_router_math(router: nn.Module, hidden_size: int, seed: int = 0, block: nn.Module | None = None,
+                      experts: nn.Module | None = None) -> RouterMath | None:
+    """The ``RouterMath`` that reproduces ``router``'s own output on random inputs, or None."""
+    found = _infer(block if block is not None else router, router, experts if experts is not None else router,
+                   hidden_size, seed)
+    return None if found is None or not found[0].exact else found[0]
+
+
+def _infer(block, router, experts, hidden_size: int, seed: int = 0):
+    """(RouterMath, RouterSeam) of one MoE block, or None when its routing cannot be observed. The math is the
+    rule of ``RouterMath``'s space that reproduces what the experts receive from the router's logits; when none
+    does, the returned math has ``exact=False`` (the selection is still observed exactly)."""
+    bias_src = _tensor_attr([router, *router.modules(), block], SELECTION_BIAS)
+    out, call = _probe_router(block, router, experts, hidden_size, bias_src)
+    if out is None:
+        return None
+    tup = isinstance(out, (tuple, list))
+    recv = _received(*call) if call is not None else None
+    if recv is not None:
+        idx, w = _get(*call, recv[0]), _get(*call, recv[1])
+        fl = _floats(out) if tup else []
+        seam = RouterSeam("experts", fl[0] if tup and fl else None, recv[0], recv[1])
+        if tup and not fl:
             return None
-        logits, weights, indices = out
-        candidates = product(("softmax", "sigmoid"), ("max", "top2"),
-                             (bool(norm_attr),) if norm_attr is not None else (True, False))
-        for score, group_score, norm in candidates:
-            if n_group == 1 and group_score == "top2":
-                continue
-            math = RouterMath(n_experts=n_exp, top_k=top_k, score=score, bias=bias, n_group=n_group,
-                              topk_group=topk_group, group_score=group_score, norm=norm,
-                              eps=1e-20 if score == "sigmoid" else 0.0, scale=scale)
-            if math.matches(logits, indices, weights, atol=1e-3 if p.dtype != torch.float32 else 1e-5):
-                return math
-    return None
+    elif tup and len(out) >= 3 and isinstance(out[2], torch.Tensor) and not out[2].is_floating_point():
+        seam = RouterSeam("output", 0, 2, 1)
+        idx, w = out[2], out[1]
+    elif tup and len(out) == 2 and all(isinstance(o, torch.Tensor) and o.is_floating_point() for o in out):
+        k = int(_cfg(router, "top_k", default=0) or 0)
+        if not k:
+            return None
+        seam = RouterSeam("dense", 1, top_k=k)
+        idx, w = seam.from_output(out)
+    else:
+        return None
+    logits = seam.logits(out).float()
+    idx, w = idx.reshape(-1, idx.size(-1)), w.reshape(-1, w.size(-1)).float()
+    if logits.size(0) != idx.size(0):
+        return None
+    n_exp, top_k = logits.size(-1), idx.size(-1)
+    seam.top_k = top_k
+    bias = getattr(*bias_src).reshape(-1) if bias_src is not None else None
+    if bias is not None and bias.numel() != n_exp:
+        bias = None
+    n_group = int(_cfg(router, "num_group", "n_group", default=1) or 1)
+    topk_group = int(_cfg(router, "topk_group", default=1) or 1)
+    if getattr(router, "topk_method", None) == "greedy" or n_group <= 1 or n_exp % n_group:
+        n_group = topk_group = 1
+    scales = {1.0} | {float(v) for m in (router, block) for n in SCALES
+                      if isinstance(v := getattr(m, n, None), (int, float)) and not isinstance(v, bool)}
+    es = _tensor_attr([router, block], EXPERT_SCALE)
+    expert_scales = [None] + ([getattr(*es)] if es is not None else [])
+    norm_attr = getattr(router, "norm_topk_prob", None)
+    atol = 1e-3 if logits.dtype != torch.float32 or w.dtype != torch.float32 else 1e-5
+    p = next(router.parameters(), None)
+    if p is not None and p.dtype != torch.float32:
+        atol = 1e-2
+    biases = [(None, "scores")] + ([(bias, "scores"), (bias, "logits")] if bias is not None else [])
+    for score, (b, on), group_score, norm, scale, e_scale in product(
+            SCORE_FUNCS, biases, ("max", "top2"),
+            (bool(norm_attr), not bool(norm_attr)) if norm_attr is not None else (True, False), sorted(scales),
+            expert_scales):
+        if n_group == 1 and group_score == "top2":
+            continue
+        math = RouterMath(n_experts=n_exp, top_k=top_k, score=score, bias=b, n_group=n_group, topk_group=topk_group,
+                          group_score=group_score, norm=norm, eps=0.0 if score == "softmax" else 1e-20, scale=scale,
+                          bias_on=on, expert_scale=e_scale)
+        with torch.no_grad():
+            if math.matches(logits, idx, w, atol=atol):
+                return math, seam, bias_src
+    # observed: the experts' own (indices, weights) are recorded; scores and margins from a softmax of the logits
+    return RouterMath(n_experts=n_exp, top_k=top_k, score="softmax", norm=True, exact=False), seam, None
 
 
 class HFAdapter(Adapter):
@@ -134,49 +377,105 @@ class HFAdapter(Adapter):
         self.module._workbench_adapter = self  # adapter_for(module) finds it again
         self.checkpoint_path = str(folder) if folder is not None else None
         self.attn_chunk = attn_chunk
-        cfg = hf.config
+        cfg = _text_config(hf.config)
+        hidden = int(_cfg(cfg, "hidden_size", "d_model"))
         self.layers = _decoder_layers(hf)
+        self.attn: list[nn.Module | None] = [_attention(layer) for layer in self.layers]
         self.moe: dict[int, tuple[nn.Module, nn.Module, nn.Module, RouterMath]] = {}
+        self._seam: dict[int, RouterSeam] = {}
+        self._bias_src: dict[int, tuple[nn.Module, str] | None] = {}
         unrouted: list[int] = []
+        inexact: list[int] = []
+        notes: list[str] = []
         for i, layer in enumerate(self.layers):
             found = _find_router(layer)
-            math = infer_router_math(found[1], int(cfg.hidden_size)) if found else None
-            if found and math is not None:
+            got = None
+            if found:
+                try:
+                    got = _infer(*found, hidden)
+                except Exception as e:  # noqa: BLE001 - an unknown router is recorded without routing, never fatal
+                    notes.append(f"layer {i}'s router could not be probed ({type(e).__name__}: "
+                                 f"{(str(e).splitlines() or [''])[0][:120]})")
+            if got is not None:
+                math, seam, bias_src = got
                 self.moe[i] = (*found, math)
-            elif found or any(MOE_HINT.search(type(m).__name__) or MOE_HINT.search(n.rsplit(".", 1)[-1])
-                              for n, m in layer.named_modules() if n):
+                self._seam[i], self._bias_src[i] = seam, bias_src
+                if not math.exact:
+                    inexact.append(i)
+            elif found or _holds_experts(layer):
                 unrouted.append(i)
         maths = [m[3] for m in self.moe.values()]
         n_shared = 0
         if self.moe:
             block = next(iter(self.moe.values()))[0]
             if getattr(block, "shared_experts", None) is not None:
-                n_shared = int(getattr(cfg, "n_shared_experts", None) or 1)
+                n_shared = int(_cfg(cfg, "n_shared_experts", "num_shared_experts", default=1) or 1)
             elif getattr(block, "shared_expert", None) is not None:
                 n_shared = 1
-        notes = []
         if unrouted:
-            notes.append(f"layers {unrouted} hold experts that no adapter recognises (no router following the "
-                         "transformers TopKRouter convention, or one whose arithmetic could not be matched): "
-                         "routing is not recorded for them")
-        n_heads = int(cfg.num_attention_heads)
+            what = sorted({type(_unrouted_part(self.layers[i])).__name__ for i in unrouted})
+            notes.append(f"layers {unrouted} hold experts that no adapter recognises ({', '.join(what)}: no router "
+                         "whose choice the experts receive as indices and weights, e.g. hash, product-key or "
+                         "attention-head routing): routing is not recorded for them")
+        if inexact:
+            kinds = sorted({type(self.moe[i][1]).__name__ for i in inexact})
+            notes.append(f"layers {inexact}: the router's rule ({', '.join(kinds)}) is not modelled; the routing "
+                         "recorded is the choice and weights the experts receive, but score and margin use a "
+                         "softmax of its logits, and re-routing what-ifs use that approximation")
+        # attention: layers without softmax attention (state-space, convolution, linear attention) are noted;
+        # layers whose head count differs from the model's are recorded without per-head signals
+        g_heads = _cfg(cfg, "num_attention_heads", "n_heads")
+        heads = [_heads(a, g_heads) for a in self.attn]
+        present = [h for h in heads if h]
+        n_heads = int(max(set(present), key=present.count) if present else (g_heads or 1))
+        self._heads = [h if h == n_heads else None for h in heads]
+        self._o_proj = [_out_proj(a) if h else None for a, h in zip(self.attn, self._heads)]
+        no_attn = [i for i, a in enumerate(self.attn) if a is None]
+        if no_attn:
+            kinds = sorted({_layer_kind(self.layers[i]) for i in no_attn})
+            notes.append(f"layers {no_attn} have no softmax attention ({', '.join(kinds)}): attention, head and KV "
+                         "signals are recorded for the attention layers only")
+        odd = [i for i, (a, h) in enumerate(zip(self.attn, self._heads)) if a is not None and h is None]
+        if odd:
+            notes.append(f"layers {odd} have another head count than the model's {n_heads}: their attention and "
+                         "head signals are not recorded")
+        no_o = [i for i, (a, h, o) in enumerate(zip(self.attn, self._heads, self._o_proj))
+                if a is not None and h and o is None]
+        if no_o:
+            notes.append(f"layers {no_o} have no per-head output projection (o_proj): head outputs are not recorded")
+        streams = int(_cfg(cfg, "hc_mult", "hc_count", default=1) or 1)
+        if streams > 1:
+            notes.append(f"the residual stream is {streams} parallel streams: resid_norm is the norm over all of them")
+        self._passes: dict[int, int] = {}
+        loops = int(_cfg(cfg, "loop_num_passes", default=1) or 1)
+        if loops > 1:
+            notes.append(f"looped layers run {loops} passes per token: every signal is recorded on the first pass")
+        n_kv = _cfg(cfg, "num_key_value_heads", default=None)
         self.summary = ModelSummary(
-            family=str(cfg.model_type), backend="transformers", n_layers=len(self.layers), n_heads=n_heads,
-            n_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or n_heads), vocab_size=int(cfg.vocab_size),
-            max_seq_len=int(getattr(cfg, "max_position_embeddings", None) or 2048), moe_layers=sorted(self.moe),
-            n_routed_experts=maths[0].n_experts if maths else 0, n_shared_experts=n_shared,
-            top_k=maths[0].top_k if maths else 0, selection_bias=any(m.has_bias for m in maths),
-            unrouted_layers=unrouted, notes=notes)
+            family=str(hf.config.model_type), backend="transformers", n_layers=len(self.layers), n_heads=n_heads,
+            n_kv_heads=int(n_kv if isinstance(n_kv, int) else n_heads), vocab_size=int(_cfg(cfg, "vocab_size")),
+            max_seq_len=int(_cfg(cfg, "max_position_embeddings", "max_seq_len", default=2048)),
+            moe_layers=sorted(self.moe), n_routed_experts=maths[0].n_experts if maths else 0,
+            n_shared_experts=n_shared, top_k=maths[0].top_k if maths else 0,
+            selection_bias=any(m.has_bias for m in maths), unrouted_layers=unrouted, notes=notes)
         self._pos = 0
         self._cache = None
         self._attn_listeners = 0
+        # looped layers (a block run several times per forward): seams see a layer's first pass only
+        self._pass_hooks = [hf.register_forward_pre_hook(lambda _m, _a: self._passes.clear())] + [
+            layer.register_forward_pre_hook(lambda _m, _a, i=i: self._passes.__setitem__(i, self._passes.get(i, 0) + 1))
+            for i, layer in enumerate(self.layers)]
+
+    def _first_pass(self, i: int) -> bool:
+        return self._passes.get(i, 1) <= 1
 
     def router(self, layer: int) -> RouterMath:
-        _, router, _, math = self.moe[layer]
-        if math.bias is None:
+        math = self.moe[layer][3]
+        src = self._bias_src.get(layer)
+        if math.bias is None or src is None:
             return math
         # the live buffer (a dtype or device move replaces it; a fault changes it in place)
-        return replace(math, bias=next(getattr(router, b) for b in SELECTION_BIAS if hasattr(router, b)))
+        return replace(math, bias=getattr(*src).reshape(-1))
 
     # -- running --------------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -212,8 +511,19 @@ class HFAdapter(Adapter):
         parts = []
         for c0 in range(0, len(ids), chunk):
             self._pos = pos + c0
-            out = self.module(torch.tensor([ids[c0:c0 + chunk]], device=self.device), cache=cache, use_cache=True)
-            cache = out.cache
+            x = torch.tensor([ids[c0:c0 + chunk]], device=self.device)
+            if cache is not None and not getattr(self, "_own_cache", False):
+                try:
+                    out = self.module(x, cache=cache, use_cache=True)
+                except ValueError as e:
+                    if "cache" not in str(e) or cache.get_seq_length() > 0:
+                        raise
+                    self._own_cache = True  # a family with a cache class of its own (MiniMax): it makes one
+                    out = self.module(x, use_cache=True)
+            else:
+                out = self.module(x, use_cache=True) if cache is None or getattr(self, "_own_cache", False) and \
+                    not _started(cache) else self.module(x, cache=cache, use_cache=True)
+            cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
             parts.append(out.logits[0].float())
         self._cache = cache
         return (torch.cat(parts) if len(parts) > 1 else parts[0]), cache
@@ -262,8 +572,8 @@ class HFAdapter(Adapter):
             kwargs["attention_mask"] = mask + add
             return args, kwargs
 
-        handles = [l.self_attn.register_forward_pre_hook(lambda m, a, kw, i=i: evict(m, a, kw, i), with_kwargs=True)
-                   for i, l in enumerate(self.layers)]
+        handles = [a.register_forward_pre_hook(lambda m, a_, kw, i=i: evict(m, a_, kw, i), with_kwargs=True)
+                   for i, a in enumerate(self.attn) if a is not None]
 
         def forward(ids, pos: int) -> torch.Tensor:
             nonlocal cache
@@ -346,7 +656,7 @@ class HFAdapter(Adapter):
     # -- the parts of a layer (activation patching, fault injection) ---------------------------------
     def parts(self, layer: int) -> dict[str, nn.Module | None]:
         b = self.layers[layer]
-        attn = b.self_attn
+        attn = self.attn[layer]
         moe = self.moe.get(layer)
         block = moe[0] if moe else None
         shared = None if block is None else (getattr(block, "shared_experts", None)
@@ -361,7 +671,7 @@ class HFAdapter(Adapter):
         down = getattr(experts, "down_proj", None)
         if isinstance(down, torch.Tensor) and down.ndim == 3:  # fused [E, D, I] (or [E, I, D])
             w = down[expert]
-            return w if w.size(0) == self.module.config.hidden_size else w.transpose(0, 1)
+            return w if w.size(0) == self.unembedding().weight.size(1) else w.transpose(0, 1)
         mods = list(experts) if isinstance(experts, nn.ModuleList) else []
         if mods and hasattr(mods[expert], "down_proj"):
             return mods[expert].down_proj.weight
@@ -386,7 +696,8 @@ class HFAdapter(Adapter):
                 return None
             kwargs["position_embeddings"] = new
             return args, kwargs
-        return [self.layers[layer].self_attn.register_forward_pre_hook(pre, with_kwargs=True)]
+        attn = self.attn[layer]
+        return [] if attn is None else [attn.register_forward_pre_hook(pre, with_kwargs=True)]
 
     def start_positions(self, layer: int, fn) -> list:
         return [self.layers[layer].register_forward_pre_hook(lambda _m, _args: fn(self._pos))]
@@ -408,25 +719,30 @@ class HFAdapter(Adapter):
         if seam == "attn_probs":
             def on_attn(m, _a, out, i):
                 probs = out[1] if isinstance(out, tuple) and len(out) > 1 else None
-                if probs is not None:  # [H, Tc, S] -> [Tc, H, S]
+                # softmax probabilities [B, H, Tc, S] (a module returning something else is not attention we read)
+                if isinstance(probs, torch.Tensor) and probs.ndim == 4 and self._first_pass(i):
                     fn(i, probs[0].detach().transpose(0, 1), self._pos, getattr(m, "sliding_window", None))
-            handles = [l.self_attn.register_forward_hook(lambda m, a, o, i=i: on_attn(m, a, o, i))
-                       for i, l in enumerate(self.layers)]
+            handles = [a.register_forward_hook(lambda m, a_, o, i=i: on_attn(m, a_, o, i))
+                       for i, (a, h) in enumerate(zip(self.attn, self._heads)) if a is not None and h]
             self._attn_listeners += 1
             return handles + [_Undo(self._attn_done)]
         if seam == "head_out":
             h = self.summary.n_heads
 
             def on_o(_m, args, i):
+                if not self._first_pass(i):
+                    return None
                 x = args[0]
                 z = x.view(*x.shape[:-1], h, x.size(-1) // h)  # [B, T, H, d]
                 new = fn(i, z)
                 return None if new is None else (new.reshape(x.shape), *args[1:])
-            return [l.self_attn.o_proj.register_forward_pre_hook(lambda m, a, i=i: on_o(m, a, i))
-                    for i, l in enumerate(self.layers)]
+            return [o.register_forward_pre_hook(lambda m, a, i=i: on_o(m, a, i))
+                    for i, o in enumerate(self._o_proj) if o is not None]
         if seam == "resid_post":
             def on_layer(_m, _a, out, i):
-                fn(i, first_output(out))
+                if self._first_pass(i):
+                    x = first_output(out)
+                    fn(i, x.flatten(2) if x.ndim == 4 else x)  # parallel residual streams [B, T, n, D]: all of them
             return [l.register_forward_hook(lambda m, a, o, i=i: on_layer(m, a, o, i)) for i, l in enumerate(self.layers)]
         if seam == "shared_out":
             handles = []
@@ -434,6 +750,8 @@ class HFAdapter(Adapter):
                 shared = getattr(block, "shared_experts", None) or getattr(block, "shared_expert")
 
                 def on_shared(_m, _a, out, i=i):
+                    if not self._first_pass(i) or not isinstance(out, torch.Tensor):
+                        return None
                     new = fn(i, out.reshape(-1, out.size(-1)))
                     return None if new is None else new.reshape(out.shape)
                 handles.append(shared.register_forward_hook(on_shared))
@@ -443,13 +761,30 @@ class HFAdapter(Adapter):
     def _attach_routing(self) -> list:
         handles = []
         for i, (_, router, experts, _) in self.moe.items():
+            seam = self._seam[i]
             seen: dict = {}
-            handles.append(router.register_forward_hook(lambda _m, _a, out, seen=seen: seen.__setitem__("logits", out[0])))
 
-            def on_experts(_m, args, kwargs, i=i, seen=seen):
-                hidden, idx, w = args[0], args[1], args[2]
+            def on_router(_m, _a, out, i=i, seam=seam, seen=seen):
+                seen["logits"] = seam.logits(out)
+                if seam.style == "experts" or not self._first_pass(i):
+                    return None
+                idx, w = seam.from_output(out)
                 new = self._dispatch_route(i, seen["logits"], idx, w)
-                return None if new is None else ((hidden, new[0], new[1].to(w.dtype), *args[3:]), kwargs)
+                return None if new is None else seam.rebuild(out, new[0], new[1])
+            handles.append(router.register_forward_hook(on_router))
+            if seam.style != "experts":
+                continue
+
+            def on_experts(_m, args, kwargs, i=i, seam=seam, seen=seen):
+                if not self._first_pass(i) or "logits" not in seen:
+                    return None
+                idx, w = _get(args, kwargs, seam.idx_at), _get(args, kwargs, seam.w_at)
+                shape = idx.shape
+                new = self._dispatch_route(i, seen["logits"], idx.reshape(-1, shape[-1]), w.reshape(-1, shape[-1]))
+                if new is None:
+                    return None
+                args, kwargs = _put(args, kwargs, seam.idx_at, new[0].to(idx.dtype).reshape(shape))
+                return _put(args, kwargs, seam.w_at, new[1].to(w.dtype).reshape(shape))
             handles.append(experts.register_forward_pre_hook(on_experts, with_kwargs=True))
         return handles
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-SCORE_FUNCS = ("softmax", "sigmoid")
+# identity: the router hands out probabilities itself; sqrtsoftplus: DeepSeek-V4's sqrt(softplus(logits))
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus", "identity")
 
 
 @dataclass
@@ -32,6 +33,12 @@ class RouterMath:
             ("max", DeepSeek-V2) or the sum of its two best ("top2", DeepSeek-V3).
         norm: renormalise the chosen weights to sum to 1; eps is added to that denominator.
         scale: multiplies the weights (routed_scaling_factor / route_scale).
+        bias_on: "scores" (the bias is added to the scores) or "logits" (added to the logits before the score
+            function: the choice ranks score(logits + bias)).
+        expert_scale: [E] multiplies each chosen expert's weight (Gemma 4's per-expert scale), or None.
+        exact: False when no rule of this space reproduced the router (its selection is observed as the experts
+            receive it; scores and margins then use this rule as an approximation, and re-routing is not the
+            router's own).
     """
 
     n_experts: int
@@ -44,6 +51,9 @@ class RouterMath:
     norm: bool = True
     eps: float = 0.0
     scale: float = 1.0
+    bias_on: str = "scores"
+    expert_scale: torch.Tensor | None = None
+    exact: bool = True
 
     def __post_init__(self) -> None:
         if self.score not in SCORE_FUNCS:
@@ -56,11 +66,17 @@ class RouterMath:
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
         """Raw per-expert scores [N, E]."""
         logits = logits.float()
+        if self.score == "identity":
+            return logits
+        if self.score == "sqrtsoftplus":
+            return torch.nn.functional.softplus(logits).sqrt()
         return logits.sigmoid() if self.score == "sigmoid" else logits.softmax(dim=-1)
 
     def basis(self, logits: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """What the top-k ranks by, before groups: scores + selection bias."""
         b = self.bias if bias is None else bias
+        if b is not None and self.bias_on == "logits":
+            return self.scores(logits.float() + b.to(logits.device, torch.float32))
         base = self.scores(logits)
         return base if b is None else base + b.to(base.device, base.dtype)
 
@@ -96,6 +112,8 @@ class RouterMath:
         w = self.scores(logits).gather(1, indices)
         if self.norm:
             w = w / (w.sum(dim=-1, keepdim=True) + self.eps)
+        if self.expert_scale is not None:
+            w = w * self.expert_scale.to(w.device, w.dtype)[indices]
         return w * self.scale
 
     def route(self, logits: torch.Tensor, bias: torch.Tensor | None = None,

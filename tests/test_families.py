@@ -1,0 +1,149 @@
+"""Every MoE family of the installed ``transformers`` records (issue 26, item 5).
+
+The families are enumerated from transformers itself (``tiny.moe_families``: a causal LM whose modeling module
+defines an expert / router / MoE class, or whose config counts experts); each is built as a tiny random model
+from its own default config, shrunk (``tiny.tiny_family``), and 12 tokens are recorded. For every family whose
+routing is recorded, what the experts received during the recording (hooks of the test's own,
+``tiny.RouterReference``) must equal the recorded routing row by row, expert sets and weights; the others must
+record every other signal and say, in one line, what is not modelled. Never an exception at load, never a lost
+run.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import workbench  # noqa: E402
+from workbench.capture.adapters import adapter_for  # noqa: E402
+from workbench.capture.tiny import RouterReference, moe_families, tiny_family  # noqa: E402
+
+PROMPT = [5, 17, 42, 99, 123, 7, 250, 64]
+NEW = 4
+FAMILIES = moe_families()
+# families whose routing is not recorded, and what their note names
+UNROUTED = {"doge": "DogeCDMoE", "jetmoe": "JetMoe"}
+# routing recorded exactly as the experts receive it, but the router's rule is not one RouterMath models
+OBSERVED = {"inkling_text", "phimoe"}
+# layers of a routed family that are not routed (hash routing by token id), and their note
+PARTLY = {"deepseek_v4": ([0], "DeepseekV4HashRouter")}
+EXACT_AT_LEAST = 64  # of the 66 families of transformers 5.24: a family that stops recording its routing fails
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return workbench.Store(tmp_path_factory.mktemp("families") / "w.duckdb")
+
+
+def record(family: str, store):
+    torch.manual_seed(0)
+    hf = tiny_family(family)
+    adapter = adapter_for(hf)  # its load-time probe of the routers runs before the reference listens
+    ref = RouterReference(hf)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = workbench.record(PROMPT, model=adapter, max_new_tokens=NEW, db=store, detect=False)
+    return hf, adapter, run, ref.close(), [str(w.message) for w in caught]
+
+
+def by_expert(idx: np.ndarray, w: np.ndarray, n: int) -> np.ndarray:
+    out = np.zeros((idx.shape[0], n))
+    np.add.at(out, (np.arange(idx.shape[0])[:, None], idx), w)
+    return out
+
+
+def test_every_family_is_enumerated_and_most_are_exact():
+    assert len(FAMILIES) >= 66 and {"mixtral", "jamba", "dbrx", "llama4_text", "gemma4", "hy_v4"} <= set(FAMILIES)
+    assert len([f for f in FAMILIES if f not in UNROUTED]) >= EXACT_AT_LEAST
+    assert set(UNROUTED) | OBSERVED | set(PARTLY) <= set(FAMILIES)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_records_its_routers_choice(family, store):
+    hf, adapter, run, ref, msgs = record(family, store)
+    s = run.model_summary
+    n_tok = run.tokens().height  # generation may stop early at the family's end-of-sequence token
+    assert run.status == "complete" and len(PROMPT) < n_tok <= len(PROMPT) + NEW
+    assert all("\n" not in n for n in s.notes)  # each note is one line
+    assert run.signal("resid_norm")["layer"].n_unique() == s.n_layers  # every layer's residual stream
+    if any(a is not None for a in adapter.attn):  # attention where a layer has it
+        assert set(run.signal("attention")["layer"].unique()) <= {i for i, a in enumerate(adapter.attn) if a is not None}
+        assert run.signal("attention").height > 0
+    rt = run.routing()
+    if family in UNROUTED:
+        assert s.moe_layers == [] and s.unrouted_layers and rt.height == 0
+        assert any(UNROUTED[family] in n and "not recorded" in n for n in s.notes), s.notes
+        assert any("no adapter recognises" in m for m in msgs)  # said once, as the recording starts
+        return
+    assert s.moe_layers and sorted(rt["layer"].unique().to_list()) == s.moe_layers
+    assert sorted(ref) == sorted(set(s.moe_layers) | set(PARTLY.get(family, ([], ""))[0]))
+    if family in PARTLY:
+        layers, what = PARTLY[family]
+        assert s.unrouted_layers == layers and any(what in n for n in s.notes)
+    else:
+        assert s.unrouted_layers == []  # a dense layer of an MoE family is dense, not "unrecognised"
+    for layer in s.moe_layers:
+        got = rt.filter(pl.col("layer") == layer).sort("pos", "slot")
+        idx_ref, w_ref = (t.numpy() for t in ref[layer])
+        k = idx_ref.shape[1]
+        assert got.height == idx_ref.shape[0] * k == (n_tok - 1) * k
+        idx = got["expert"].to_numpy().reshape(-1, k)
+        np.testing.assert_array_equal(np.sort(idx, 1), np.sort(idx_ref, 1))  # the router's own choice, per token
+        n = max(s.n_routed_experts, int(idx_ref.max()) + 1)
+        np.testing.assert_allclose(by_expert(idx, got["weight"].to_numpy().reshape(-1, k), n),
+                                   by_expert(idx_ref, w_ref, n), atol=1e-4)
+        assert adapter.router(layer).exact == (family not in OBSERVED)
+    if family in OBSERVED:
+        assert any("not modelled" in n for n in s.notes)
+    assert len({tuple(r) for r in idx_ref.tolist()}) >= 2  # routing depends on the input
+
+
+def test_hybrid_layers_record_routing_and_name_the_other_kinds(store):
+    _, adapter, run, _, _ = record("jamba", store)
+    s = run.model_summary
+    assert s.moe_layers == [1, 3] and [i for i, a in enumerate(adapter.attn) if a is not None] == [1, 3]
+    assert sorted(run.signal("attention")["layer"].unique().to_list()) == [1, 3]
+    assert any("[0, 2] have no softmax attention (JambaMambaMixer)" in n for n in s.notes), s.notes
+
+
+def test_a_dense_first_layer_of_an_moe_family_is_dense(store):
+    for family in ("glm4_moe", "bailing_hybrid"):  # Glm4MoeMLP, a linear-attention forget gate: no experts
+        s = record(family, store)[2].model_summary
+        assert 0 not in s.moe_layers and s.unrouted_layers == [] and "unrecognised" not in s.describe()
+
+
+def test_parallel_streams_looped_layers_and_per_layer_heads(store):
+    s = record("hy_v4", store)[2].model_summary  # 4 residual streams: the run is written, one norm per token
+    assert any("4 parallel streams" in n for n in s.notes)
+    hf, _, run, ref, _ = record("inkling2_loop_text", store)  # looped layers: their first pass
+    assert any("first pass" in n for n in run.model_summary.notes)
+    _, adapter, run, _, _ = record("dots3_note_text", store)  # a layer with its own head count
+    assert any("another head count" in n for n in run.model_summary.notes)
+    assert run.signal("head_norm")["head"].n_unique() == run.model_summary.n_heads
+
+
+def test_a_router_that_fails_when_probed_records_without_routing(store, monkeypatch):
+    hf = tiny_family("mixtral")
+    for layer in hf.model.layers:
+        def broken(*_a, **_k):
+            raise RuntimeError("custom kernel missing")
+        monkeypatch.setattr(layer.mlp.gate, "forward", broken)
+    adapter = adapter_for(hf)
+    assert adapter.summary.moe_layers == [] and adapter.summary.unrouted_layers == [0, 1, 2, 3]
+    assert any("custom kernel missing" in n for n in adapter.summary.notes)
+
+
+def test_a_failing_routing_attach_shows_its_own_error(store, monkeypatch):
+    adapter = adapter_for(tiny_family("mixtral"))
+
+    def boom():
+        raise RuntimeError("attach failed")
+    monkeypatch.setattr(adapter, "_attach_routing", boom)
+    with pytest.raises(RuntimeError, match="attach failed"):  # not "'HFAdapter' object has no attribute ..."
+        with adapter.seams({"routed": lambda *_: None}):
+            pass
