@@ -64,6 +64,7 @@ UPSTREAM = {"kv_latent": ("attn_norm",), "rotary": ("attn_norm",), "head": ("att
             "shared_expert": ("mlp_norm",), "mlp_block": ("mlp_norm", "shared_expert", "expert"),
             "dense_mlp": ("mlp_norm",),
             "resid": ("attn_norm", "attn_block", "mlp_norm", "shared_expert", "mlp_block", "dense_mlp")}
+BEYOND = 1.5  # embedding and output rows: a z this many times the largest one calibration met
 OUTLIER_Z = 4.0  # a position whose block output is this far from clean (z of the log norm or the deviation)
 EXPLAINS = 10.0  # nats: an upstream part this unusual caps its layer's downstream parts at half its surprise
 MISMATCH_NATS = 10.0  # per context position whose experts differ from what the router's logits select
@@ -102,10 +103,12 @@ def capture(a: Adapter, ids: list[int]) -> tuple[dict[Key, torch.Tensor], dict[i
 
     x = torch.tensor([ids], device=a.device)
     with torch.no_grad(), taps.attached(), a.seams({"routed": routed, "attn_probs": probs}):
-        a.forward(x)
+        final = a.forward(x)
     c, s = taps.cache, a.summary
-    out: dict[Key, torch.Tensor] = {}
+    out: dict[Key, torch.Tensor] = {("unembed", None, None, None, "logit"): final[0].float().cpu()}
     prev = c.get(("embed", None))
+    if prev is not None:
+        out[("embed", None, None, None, "out")] = prev.float().cpu()
     for layer in range(s.n_layers):
         moe = layer in s.moe_layers
         for kind in ("attn_norm", "kv_latent", "attn_block", "mlp_norm", "shared_expert", "mlp_block"):
@@ -204,10 +207,45 @@ def build(a: Adapter, prompts: list[list[int]], seed: int = 0) -> pl.DataFrame:
             stats.append(last)
         r |= {"run_norm_mean": [x[0] for x in stats], "run_norm_std": [x[1] for x in stats],
               "run_dev_mean": [x[2] for x in stats], "run_dev_std": [x[3] for x in stats]}
+    emb = cells.get(("embed", None, None, None, "out"))
+    if emb is not None:  # a token's row is what it is: the largest |z| any calibration token reached
+        emb["run_dev_mean"] = [max(float(_zs(g[("embed", None, None, None, "out")][1:], emb)[0].abs().max())
+                                   for g in captured)]
+    out_rows = _row_spread(captured, prompts, cells.get(("unembed", None, None, None, "logit")), rng)
     check = {"kind": "router_check", "layer": None, "head": None, "expert": None, "signal": "disagree",
              "n": disagree, "mean": [], "std": [], "log_norm_mean": 0.0, "log_norm_std": 1.0, "dev_mean": 0.0,
              "dev_std": 1.0, "run_norm_mean": [], "run_norm_std": [], "run_dev_mean": [], "run_dev_std": []}
-    return pl.DataFrame([*cells.values(), check], schema=COLUMNS)
+    return pl.DataFrame([*cells.values(), check, *out_rows], schema=COLUMNS)
+
+
+def _row_z(logits: torch.Tensor, cell: dict) -> torch.Tensor:
+    """Per vocabulary token: the mean over positions of |z| of its logit ([T, V] -> [V])."""
+    mu, sd = torch.as_tensor(cell["mean"]), torch.as_tensor(cell["std"]).clamp_min(1e-6)
+    return ((logits - mu) / sd).abs().mean(0)
+
+
+def _row_spread(captured: list[dict], prompts: list[list[int]], cell: dict | None, rng) -> list[dict]:
+    """The ``unembed_rows`` cell: per context-length bucket, the mean and spread over calibration prefixes and
+    vocabulary tokens of ``_row_z`` (one output row gone wrong moves its token's logit at every position)."""
+    if cell is None:
+        return []
+    stats = []
+    last = (1.0, 1.0, 0.0)
+    for b, lo in enumerate(RUN_BUCKETS):
+        vals = []
+        for got, ids in zip(captured, prompts):
+            hi = min(RUN_BUCKETS[b + 1] - 1 if b + 1 < len(RUN_BUCKETS) else len(ids), len(ids))
+            if hi >= lo:
+                n = int(rng.integers(lo, hi + 1))
+                vals.append(_row_z(got[("unembed", None, None, None, "logit")][1:n], cell))
+        if len(vals) >= MIN_RUNS:
+            v = torch.cat(vals)
+            last = (float(v.mean()), max(float(v.std()), 1e-3), float(((v - v.mean()) / v.std()).max()))
+        stats.append(last)
+    return [{"kind": "unembed_rows", "layer": None, "head": None, "expert": None, "signal": "abs_z", "n": 0,
+             "mean": [], "std": [], "log_norm_mean": 0.0, "log_norm_std": 1.0, "dev_mean": 0.0, "dev_std": 1.0,
+             "run_norm_mean": [x[0] for x in stats], "run_norm_std": [x[1] for x in stats],
+             "run_dev_mean": [x[2] for x in stats], "run_dev_std": []}]
 
 
 def save(store, sha: str, rows: pl.DataFrame, source: str) -> int:
@@ -259,11 +297,17 @@ def _signed_nats(nats: float, sign: float) -> float:
     return float(math.copysign(max(nats, 0.0), sign if sign else 1.0))
 
 
-def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool = True) -> list[tuple[tuple, float]]:
+def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool = True,
+             skip: set[int] | None = None) -> list[tuple[tuple, float]]:
     """((kind, layer, head, expert, source_pos), signed surprise in nats) for every profiled component, on the
     context ``ids`` (the tokens before the explained one), plus the routing consistency rows (no profile
     needed). A head's output and its two attention-pattern scalars give one ``head`` row: the largest."""
     got, lost = capture(a, list(ids))
+    where = [p for p in range(len(ids)) if not skip or p not in skip]  # row -> position
+    if skip:  # positions left out (inside a repetition loop: reported as such, and out of any clean range)
+        keep = torch.tensor([p not in skip for p in range(len(ids))])
+        got = {k: y[keep[: y.size(0)]] if y.size(0) == len(ids) else y for k, y in got.items()}
+        lost = {k: m[keep[: m.size(0)]] for k, m in lost.items()}
     best: dict[tuple, float] = {}
 
     def put(key: tuple, v: float) -> None:
@@ -288,6 +332,24 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
             if y is None or y.size(0) < 2 or len(r["mean"]) != y.size(1):
                 continue
             zl, zd = _zs(y[1:], r)
+            if k[0] == "embed":  # one token's row: the most unusual position, Bonferroni over the context
+                p = int(zl.abs().argmax())
+                seen = r["run_dev_mean"][0] if r["run_dev_mean"] else 0.0
+                if float(zl[p].abs()) <= BEYOND * seen:  # rare tokens' rows: within what calibration met
+                    continue
+                nats = _log_tail(float(zl[p].abs())) - math.log(zl.numel())
+                put(("embed", None, None, None, where[p + 1]), _signed_nats(nats, float(zl[p])))
+                continue
+            if k[0] == "unembed":  # one token's output row: its logit off all along, Bonferroni over the vocabulary
+                spread = prof.filter(pl.col("kind") == "unembed_rows")
+                if spread.height:
+                    sr = spread.row(0, named=True)
+                    rb = min(bucket, len(sr["run_norm_mean"]) - 1)
+                    zr = (_row_z(y[1:], r) - sr["run_norm_mean"][rb]) / sr["run_norm_std"][rb]
+                    if float(zr.max()) > BEYOND * sr["run_dev_mean"][rb]:  # beyond every calibration token's
+                        nats = _log_tail(float(zr.max())) - math.log(zr.numel())
+                        put(("unembed", None, None, None, None), _signed_nats(nats, 1.0))
+                continue
             b = min(bucket, len(r["run_norm_mean"]) - 1)
             run_l = (float(zl.mean()) - r["run_norm_mean"][b]) / r["run_norm_std"][b]
             run_d = (float(zd.mean()) - r["run_dev_mean"][b]) / r["run_dev_std"][b]
@@ -327,35 +389,43 @@ BUNDLED = Path(__file__).resolve().parents[2] / "data" / "demo" / "activations.p
 
 
 # detection over a whole run (workbench.analysis.anomalies.detect with the recording's model)
-WARNING_NATS = 15.0  # a component this unusual (after Bonferroni within its family) is a warning row
+WARNING_NATS = 20.0  # a component this unusual (after Bonferroni within its family) is a warning row
 CRITICAL_NATS = 60.0  # and a critical one
 MAX_TOKENS = 2048  # a run's first tokens that the check reads (one teacher-forced forward with attention)
-WORDS = {"attn_norm": "the attention's input norm", "kv_latent": "the KV latent", "head": "head {head}",
+WORDS = {"embed": "the input embedding of the token at position {pos}",
+         "unembed": "the output projection (one token's logit is off at every position)",
+         "attn_norm": "the attention's input norm", "kv_latent": "the KV latent", "head": "head {head}",
          "attn_block": "the attention block", "mlp_norm": "the MLP's input norm", "mlp_block": "the MoE block",
          "dense_mlp": "the MLP", "shared_expert": "the shared experts", "resid": "what the layer adds to the stream",
          "router": "the router", "expert": "expert {expert}", "rotary": "the rotary part (every head's reach)"}
 
 
-def anomaly_rows(a: Adapter, ids: list[int], prof: pl.DataFrame | None) -> list[dict]:
+def anomaly_rows(a: Adapter, ids: list[int], prof: pl.DataFrame | None, skip: set[int] | None = None) -> list[dict]:
     """Anomaly rows (kind ``component_outlier``, the schema of workbench.analysis.anomalies) for the components
-    whose activations over the run's first ``MAX_TOKENS`` tokens are at least ``WARNING_NATS`` unusual."""
+    whose activations over the run's first ``MAX_TOKENS`` tokens (but the ``skip`` positions: repetition loops)
+    are at least ``WARNING_NATS`` unusual."""
     rows = []
     a = adapter_for(a)
-    for (kind, layer, head, expert, _), nats in evidence(a, list(ids)[:MAX_TOKENS], prof, last=False):
+    for (kind, layer, head, expert, pos), nats in evidence(a, list(ids)[:MAX_TOKENS], prof, last=False, skip=skip):
         if abs(nats) < WARNING_NATS:
             continue
-        what = WORDS.get(kind, kind).format(head=head, expert=expert)
+        what = WORDS.get(kind, kind).format(head=head, expert=expert, pos=pos)
+        where = "" if layer is None else f"layer {layer} "
         if kind == "router" and expert is not None:
             what, how = f"the router's logit for expert {expert}", "is outside its clean range"
         elif kind == "router":
             how = "sends tokens to other experts than its own logits select"
         elif kind == "expert":
             how = "loses tokens that its router's logits give it"
+        elif kind == "embed":
+            how = "is unusually small" if nats < 0 else "is unusually large"
+        elif kind == "unembed":
+            how = ""
         else:
             how = "puts out unusually small values" if nats < 0 else "puts out values far from its clean range"
         rows.append({"kind": "component_outlier", "severity": "critical" if abs(nats) >= CRITICAL_NATS else "warning",
-                     "pos": None, "layer": layer, "head": head, "expert": expert,
+                     "pos": pos, "layer": layer, "head": head, "expert": expert,
                      "score": abs(nats) / math.log(10), "threshold": WARNING_NATS / math.log(10),
-                     "explanation": f"layer {layer} {what} {how} against the activation profile "
+                     "explanation": f"{where}{what}{' ' + how if how else ''} against the activation profile "
                                     f"({abs(nats):.0f} nats, {kind})"})
     return rows

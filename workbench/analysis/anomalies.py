@@ -600,7 +600,11 @@ def component_rows(store, run_id: str, info: dict, model, meta: dict) -> pl.Data
     ids = query.table(store, "tokens", run_id, "pos", cols=["token_id"])["token_id"].to_list()
     meta["component_tests"] = int(prof.filter(pl.col("kind") != "router_check").height)
     meta["component_calibration"] = str(prof["n"].max())
-    return _rows(activations.anomaly_rows(model, ids, prof))
+    # a loop is a repetition row of its own, and what the model computes once it loops (and as it falls into it)
+    # is outside any clean range: the components are judged on the run before its first repeated span
+    loops = covered_positions(query.tokens(store, run_id))
+    start = min(loops) if loops else len(ids)
+    return _rows(activations.anomaly_rows(model, ids[:start], prof))
 
 
 def _compute(store, run_id: str, reference: str | None = None, model=None,

@@ -20,7 +20,7 @@ Rows (warning and critical) become findings by what they point at:
   component (its input norms, attention block, rotary part and what it adds to the stream: a ``layer`` finding).
 
 Columns: rank, component (kind: head | expert | router | shared_expert | mlp | layer | kv | tokens |
-generation | non_finite), layer, head, expert, pos_start, pos_end, positions (the evidence), n_rows, kinds, severity,
+generation | non_finite | embedding | unembedding), layer, head, expert, pos_start, pos_end, positions (the evidence), n_rows, kinds, severity,
 score (the strongest row's -log10 q), explanation (one line).
 
 Order: by severity (NaN/Inf first), then layer by layer, the layer with the strongest finding first, and within a
@@ -46,7 +46,8 @@ EXPERT_KINDS = ("overloaded_expert", "dead_expert", "starved_expert")
 SEVERITY = {"critical": 0, "warning": 1, "info": 2}
 # a component_outlier row's component kind (workbench.analysis.activations) -> the finding's component
 COMPONENT_OF = {"head": "head", "expert": "expert", "router": "router", "shared_expert": "shared_expert",
-                "mlp_block": "mlp", "dense_mlp": "mlp", "kv_latent": "kv"}
+                "mlp_block": "mlp", "dense_mlp": "mlp", "kv_latent": "kv", "embed": "embedding",
+                "unembed": "unembedding"}
 UPSTREAM = {c: i for i, c in enumerate(("non_finite", "head", "kv", "router", "expert", "shared_expert", "mlp",
                                         "layer"))}
 
@@ -132,7 +133,7 @@ def group_findings(anomalies: pl.DataFrame, routing: pl.DataFrame | None = None,
         one = a.filter((pl.col("kind") == "component_outlier") & (pl.col("explanation") == r["explanation"]))
         kind = r["explanation"].rsplit(", ", 1)[-1].rstrip(")")
         out.append(_finding(COMPONENT_OF.get(kind, "layer"), one, r["explanation"], layer=r["layer"],
-                            head=r["head"], expert=r["expert"], positions=[]))
+                            head=r["head"], expert=r["expert"], positions=[] if r["pos"] is None else [r["pos"]]))
     tok = a.filter(pl.col("kind").is_in(["low_confidence", "high_surprise"])).sort("pos")
     if tok.height:
         span = (pl.col("pos").diff().fill_null(0) > 1).cum_sum()
