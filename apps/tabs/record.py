@@ -132,7 +132,7 @@ def build(session: Page) -> None:
     with gr.Tab("Record", id="record"):
         with gr.Row():
             with gr.Column(scale=2):
-                prompt = gr.Textbox(label="Prompt", lines=6, value="def fibonacci(n):\n", elem_id="record-prompt")
+                prompt = gr.Textbox(label="Prompt", lines=6, value="def fibonacci(n):", elem_id="record-prompt")
                 ckpt = gr.Textbox(label="Checkpoint folder (empty: the app's model; a folder under the bundled demo or "
                                         "the app's checkpoint roots)", value="")
             with gr.Column(scale=1):
