@@ -147,3 +147,30 @@ def test_a_failing_routing_attach_shows_its_own_error(store, monkeypatch):
     with pytest.raises(RuntimeError, match="attach failed"):  # not "'HFAdapter' object has no attribute ..."
         with adapter.seams({"routed": lambda *_: None}):
             pass
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gemma4_text", "llama4_text", "hy_v3"])
+def test_rerouting_reaches_the_experts_whatever_the_seam(family):
+    """Removing an expert re-routes its tokens, and the experts receive the new choice: the experts' call (Mixtral,
+    HY-V3 whose router takes its bias as an argument), a router's output tuple (Gemma 4), a dense score matrix
+    (Llama 4)."""
+    torch.manual_seed(0)
+    adapter = adapter_for(tiny_family(family))
+    ids = torch.tensor([PROMPT])
+    base = adapter.routing_of(ids)
+    layer = adapter.summary.moe_layers[-1]
+    expert = int(base[layer].flatten().mode().values)
+
+    def remove(i, r):
+        if i == layer:
+            keep = torch.ones_like(r.logits, dtype=torch.bool)
+            keep[:, expert] = False
+            r.remove(keep)
+    with torch.no_grad(), adapter.seams({"route": remove}):
+        ref = RouterReference(adapter.module)  # its hooks after the adapter's: it sees what the experts get
+        before = adapter.forward(ids)
+    got = ref.close()[layer][0]
+    assert expert in base[layer] and expert not in got  # what the experts received
+    with torch.no_grad():
+        after = adapter.forward(ids)
+    assert not torch.allclose(before, after)  # and it changed the model's output
