@@ -212,3 +212,16 @@ def test_a_run_recorded_with_a_tokenizer_elsewhere_reads_its_texts_with_it(tmp_p
     # the tokenizer moved away: no tokenizer fits (the run's own texts, else #id), no exception
     shutil.move(tok_file, tmp_path / "gone.json")
     assert AppContext(Store(db)).tokenizer_for(run.info) is None
+
+
+def test_run_replay_in_python_uses_the_recorded_tokenizer(tmp_path, capsys):
+    """``Run.replay()`` (not only the CLI) finds the tokenizer the run was recorded with."""
+    bare = save_checkpoint(tiny_model(vocab_size=4096), tmp_path / "bare")
+    tok = tmp_path / "tok.json"
+    shutil.copy(DEFAULT_TOKENIZER, tok)
+    db = tmp_path / "w.duckdb"
+    assert cli.main(["record", "--model", str(bare), "--tokenizer", str(tok), "--prompt", PROMPT,
+                     "--max-new-tokens", "4", "--json", "--db", str(db)]) == 0
+    rid = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["run_id"]
+    out = workbench.open(db).run(rid).replay()
+    assert out["match"] is True and out["tokens_match"] is True

@@ -16,7 +16,7 @@ import polars as pl
 from workbench.analysis.anomalies import detect
 from workbench.analysis.diff import first_divergence
 from workbench.capture.recorder import record_run
-from workbench.capture.resolve import load_for_run, tokenizer_for
+from workbench.capture.resolve import load_for_run, run_tokenizer
 from workbench.capture.settings import RecordSettings
 from workbench.data import query
 from workbench.data.store import Store
@@ -137,11 +137,11 @@ def replay_run(store: Store, run_id: str, *, model=None, tokenizer=None, tol: fl
     if not ids:
         raise ValueError(f"run {run_id} has no recorded prompt_ids in its params; it cannot be replayed")
     adapter = load_for_run(info, model)
-    # the run's own checkpoint folder names the tokenizer when the module given has none
-    tokenizer = tokenizer_for(adapter if adapter.checkpoint_path else info.get("model") or None, tokenizer)
+    # the tokenizer given, else the one the run was recorded with, else its checkpoint folder's
+    tokenizer = run_tokenizer(info, adapter if adapter.checkpoint_path else None, tokenizer)
     new_id = record_run(list(ids), RecordSettings.of_run(info), model=adapter, tokenizer=tokenizer, db=store,
                         parent_run_id=run_id, progress=progress)[0]
-    detect(store, new_id)
+    detect(store, new_id, model=adapter)
     div = first_divergence(store, run_id, new_id, tol, n_prompt=len(ids))
     ta, tb = (query.table(store, "tokens", r, "pos", cols=["pos", "token_id"]) for r in (run_id, new_id))
     return {
