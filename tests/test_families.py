@@ -27,12 +27,12 @@ PROMPT = [5, 17, 42, 99, 123, 7, 250, 64]
 NEW = 4
 FAMILIES = moe_families()
 # families whose routing is not recorded, and what their note names
-UNROUTED = {"doge": "DogeCDMoE", "jetmoe": "JetMoe"}
+UNROUTED = {"doge": "DogeCDMoE"}
 # routing recorded exactly as the experts receive it, but the router's rule is not one RouterMath models
 OBSERVED = {"inkling_text", "phimoe"}
 # layers of a routed family that are not routed (hash routing by token id), and their note
 PARTLY = {"deepseek_v4": ([0], "DeepseekV4HashRouter")}
-EXACT_AT_LEAST = 64  # of the 66 families of transformers 5.24: a family that stops recording its routing fails
+EXACT_AT_LEAST = 65  # of the 66 families of transformers 5.24: a family that stops recording its routing fails
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +111,11 @@ def test_hybrid_layers_record_routing_and_name_the_other_kinds(store):
     assert any("[0, 2] have no softmax attention (JambaMambaMixer)" in n for n in s.notes), s.notes
 
 
+def test_attention_head_experts_are_noted(store):
+    s = record("jetmoe", store)[2].model_summary  # its MLP experts are routed, its attention-head experts noted
+    assert s.moe_layers == [0, 1, 2, 3] and any("attention-head experts (JetMoeAttention)" in n for n in s.notes)
+
+
 def test_a_dense_first_layer_of_an_moe_family_is_dense(store):
     for family in ("glm4_moe", "bailing_hybrid"):  # Glm4MoeMLP, a linear-attention forget gate: no experts
         s = record(family, store)[2].model_summary
@@ -149,11 +154,11 @@ def test_a_failing_routing_attach_shows_its_own_error(store, monkeypatch):
             pass
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gemma4_text", "llama4_text", "hy_v3"])
+@pytest.mark.parametrize("family", ["mixtral", "gemma4_text", "llama4_text", "hy_v3", "jetmoe"])
 def test_rerouting_reaches_the_experts_whatever_the_seam(family):
     """Removing an expert re-routes its tokens, and the experts receive the new choice: the experts' call (Mixtral,
     HY-V3 whose router takes its bias as an argument), a router's output tuple (Gemma 4), a dense score matrix
-    (Llama 4)."""
+    (Llama 4), tokens sorted by expert (JetMoE)."""
     torch.manual_seed(0)
     adapter = adapter_for(tiny_family(family))
     ids = torch.tensor([PROMPT])

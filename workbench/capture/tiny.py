@@ -285,7 +285,7 @@ FAMILY_FIXES: dict[str, dict] = {
 class RouterReference:
     """What each decoder layer's experts receive, captured by hooks of its own (independent of the adapters): the
     indices and weights passed to an ``*Experts`` module, or for a router that hands out a dense score matrix
-    (Llama 4) its top-k. Attach after the adapter is made (its load-time probe of the routers is not a forward);
+    (Llama 4) or experts sorted by expert (JetMoE) its top-k. Attach after the adapter is made (its load-time probe of the routers is not a forward);
     a looped layer's first pass per forward is kept. ``close()`` -> {layer: (indices [N, K], weights [N, K])}."""
 
     def __init__(self, hf):
@@ -300,8 +300,8 @@ class RouterReference:
                 self.handles.append(m.register_forward_pre_hook(
                     lambda _m, a, kw, i=i: self._received(i, [*a, *kw.values()]), with_kwargs=True))
             if not any("top_k_index" in m.forward.__code__.co_varnames for m in experts):
-                for m in layer.modules():
-                    if type(m).__name__.endswith("Router") and hasattr(m, "top_k"):
+                for n, m in layer.named_modules():
+                    if type(m).__name__.endswith(("Router", "Gating")) and hasattr(m, "top_k") and "att" not in n:
                         self.handles.append(m.register_forward_hook(lambda mod, _a, o, i=i: self._dense(i, mod, o)))
 
     def _first(self, i: int) -> bool:
@@ -317,7 +317,15 @@ class RouterReference:
             self.got.setdefault(i, []).append((idx.detach().clone(), None if w is None else w.detach().float().clone()))
 
     def _dense(self, i: int, router, out) -> None:
-        if isinstance(out, tuple) and len(out) == 2 and self._first(i):
+        if isinstance(out, tuple) and len(out) == 5 and self._first(i):
+            # JetMoE: slot order sorted by expert, tokens per expert, and the gate of each sorted slot
+            order, _, gates, sizes, logits = out
+            flat = torch.repeat_interleave(torch.arange(logits.size(-1)), torch.tensor(sizes))
+            idx, w = torch.empty_like(order), torch.empty_like(gates)
+            idx[order], w[order] = flat.to(order.device), gates
+            k = router.top_k
+            self.got.setdefault(i, []).append((idx.view(-1, k).clone(), w.view(-1, k).detach().float().clone()))
+        elif isinstance(out, tuple) and len(out) == 2 and self._first(i):
             scores = out[0].reshape(-1, out[0].size(-1))
             idx = scores.topk(router.top_k, dim=-1)[1]
             self.got.setdefault(i, []).append((idx.detach().clone(), scores.gather(1, idx).detach().float().clone()))

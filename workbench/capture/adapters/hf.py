@@ -145,12 +145,19 @@ def _layer_kind(layer: nn.Module) -> str:
     return type(layer).__name__
 
 
-def _find_router(layer: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module] | None:
-    """(block, router, experts): a module holding ``experts`` beside a router (a child named ``gate`` / ``router``
-    or whose class ends in Router / Gate / Gating), else None."""
+def _find_router(layer: nn.Module, skip: nn.Module | None = None) -> tuple[nn.Module, nn.Module, nn.Module] | None:
+    """(block, router, experts): a module holding ``experts`` (or a child whose class ends in Experts, JetMoE's
+    parallel experts) beside a router (a child named ``gate`` / ``router`` or whose class ends in Router / Gate /
+    Gating), else None. Modules inside ``skip`` (the layer's attention: JetMoE's attention-head experts) are not
+    looked at."""
+    inside = {id(m) for m in skip.modules()} if skip is not None else set()
     for _, mod in layer.named_modules():
+        if id(mod) in inside:
+            continue
         experts = getattr(mod, "experts", None)
         if not isinstance(experts, nn.Module):
+            experts = next((c for c in mod.children() if type(c).__name__.endswith("Experts")), None)
+        if experts is None:
             continue
         for rname, router in mod.named_children():
             if router is not experts and (ROUTER_CLASS.search(type(router).__name__) or rname in ("gate", "router")):
@@ -231,6 +238,13 @@ class RouterSeam:
         return x.reshape(-1, x.size(-1))
 
     def from_output(self, out) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.style == "sorted":  # JetMoE: (order by expert, token of each, gates, tokens per expert, logits)
+            order, _, gates, sizes, logits = out
+            experts = torch.repeat_interleave(torch.arange(logits.size(-1), device=order.device),
+                                              torch.as_tensor(sizes, device=order.device))
+            idx, w = torch.empty_like(order), torch.empty_like(gates)
+            idx[order], w[order] = experts, gates
+            return idx.view(-1, self.top_k), w.view(-1, self.top_k)
         if self.style == "dense":
             scores = out[0].reshape(-1, out[0].size(-1))
             idx = scores.topk(self.top_k, dim=-1)[1]
@@ -238,6 +252,12 @@ class RouterSeam:
         return out[self.idx_at], out[self.w_at]
 
     def rebuild(self, out, idx: torch.Tensor, w: torch.Tensor):
+        if self.style == "sorted":
+            flat = idx.reshape(-1).to(out[0].dtype)
+            order = flat.sort(0)[1]
+            sizes = torch.bincount(flat, minlength=out[4].size(-1)).tolist()
+            return (order, order.div(self.top_k, rounding_mode="trunc"), w.reshape(-1).to(out[2].dtype)[order], sizes,
+                    out[4])
         out = list(out)
         if self.style == "dense":
             s = out[0]
@@ -312,6 +332,10 @@ def _infer(block, router, experts, hidden_size: int, seed: int = 0):
         seam = RouterSeam("experts", fl[0] if tup and fl else None, recv[0], recv[1])
         if tup and not fl:
             return None
+    elif (tup and len(out) == 5 and isinstance(out[3], list) and isinstance(out[0], torch.Tensor) and out[0].ndim == 1
+          and int(_cfg(router, "top_k", default=0) or 0)):
+        seam = RouterSeam("sorted", 4, top_k=int(router.top_k))
+        idx, w = seam.from_output(out)
     elif tup and len(out) >= 3 and isinstance(out[2], torch.Tensor) and not out[2].is_floating_point():
         seam = RouterSeam("output", 0, 2, 1)
         idx, w = out[2], out[1]
@@ -388,7 +412,7 @@ class HFAdapter(Adapter):
         inexact: list[int] = []
         notes: list[str] = []
         for i, layer in enumerate(self.layers):
-            found = _find_router(layer)
+            found = _find_router(layer, self.attn[i])
             got = None
             if found:
                 try:
@@ -430,6 +454,11 @@ class HFAdapter(Adapter):
         n_heads = int(max(set(present), key=present.count) if present else (g_heads or 1))
         self._heads = [h if h == n_heads else None for h in heads]
         self._o_proj = [_out_proj(a) if h else None for a, h in zip(self.attn, self._heads)]
+        moa = [i for i, a in enumerate(self.attn) if a is not None and any(
+            ROUTER_CLASS.search(type(m).__name__) for m in a.modules())]
+        if moa:
+            notes.append(f"layers {moa} route tokens to attention-head experts "
+                         f"({type(self.attn[moa[0]]).__name__}): that routing is not recorded")
         no_attn = [i for i, a in enumerate(self.attn) if a is None]
         if no_attn:
             kinds = sorted({_layer_kind(self.layers[i]) for i in no_attn})
