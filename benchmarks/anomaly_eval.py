@@ -342,14 +342,18 @@ def markdown(clean, tiny, results, loop, args, seconds, threads) -> str:
         if missing:
             lines += ["", f"No draw of {', '.join(missing)} moved a token by {args.min_effect:g} nats "
                       f"(within {args.max_draws} draws): not in the table."]
-        lines += ["", "Without a reference the detectors see what changes a signal's level: a norm, an entropy, a "
-                  "block's change of the residual norm, an expert's load, NaN. They do not see a fault that turns a "
-                  "component's output without changing its size (`expert_flip`), routing that moves tokens between "
-                  "experts without concentrating the load, or an expert's absence in a run too short for it to be "
-                  "significant once clean prompts' overdispersion is allowed for (`router_affinity`, `starved`), "
-                  "rotary angles (the attention moves, its entropy and norms barely), or a row of the unembedding "
-                  "(only the logits change). The root cause with a reference (activation patching) is the tool "
-                  "for those."]
+        lines += ["", "Besides the recorded signals' tests, each run's components are judged against the model's "
+                  "activation profile (`workbench.analysis.activations`, one teacher-forced forward of the recording's "
+                  "model over the run before its first repeated span): that is what names a dead shared expert, a "
+                  "skipped layer, a starved expert (routing that disagrees with the router's own logits), a scaled "
+                  "input embedding row, and most scaled norms and KV channels. Still missed: a sign flip of half an "
+                  "expert's down projection (`expert_flip`: no per-expert output is profiled), a router row pushed "
+                  "toward another expert (`router_affinity`: one logit among 16 x 5 moves within the clean spread), "
+                  "rotary angles that change only some heads' reach, and most output rows (`unembedding`: a token's "
+                  "logit beyond what calibration tokens show is rare at x3). The thresholds (20 nats after "
+                  "Bonferroni within each family of components; judging only the run before its first loop) were "
+                  "set while looking at these clean runs and faults: read the rates as optimistic. The root cause "
+                  "with a reference (activation patching) names every kind."]
         lines += ["", "| fault | prompt | Δ logprob | layer named (rank) | findings | top finding |",
                   "|---|---|---|---|---|---|"]
         for r in results:
