@@ -20,8 +20,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import workbench  # noqa: E402
-from workbench.capture.adapters import adapter_for  # noqa: E402
-from workbench.capture.tiny import RouterReference, moe_families, tiny_family  # noqa: E402
+from workbench.capture.adapters import adapter_for, load_adapter  # noqa: E402
+from workbench.capture.tiny import RouterReference, moe_families, save_tokenizer, tiny_family  # noqa: E402
 
 PROMPT = [5, 17, 42, 99, 123, 7, 250, 64]
 NEW = 4
@@ -179,3 +179,14 @@ def test_rerouting_reaches_the_experts_whatever_the_seam(family):
     with torch.no_grad():
         after = adapter.forward(ids)
     assert not torch.allclose(before, after)  # and it changed the model's output
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "ernie4_5_moe", "deepseek_v4", "dbrx"])
+def test_rules_are_matched_in_bfloat16_folders(family, tmp_path):
+    """A folder loaded in bfloat16 (a router kept in fp32 beside bf16 experts, weights rounded to bf16) still has its
+    router's rule matched, not reported as approximate."""
+    tiny_family(family).save_pretrained(tmp_path)
+    save_tokenizer(tmp_path)
+    adapter = load_adapter(tmp_path, dtype=torch.bfloat16)
+    assert adapter.summary.moe_layers and all(adapter.router(i).exact for i in adapter.summary.moe_layers)
+    assert not any("not modelled" in n for n in adapter.summary.notes)

@@ -42,7 +42,7 @@ from workbench.model import state_sha256
 from workbench.model.generate import check_prompt, decode
 
 from .base import Adapter, Listener, ModelSummary, QuantPoints, first_output
-from .routing import SCORE_FUNCS, RouterMath
+from .routing import SCORE_FUNCS, RouterMath, _by_expert
 
 ROUTER_CLASS = re.compile(r"(Router|Gate|Gating)$")
 # a layer holds experts when a module is named so, or its class says so (a family prefix such as "Glm4Moe" in
@@ -55,6 +55,8 @@ EXPERT_SCALE = ("per_expert_scale",)
 ATTN_NAMES = ("self_attn", "self_attention", "attn", "attention")
 OUT_PROJ = ("o_proj", "out_proj", "wo")
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_local_heads")
+ATOL = {torch.float32: 1e-5, torch.float64: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+HALF_AGREE = 0.95  # in half precision, rounded logits tie now and then: the rule must reproduce 95% of the rows
 
 
 def folder_model_type(path: str | Path) -> str | None:
@@ -274,8 +276,10 @@ def _probe_router(block: nn.Module, router: nn.Module, experts: nn.Module, hidde
     p = p if p is not None else next(block.parameters())
     hook = getattr(router, "_hf_hook", None)  # an offloaded layer (accelerate) runs where its hook says
     device = p.device if p.device.type != "meta" else getattr(hook, "execution_device", None) or "cpu"
+    # the hidden states' dtype: the experts' (a router kept in fp32 casts its own input)
+    q = next((t for t in (*experts.parameters(), *block.parameters()) if t.is_floating_point()), p)
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, 64, hidden_size, generator=g).to(device, p.dtype)
+    x = torch.randn(1, 64, hidden_size, generator=g).to(device, q.dtype)
     got: dict = {}
     hs = [router.register_forward_hook(lambda _m, _a, o: got.setdefault("out", o)),
           experts.register_forward_pre_hook(lambda _m, a, kw: got.setdefault("call", (a, kw)), with_kwargs=True)]
@@ -306,6 +310,14 @@ def _probe_router(block: nn.Module, router: nn.Module, experts: nn.Module, hidde
         for h in hs:
             h.remove()
     return got.get("out"), got.get("call")
+
+
+def _agree(math: RouterMath, logits: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, atol: float) -> float:
+    """The share of rows whose (indices, weights) ``math`` reproduces from ``logits`` (as sets, within ``atol``)."""
+    mine_i, mine_w = math.route(logits)
+    mine = _by_expert(mine_i, mine_w, math.n_experts)
+    theirs = _by_expert(idx, w.float(), math.n_experts)
+    return float(((mine - theirs).abs() <= atol + 1e-4 * theirs.abs()).all(-1).float().mean())
 
 
 def infer_router_math(router: nn.Module, hidden_size: int, seed: int = 0, block: nn.Module | None = None,
@@ -347,7 +359,10 @@ def _infer(block, router, experts, hidden_size: int, seed: int = 0):
         idx, w = seam.from_output(out)
     else:
         return None
-    logits = seam.logits(out).float()
+    logits = seam.logits(out)
+    # the router's arithmetic in half precision rounds its weights: compared within that precision
+    atol = max(ATOL.get(logits.dtype, 1e-3), ATOL.get(w.dtype, 1e-3))
+    logits = logits.float()
     idx, w = idx.reshape(-1, idx.size(-1)), w.reshape(-1, w.size(-1)).float()
     if logits.size(0) != idx.size(0):
         return None
@@ -365,10 +380,6 @@ def _infer(block, router, experts, hidden_size: int, seed: int = 0):
     es = _tensor_attr([router, block], EXPERT_SCALE)
     expert_scales = [None] + ([getattr(*es)] if es is not None else [])
     norm_attr = getattr(router, "norm_topk_prob", None)
-    atol = 1e-3 if logits.dtype != torch.float32 or w.dtype != torch.float32 else 1e-5
-    p = next(router.parameters(), None)
-    if p is not None and p.dtype != torch.float32:
-        atol = 1e-2
     biases = [(None, "scores")] + ([(bias, "scores"), (bias, "logits")] if bias is not None else [])
     for score, (b, on), group_score, norm, scale, e_scale in product(
             SCORE_FUNCS, biases, ("max", "top2"),
@@ -380,7 +391,7 @@ def _infer(block, router, experts, hidden_size: int, seed: int = 0):
                           group_score=group_score, norm=norm, eps=0.0 if score == "softmax" else 1e-20, scale=scale,
                           bias_on=on, expert_scale=e_scale)
         with torch.no_grad():
-            if math.matches(logits, idx, w, atol=atol):
+            if _agree(math, logits, idx, w, atol) >= (1.0 if atol <= 1e-5 else HALF_AGREE):
                 return math, seam, bias_src
     # observed: the experts' own (indices, weights) are recorded; scores and margins from a softmax of the logits
     return RouterMath(n_experts=n_exp, top_k=top_k, score="softmax", norm=True, exact=False), seam, None
@@ -441,6 +452,14 @@ class HFAdapter(Adapter):
             notes.append(f"layers {unrouted} hold experts that no adapter recognises ({', '.join(what)}: no router "
                          "whose choice the experts receive as indices and weights, e.g. hash, product-key or "
                          "attention-head routing): routing is not recorded for them")
+        extra = [i for i, (_, _, ex, m) in self.moe.items()
+                 if isinstance(getattr(ex, "num_experts", None), int) and m.n_experts > ex.num_experts]
+        if extra:
+            i = extra[0]
+            n_real = self.moe[i][2].num_experts
+            notes.append(f"layers {extra}: the router ({type(self.moe[i][1]).__name__}) scores "
+                         f"{self.moe[i][3].n_experts - n_real} class(es) beyond its {n_real} experts (a skip expert): "
+                         "a token sent there is recorded as the experts receive it, expert 0 with weight 0")
         if inexact:
             kinds = sorted({type(self.moe[i][1]).__name__ for i in inexact})
             notes.append(f"layers {inexact}: the router's rule ({', '.join(kinds)}) is not modelled; the routing "
