@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "steps": args.steps,
             "min_effect": args.min_effect, "architecture": model.summary.describe(),
             "section": SECTION if demo else f"{SECTION}: tiny random {model.summary.family}",
-            "target_ref": 0.9 if demo else 0.8, "target_alone": 0.7 if demo else 0.0,
+            "target_ref": 0.9 if demo else 0.8, "target_alone": 0.7 if demo else 0.8,
             "profile": "the bundled profile" if profiled else f"a profile calibrated on {len(CALIBRATION)} other prompts",
             "notes": NOTES if demo else TINY_NOTES}
     if args.json:
