@@ -1,25 +1,36 @@
-"""The adapter for ``transformers`` causal LMs: dense ones, and every MoE family that follows the
-``transformers`` 5.x router convention, with no family code.
+"""The adapter for ``transformers`` causal LMs: dense ones, and every MoE family of the installed ``transformers``
+(docs/families.md: 65 of its 66 record their router's choice), with no family code.
 
-The convention: a router module (``*TopKRouter`` / ``*TopkRouter``) whose forward returns
-``(router_logits, router_weights, router_indices)``, and beside it an ``experts`` module called as
-``experts(hidden, top_k_index, top_k_weights)``. Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss and
-DeepSeek-V2/V3 all follow it. The seams:
+What it looks for:
 
-- routing: a forward hook on the router keeps its logits; a forward pre-hook on ``experts`` sees the
-  indices and weights the experts actually receive (and may replace them: ablation, frozen routing,
-  faults). The layer's ``RouterMath`` (softmax / sigmoid, selection bias, groups,
-  renormalisation, scale) is found by matching candidate rules against the router's own output on
-  random inputs when the model loads, so the margin and re-routing use the router's real arithmetic;
-  a router no rule reproduces is recorded without routing, with a warning and a note on the run;
-- attention probabilities: a forward hook on each ``self_attn`` (eager attention returns them), the
-  prompt prefilled in blocks of ``attn_chunk`` query rows so at most [H, chunk, S] exist at once;
-- head outputs: a forward pre-hook on ``self_attn.o_proj`` (its input is the heads' outputs side by side);
+- decoder layers: the largest ``ModuleList`` of as many modules as the config has layers. A layer's softmax attention
+  is ``self_attn`` / ``self_attention`` / ``attn`` / ``attention`` (or an attention ``mixer``); hybrid layers without
+  one (Mamba, gated delta net, short convolution) record every other signal, and the run's notes name their kind;
+- MoE blocks: a module holding ``experts`` (or a child class ``*Experts``) beside a router (a child ``gate`` /
+  ``router``, or a class ending in Router / Gate / Gating). When the model loads, the block is run on random rows
+  (else the router alone, given its selection bias when it takes one as an argument) to see where the choice
+  travels (``RouterSeam``): as ``experts(hidden, top_k_index, top_k_weights)`` (the transformers 5.x convention:
+  Mixtral, Qwen, DeepSeek, ...), in the router's output tuple (Gemma 4), as a dense score matrix (Llama 4) or as
+  tokens sorted by expert (JetMoE). The layer's ``RouterMath`` (softmax / sigmoid / sqrt-softplus / the router's own
+  probabilities, selection bias on scores or logits, groups, renormalisation, scale, per-expert scale) is the rule
+  that reproduces what the experts receive from the router's logits, so margins and re-routing use the router's
+  real arithmetic; a router no rule reproduces is still recorded as its experts receive it, with a note that score,
+  margin and re-routing are approximate. A router that fails when probed, or experts no router feeds as indices
+  (product-key, hash routing), are recorded without routing, with one note naming the module.
+
+The seams:
+
+- routing: a forward hook on the router keeps its logits; where the choice travels (above) it is read and may be
+  replaced (ablation, frozen routing, faults);
+- attention probabilities: a forward hook on each attention module (eager attention returns them), the
+  prompt prefilled in blocks of ``attn_chunk`` query rows so at most [H, chunk, S] exist at once; layers whose
+  head count differs from the model's (per-layer configs) are not recorded;
+- head outputs: a forward pre-hook on the attention's ``o_proj`` (its input is the heads' outputs side by side);
 - shared experts (``shared_experts`` / Qwen2-MoE's ``shared_expert``, before its sigmoid gate) and the
-  residual stream (each decoder layer's output): forward hooks;
+  residual stream (each decoder layer's output; parallel streams flattened into one): forward hooks;
 - KV state: the ``transformers`` cache's keys and values (``latent_norm`` holds a token's value norm
   over all kv heads, ``rope_norm`` its rotated keys').
-A layer that holds experts but no such router (an older or custom MoE) is recorded without routing.
+A looped layer (run several times per forward) is seen on its first pass.
 """
 from __future__ import annotations
 
