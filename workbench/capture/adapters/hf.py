@@ -521,12 +521,14 @@ class HFAdapter(Adapter):
         self._cache = None
         self._attn_listeners = 0
         # looped layers (a block run several times per forward): seams see a layer's first pass only
-        self._pass_hooks = [hf.register_forward_pre_hook(lambda _m, _a: self._passes.clear())] + [
+        self._looped = loops > 1
+        self._pass_hooks = [] if not self._looped else [
+            hf.register_forward_pre_hook(lambda _m, _a: self._passes.clear())] + [
             layer.register_forward_pre_hook(lambda _m, _a, i=i: self._passes.__setitem__(i, self._passes.get(i, 0) + 1))
             for i, layer in enumerate(self.layers)]
 
     def _first_pass(self, i: int) -> bool:
-        return self._passes.get(i, 1) <= 1
+        return not self._looped or self._passes.get(i, 1) <= 1
 
     def router(self, layer: int) -> RouterMath:
         math = self.moe[layer][3]
