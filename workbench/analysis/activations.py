@@ -31,7 +31,16 @@ those absolute values; its surprise in nats is ``z^2 / 2`` signed by the norm's 
 clean, - smaller). Besides the statistics, one consistency check that needs no profile: where the router's
 own logits select other experts than the ones the tokens were sent to (``RouterMath.select``), the routing
 was changed after the router (a dropped expert, a dispatch bug): a ``router`` row for the layer and an
-``expert`` row for the expert that lost the most slots, scored 10 nats per position that disagrees.
+``expert`` row for the expert that lost the most slots, scored 10 nats per position that disagrees (used only
+where the router math agreed with the model on every calibration position: the ``router_check`` row).
+
+How rows are scored and ordered: each component's z is a two-sided normal tail in nats, Bonferroni-adjusted
+within its family (all heads' outputs, all router logits, ...); the input embedding is judged per position
+(one token's row) and the logits per vocabulary token (one output row off at every position), each only
+beyond the largest z that calibration met (``BEYOND``); an unusual MoE block names the expert whose positions
+carry its excess (``expert_behind``: Welch's t, Bonferroni over the experts); a part downstream of a clearly
+unusual part of its layer (``UPSTREAM``), and any part of a later layer than one at least as unusual, is capped
+at half of it, so the first place where the activations went off ranks first.
 """
 from __future__ import annotations
 
@@ -42,7 +51,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import torch
-from scipy.stats import hypergeom, norm
+from scipy.stats import norm
 
 from workbench.analysis.patching import _Taps
 from workbench.capture.adapters import Adapter, Route, adapter_for
@@ -65,7 +74,7 @@ UPSTREAM = {"kv_latent": ("attn_norm",), "rotary": ("attn_norm",), "head": ("att
             "dense_mlp": ("mlp_norm",),
             "resid": ("attn_norm", "attn_block", "mlp_norm", "shared_expert", "mlp_block", "dense_mlp")}
 BEYOND = 1.5  # embedding and output rows: a z this many times the largest one calibration met
-OUTLIER_Z = 4.0  # a position whose block output is this far from clean (z of the log norm or the deviation)
+EXPERT_NATS = 3.0  # the expert behind an unusual MoE block: its positions' excess, after Bonferroni
 EXPLAINS = 10.0  # nats: an upstream part this unusual caps its layer's downstream parts at half its surprise
 MISMATCH_NATS = 10.0  # per context position whose experts differ from what the router's logits select
 LAST_WEIGHT = 0.5  # the last context position's z counts at this weight beside the context mean
@@ -272,19 +281,21 @@ def load(store, sha: str | None) -> pl.DataFrame | None:
     return got if got.height else None
 
 
-def concentrated_expert(indices: torch.Tensor, odd: torch.Tensor) -> int | None:
-    """The expert that most of the ``odd`` positions ([T] bool) are routed to (``indices`` [T, K]) far more than
-    the other positions are (hypergeometric p < 1e-3, and at least 80% of the odd positions), else None."""
-    n, k = int(odd.numel()), int(odd.sum())
-    if k < 2 or k == n:
-        return None
-    best = None
-    for e in indices[odd].flatten().unique().tolist():
+def expert_behind(indices: torch.Tensor, odd: torch.Tensor) -> int | None:
+    """The expert whose positions (``indices`` [T, K]: the experts each position went to) have a far higher
+    ``odd`` score ([T]: how unusual the block's output is there) than the other positions: Welch's t of the
+    two means as a z, Bonferroni over the experts, at least ``EXPERT_NATS``; else None."""
+    best, n_e = None, int(indices.max()) + 1 if indices.numel() else 0
+    for e in range(n_e):
         has = (indices == e).any(1)
-        hit, total = int(has[odd].sum()), int(has.sum())
-        p = float(hypergeom.sf(hit - 1, n, total, k))
-        if hit >= math.ceil(0.8 * k) and p < 1e-3 and (best is None or p < best[1]):
-            best = (int(e), p)
+        a, b = odd[has], odd[~has]
+        if a.numel() == 0 or b.numel() < 2:
+            continue
+        se = math.sqrt((float(a.var()) if a.numel() > 1 else float(b.var())) / a.numel() + float(b.var()) / b.numel())
+        z = (float(a.mean()) - float(b.mean())) / max(se, 1e-6)
+        nats = _log_tail(z) - math.log(2 * n_e) if z > 0 else 0.0
+        if nats >= EXPERT_NATS and (best is None or nats > best[1]):
+            best = (e, nats)
     return None if best is None else best[0]
 
 
@@ -369,7 +380,7 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
             idx = got.get(("route", r["layer"], None, None, "indices"))
             if abs(nats) >= EXPLAINS and idx is not None:
                 zl, zd = _zs(got[("mlp_block", r["layer"], None, None, "out")][1:], r)
-                e = concentrated_expert(idx[1:], (zl.abs() > OUTLIER_Z) | (zd > OUTLIER_Z))
+                e = expert_behind(idx[1:], torch.maximum(zl.abs(), zd))
                 if e is not None:
                     put(("expert", r["layer"], None, e, None), math.copysign(abs(nats) + 1.0, nats))
         for layer, vs in positional.items():  # most heads of a layer read other positions: its rotation
@@ -382,6 +393,15 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
             up = max([size.get((u, key[1]), 0.0) for u in UPSTREAM.get(key[0], ())], default=0.0)
             if up >= EXPLAINS:
                 best[key] = math.copysign(min(abs(best[key]), up / 2), best[key])
+        layers = sorted({k[1] for k in best if k[1] is not None})
+        before, top = {}, 0.0  # layer -> the largest |surprise| in the layers before it
+        for layer in layers:
+            before[layer] = top
+            top = max([top] + [abs(v) for k, v in best.items() if k[1] == layer])
+        for key in list(best):  # what an earlier layer broke at least as clearly reaches every later one
+            up = before.get(key[1], 0.0)
+            if up >= max(EXPLAINS, abs(best[key])):
+                best[key] = math.copysign(up / 2, best[key])
     return list(best.items())
 
 
