@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,3 +38,15 @@ def kill_when_ready(args: list[str], cwd: Path, pythonpath: list[Path]) -> None:
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+def source_tree(tmp_path: Path) -> Path:
+    """A copy of the project's packaged sources (what a wheel is built from) under ``tmp_path/src``."""
+    root = Path(__file__).resolve().parent.parent
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    for d in ("workbench", "model", "probes", "apps"):
+        shutil.copytree(root / d, src / d, ignore=shutil.ignore_patterns("__pycache__"))
+    return src

@@ -9,7 +9,6 @@ import os
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import tiny_model
+from helpers import source_tree, tiny_model
 
 import workbench
 import workbench.views.report
@@ -218,12 +217,7 @@ def test_readme_commands_work_in_a_fresh_shell():
 
 @pytest.mark.slow
 def test_building_the_package_prints_no_warning_of_ours(tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    for d in ("workbench", "model", "probes", "apps"):
-        shutil.copytree(ROOT / d, src / d, ignore=shutil.ignore_patterns("__pycache__"))
+    src = source_tree(tmp_path)
     got = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "wheel", "--no-deps",
                           "--no-build-isolation", "--no-index", "-v", "-w", str(tmp_path / "dist"), str(src)],
                          capture_output=True, text=True, timeout=300)

@@ -6,7 +6,6 @@ import json
 import os
 import pickle
 import re
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -16,7 +15,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 import polars as pl
 import pytest
-from helpers import tiny_model
+from helpers import source_tree, tiny_model
 from markupsafe import escape
 
 import workbench
@@ -282,12 +281,7 @@ def test_templates_are_package_data(tmp_path):
     files = sorted(p.name for p in folder.iterdir() if p.is_file())
     assert "report.html.j2" in files and set(templates().list_templates()) == set(files)
     assert templates().get_template("report.html.j2").render  # compiles
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    for d in ("workbench", "model", "probes", "apps"):
-        shutil.copytree(ROOT / d, src / d, ignore=shutil.ignore_patterns("__pycache__"))
+    src = source_tree(tmp_path)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
     got = subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w",
                                 str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
