@@ -75,17 +75,7 @@ def make_folder(family: str, folder: str | Path, seed: int = 0, tokenizer: bool 
     torch.manual_seed(seed)
     cfg = getattr(transformers, cfg_name)(vocab_size=vocab, **kw)
     hf = getattr(transformers, lm_name)(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name or "layernorm" in name:
-                p.normal_(1.0, 0.1)
-            elif name.endswith("sinks"):
-                p.normal_(0, 0.5)
-            else:
-                p.normal_(0, std if p.ndim > 1 else 0.1)
-        for name, b in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.rand(b.shape) * 0.2)
+    _scale(hf, std)
     hf.save_pretrained(folder)
     (folder / "tiny.json").write_text(json.dumps({"family": family, "seed": seed, "std": std}) + "\n")  # provenance
     return folder
