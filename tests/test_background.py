@@ -3,6 +3,7 @@ recording in this process, written by this process's store; errors come back; a 
 and its run ends ``interrupted``; the next recording starts a new worker."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -35,6 +36,8 @@ def ckpt(tmp_path_factory):
 
 def test_worker_records_the_same_run_into_this_process_store(ckpt, tmp_path):
     store = Store(tmp_path / "wb.duckdb")
+    # both profiles of this model: the worker's detectors read them from a mirror of this store
+    workbench.profile([[5 + i, 17, 101 + i, 3, 40 + i, 9] for i in range(8)], model=ckpt, db=store, max_new_tokens=4)
     rp = RecordingProcess(store, model=ckpt, threads=1)
     try:
         tokens, error = events_of(rp.record("rbg1", "def add(a, b):", None, after_run=detect, max_new_tokens=6))
@@ -50,8 +53,8 @@ def test_worker_records_the_same_run_into_this_process_store(ckpt, tmp_path):
         for table in ("attention", "routing", "kv_tokens"):
             n = lambda rid: store.sql(f"SELECT count(*) AS n FROM {table} WHERE run_id = ?", [rid])["n"][0]  # noqa: E731
             assert n("rbg1") == n(one.run_id) > 0
-        # the detectors ran over there, on the same rows: the same findings here
-        assert info["detection"] is not None
+        # the detectors ran over there, on the same rows: the same findings here, the components judged too
+        assert info["detection"] is not None and json.loads(info["detection"])["component_tests"] > 0
         drop = ["run_id", "anomaly_id"]
         a_an = query.anomalies(store, "rbg1").drop(drop, strict=False)
         b_an = query.anomalies(store, one.run_id).drop(drop, strict=False)

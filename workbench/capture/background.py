@@ -37,6 +37,8 @@ from workbench.data.store import FINAL_STATUSES, Store, StoreError
 
 START_TIMEOUT_S = 120.0  # for the worker to import torch and connect back
 
+PROFILE_TABLES = ("profiles", "activation_profiles")  # what a recording's detectors read from the app's store
+
 
 class _Events:
     """The worker's end of the connection: one message at a time from any of its threads."""
@@ -112,7 +114,8 @@ def _serve(address: str, authkey: bytes) -> None:
                         from workbench.model import load_checkpoint  # lazy: only when the demo is asked for
                         default.append(load_checkpoint())
                     chosen = default[0]
-                mirror.replace_rows("profiles", {}, profiles, all_rows=True)  # the app's baselines, for detect
+                for table, rows in profiles.items():  # the app's baselines (both kinds), for detect
+                    mirror.replace_rows(table, {}, rows, all_rows=True)
                 record_run(prompt, settings, model=chosen, tokenizer=None if checkpoint else tokenizer, db=relay,
                            run_id=rid, on_token=lambda pos, text, rid=rid: events.put(("token", rid, (pos, text))),
                            after_run=after_run)
@@ -181,11 +184,11 @@ class RecordingProcess:
     def record(self, run_id: str, prompt: str, checkpoint: str | None = None, after_run=None,
                settings: RecordSettings | None = None, **setting_kw) -> queue.Queue:
         """Queue one recording (``settings``, or ``RecordSettings`` fields as keywords; ``after_run(store,
-        run_id)``: a module-level function (it is pickled by name) run there once the run is recorded, against
-        this store's profiles, e.g. the anomaly detectors as ``workbench.record`` does); its events come on the
-        returned queue."""
+        run_id, model=adapter)``: a module-level function (it is pickled by name) run there once the run is
+        recorded, against this store's baseline and activation profiles, e.g. the anomaly detectors as
+        ``workbench.record`` does); its events come on the returned queue."""
         settings = RecordSettings.of(settings, **setting_kw)
-        profiles = self.store.sql("SELECT * FROM profiles")
+        profiles = {t: self.store.sql(f"SELECT * FROM {t}") for t in PROFILE_TABLES}
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._start()
