@@ -401,7 +401,7 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
         for key in list(best):  # what an earlier layer broke at least as clearly reaches every later one
             up = before.get(key[1], 0.0)
             if up >= max(EXPLAINS, abs(best[key])):
-                best[key] = math.copysign(up / 2, best[key])
+                best[key] = math.copysign(min(abs(best[key]), up / 2), best[key])
     return list(best.items())
 
 
