@@ -27,8 +27,8 @@ pattern, scored as that head: the mean log distance to the keys it reads and the
 A run is scored on the context of one token (positions 1 .. pos - 1, every position the target's forward
 sees): each component's z of the log norm and of the deviation, averaged over the context, and at the last
 position (the one whose output is the target's distribution) at half weight. The score is the larger of
-those absolute values; its surprise in nats is ``z^2 / 2`` signed by the norm's direction (+ larger than
-clean, - smaller). Besides the statistics, one consistency check that needs no profile: where the router's
+those absolute values, turned into nats as below and signed by the norm's direction (+ larger than clean,
+- smaller). Besides the statistics, one consistency check that needs no profile: where the router's
 own logits select other experts than the ones the tokens were sent to (``RouterMath.select``), the routing
 was changed after the router (a dropped expert, a dispatch bug): a ``router`` row for the layer and an
 ``expert`` row for the expert that lost the most slots, scored 10 nats per position that disagrees (used only
@@ -161,6 +161,11 @@ def _zs(y: torch.Tensor, r: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return zl, zd
 
 
+def _bucket_end(b: int, n: int) -> int:
+    """The longest prefix of an ``n``-token prompt that lies in length bucket ``b`` (< its start: none)."""
+    return min(RUN_BUCKETS[b + 1] - 1 if b + 1 < len(RUN_BUCKETS) else n, n)
+
+
 def build(a: Adapter, prompts: list[list[int]], seed: int = 0) -> pl.DataFrame:
     """The activation profile of ``a`` from teacher-forced forwards of ``prompts`` (token-id lists).
 
@@ -197,7 +202,7 @@ def build(a: Adapter, prompts: list[list[int]], seed: int = 0) -> pl.DataFrame:
     runs: dict[tuple, list[tuple[float, float]]] = {}  # (key, bucket) -> per prefix (mean z log norm, deviation)
     for got, ids in zip(captured, prompts):
         for b, lo in enumerate(RUN_BUCKETS):
-            hi = min(RUN_BUCKETS[b + 1] - 1 if b + 1 < len(RUN_BUCKETS) else len(ids), len(ids))
+            hi = _bucket_end(b, len(ids))
             if hi < lo:
                 break
             n = int(round(np.exp(rng.uniform(np.log(lo), np.log(hi + 1))))) if hi > lo else lo
@@ -243,7 +248,7 @@ def _row_spread(captured: list[dict], prompts: list[list[int]], cell: dict | Non
     for b, lo in enumerate(RUN_BUCKETS):
         vals = []
         for got, ids in zip(captured, prompts):
-            hi = min(RUN_BUCKETS[b + 1] - 1 if b + 1 < len(RUN_BUCKETS) else len(ids), len(ids))
+            hi = _bucket_end(b, len(ids))
             if hi >= lo:
                 n = int(rng.integers(lo, hi + 1))
                 vals.append(_row_z(got[("unembed", None, None, None, "logit")][1:n], cell))
@@ -293,13 +298,13 @@ def expert_behind(indices: torch.Tensor, odd: torch.Tensor) -> int | None:
             continue
         se = math.sqrt((float(a.var()) if a.numel() > 1 else float(b.var())) / a.numel() + float(b.var()) / b.numel())
         z = (float(a.mean()) - float(b.mean())) / max(se, 1e-6)
-        nats = _log_tail(z) - math.log(2 * n_e) if z > 0 else 0.0
+        nats = log_tail(z) - math.log(2 * n_e) if z > 0 else 0.0
         if nats >= EXPERT_NATS and (best is None or nats > best[1]):
             best = (e, nats)
     return None if best is None else best[0]
 
 
-def _log_tail(z: float) -> float:
+def log_tail(z: float) -> float:
     """-log P(|Z| >= z) for a standard normal Z (two-sided), in nats."""
     return -float(norm.logsf(abs(z))) - math.log(2.0)
 
@@ -308,17 +313,11 @@ def _signed_nats(nats: float, sign: float) -> float:
     return float(math.copysign(max(nats, 0.0), sign if sign else 1.0))
 
 
-def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool = True,
-             skip: set[int] | None = None) -> list[tuple[tuple, float]]:
+def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool = True) -> list[tuple[tuple, float]]:
     """((kind, layer, head, expert, source_pos), signed surprise in nats) for every profiled component, on the
     context ``ids`` (the tokens before the explained one), plus the routing consistency rows (no profile
     needed). A head's output and its two attention-pattern scalars give one ``head`` row: the largest."""
     got, lost = capture(a, list(ids))
-    where = [p for p in range(len(ids)) if not skip or p not in skip]  # row -> position
-    if skip:  # positions left out (inside a repetition loop: reported as such, and out of any clean range)
-        keep = torch.tensor([p not in skip for p in range(len(ids))])
-        got = {k: y[keep[: y.size(0)]] if y.size(0) == len(ids) else y for k, y in got.items()}
-        lost = {k: m[keep[: m.size(0)]] for k, m in lost.items()}
     best: dict[tuple, float] = {}
 
     def put(key: tuple, v: float) -> None:
@@ -348,8 +347,8 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
                 seen = r["run_dev_mean"][0] if r["run_dev_mean"] else 0.0
                 if float(zl[p].abs()) <= BEYOND * seen:  # rare tokens' rows: within what calibration met
                     continue
-                nats = _log_tail(float(zl[p].abs())) - math.log(zl.numel())
-                put(("embed", None, None, None, where[p + 1]), _signed_nats(nats, float(zl[p])))
+                nats = log_tail(float(zl[p].abs())) - math.log(zl.numel())
+                put(("embed", None, None, None, p + 1), _signed_nats(nats, float(zl[p])))
                 continue
             if k[0] == "unembed":  # one token's output row: its logit off all along, Bonferroni over the vocabulary
                 spread = prof.filter(pl.col("kind") == "unembed_rows")
@@ -358,7 +357,7 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
                     rb = min(bucket, len(sr["run_norm_mean"]) - 1)
                     zr = (_row_z(y[1:], r) - sr["run_norm_mean"][rb]) / sr["run_norm_std"][rb]
                     if float(zr.max()) > BEYOND * sr["run_dev_mean"][rb]:  # beyond every calibration token's
-                        nats = _log_tail(float(zr.max())) - math.log(zr.numel())
+                        nats = log_tail(float(zr.max())) - math.log(zr.numel())
                         put(("unembed", None, None, None, None), _signed_nats(nats, 1.0))
                 continue
             b = min(bucket, len(r["run_norm_mean"]) - 1)
@@ -374,7 +373,7 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
         for k in zs:
             family[(k[0], k[4])] = family.get((k[0], k[4]), 0) + 1
         for k, (z, sign) in zs.items():  # two-sided tail, Bonferroni over the component's family
-            put((k[0], k[1], k[2], k[3], None), _signed_nats(_log_tail(z) - math.log(family[(k[0], k[4])]), sign))
+            put((k[0], k[1], k[2], k[3], None), _signed_nats(log_tail(z) - math.log(family[(k[0], k[4])]), sign))
         for r in prof.filter(pl.col("kind") == "mlp_block").iter_rows(named=True):  # the expert behind a block
             nats = best.get(("mlp_block", r["layer"], None, None, None), 0.0)
             idx = got.get(("route", r["layer"], None, None, "indices"))
@@ -384,7 +383,7 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
                 if e is not None:
                     put(("expert", r["layer"], None, e, None), math.copysign(abs(nats) + 1.0, nats))
         for layer, vs in positional.items():  # most heads of a layer read other positions: its rotation
-            nats = _log_tail(float(np.median(np.abs(vs)))) - math.log(len(positional))  # the middle head's
+            nats = log_tail(float(np.median(np.abs(vs)))) - math.log(len(positional))  # the middle head's
             put(("rotary", layer, None, None, None), _signed_nats(nats, 1.0))
         size = {}  # (kind, layer) -> the largest |surprise| of that kind in that layer (any head or expert)
         for key, v in best.items():
@@ -420,13 +419,12 @@ WORDS = {"embed": "the input embedding of the token at position {pos}",
          "router": "the router", "expert": "expert {expert}", "rotary": "the rotary part (every head's reach)"}
 
 
-def anomaly_rows(a: Adapter, ids: list[int], prof: pl.DataFrame | None, skip: set[int] | None = None) -> list[dict]:
+def anomaly_rows(a: Adapter, ids: list[int], prof: pl.DataFrame | None) -> list[dict]:
     """Anomaly rows (kind ``component_outlier``, the schema of workbench.analysis.anomalies) for the components
-    whose activations over the run's first ``MAX_TOKENS`` tokens (but the ``skip`` positions: repetition loops)
-    are at least ``WARNING_NATS`` unusual."""
+    whose activations over the first ``MAX_TOKENS`` of ``ids`` are at least ``WARNING_NATS`` unusual."""
     rows = []
     a = adapter_for(a)
-    for (kind, layer, head, expert, pos), nats in evidence(a, list(ids)[:MAX_TOKENS], prof, last=False, skip=skip):
+    for (kind, layer, head, expert, pos), nats in evidence(a, list(ids)[:MAX_TOKENS], prof, last=False):
         if abs(nats) < WARNING_NATS:
             continue
         what = WORDS.get(kind, kind).format(head=head, expert=expert, pos=pos)

@@ -586,10 +586,10 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
     return out.sort(sev, pl.col("pos"), pl.col("layer"), pl.col("head"), pl.col("expert"), nulls_last=False)
 
 
-def component_rows(store, run_id: str, info: dict, model, meta: dict) -> pl.DataFrame:
-    """``component_outlier`` rows: the run's components against the model's activation profile
-    (workbench.analysis.activations), from one teacher-forced forward of the model the run was recorded with;
-    empty without a model or a profile. ``meta`` gets ``component_tests`` (components judged)."""
+def component_rows(store, info: dict, tokens: pl.DataFrame, model, meta: dict) -> pl.DataFrame:
+    """``component_outlier`` rows: the run's components (its ``tokens`` rows) against the model's activation
+    profile (workbench.analysis.activations), from one teacher-forced forward of the model the run was recorded
+    with; empty without a model or a profile. ``meta`` gets ``component_tests`` (components judged)."""
     if model is None:
         return empty()
     from workbench.analysis import activations  # lazy: imports torch; reading a stored run needs none
@@ -597,12 +597,11 @@ def component_rows(store, run_id: str, info: dict, model, meta: dict) -> pl.Data
     prof = activations.load(store, info.get("checkpoint_sha256"))
     if prof is None:
         return empty()
-    ids = query.table(store, "tokens", run_id, "pos", cols=["token_id"])["token_id"].to_list()
+    ids = tokens.sort("pos")["token_id"].to_list()
     meta["component_tests"] = int(prof.filter(pl.col("kind") != "router_check").height)
-    meta["component_calibration"] = str(prof["n"].max())
     # a loop is a repetition row of its own, and what the model computes once it loops (and as it falls into it)
     # is outside any clean range: the components are judged on the run before its first repeated span
-    loops = covered_positions(query.tokens(store, run_id))
+    loops = covered_positions(tokens)
     start = min(loops) if loops else len(ids)
     return _rows(activations.anomaly_rows(model, ids[:start], prof))
 
@@ -617,7 +616,8 @@ def _compute(store, run_id: str, reference: str | None = None, model=None,
     ref_att = query.attention(store, query.run_row(store, str(reference))["run_id"]) if reference is not None else None
     n_experts = summary.n_routed_experts if summary.moe_layers else 0
     meta: dict = {}
-    df = detect_frames(query.tokens(store, run_id), query.attention(store, run_id), query.routing(store, run_id),
+    tokens = query.tokens(store, run_id)
+    df = detect_frames(tokens, query.attention(store, run_id), query.routing(store, run_id),
                        n_experts, kv=query.kv(store, run_id), reference_attention=ref_att,
                        profile=prof,
                        resid=query.signal(store, "resid_norm", run_id), kv_tokens=query.kv_tokens(store, run_id),
@@ -625,7 +625,7 @@ def _compute(store, run_id: str, reference: str | None = None, model=None,
                        **thresholds)
     if prof is not None:
         try:
-            comp = component_rows(store, run_id, info, model, meta)
+            comp = component_rows(store, info, tokens, model, meta)
         except Exception as e:  # noqa: BLE001 - the recorded signals' rows stand without it
             warnings.warn(f"the component check of run {run_id} failed: {e}")
             comp = empty()

@@ -90,7 +90,6 @@ import numpy as np
 import polars as pl
 import torch
 from captum.attr import FeatureAblation, LayerIntegratedGradients
-from scipy.stats import norm
 
 from workbench.analysis import activations
 from workbench.analysis.baseline import bucket_of, load_profile, resid_growth
@@ -518,7 +517,7 @@ def row_evidence(model: Adapter, ids: list[int], target: int) -> list[tuple[tupl
                 out.append((("unembed", None, None, None, None), float(_surprise(np.array(z[target])))))
             elif ids:  # the most unusual of the context's rows: Bonferroni over them
                 p = int(np.argmax(np.abs(z[ids])))
-                nats = -float(norm.logsf(abs(z[ids[p]]))) - np.log(2.0 * len(set(ids)))
+                nats = activations.log_tail(float(z[ids[p]])) - np.log(len(set(ids)))
                 out.append((("embed", None, None, None, p), float(np.sign(z[ids[p]]) * max(nats, 0.0))))
     return out
 
