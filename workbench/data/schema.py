@@ -96,6 +96,24 @@ _DERIVED = (
         c("created_at", "TIMESTAMP"),
         c("source", "VARCHAR", "what it was calibrated on")), keyed=False,
         doc="workbench.analysis.activations: each component's activations on clean prompts"),
+    Table("atlas", (
+        c("scope", "VARCHAR", "what the atlas covers: batch:<batch_id>, or runs:<12 hex of the sorted run ids' SHA-256>"),
+        c("fingerprint", "VARCHAR", "SHA-256 of the sorted run ids it was computed from (a resumed batch differs)"),
+        c("layer", "INTEGER"), c("expert", "INTEGER"),
+        c("slots", "BIGINT", "routed slots (routing rows) of the expert over the runs"),
+        c("load_share", "DOUBLE", "slots / the layer's routed slots"),
+        c("runs", "INTEGER", "runs that routed a token to the expert"),
+        c("mean_weight", "DOUBLE", "mean gate weight of its slots"),
+        c("label", "VARCHAR", "short deterministic label from its top tokens and classes"),
+        c("top_tokens", "VARCHAR[]", "token texts by summed gate weight, highest first"),
+        c("token_weights", "DOUBLE[]", "their summed gate weights"),
+        c("top_classes", "VARCHAR[]", "token classes of its slots, most frequent first"),
+        c("class_shares", "DOUBLE[]", "their shares of its slots"),
+        c("co_experts", "INTEGER[]", "experts chosen with it for the same token in the same layer, most often first"),
+        c("co_shares", "DOUBLE[]", "share of its slots whose token also chose that expert"),
+        c("contexts", "VARCHAR", "JSON list of its highest-weight tokens with 8 tokens either side"),
+        c("created_at", "TIMESTAMP")), keyed=False,
+        doc="workbench.analysis.atlas: each expert over a batch or a list of runs"),
 )
 
 # meta and runs, the signal tables (from the registry, workbench/data/signals.py), then the derived ones
