@@ -224,6 +224,17 @@ class Adapter:
         """The output projection (its output is the logits before any softcap)."""
         raise NotImplementedError
 
+    def final_norm(self) -> nn.Module:
+        """The norm applied to the residual stream after the last block, before ``unembedding`` (the logit lens)."""
+        raise NotImplementedError
+
+    def lens_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (fp32) the model would output if ``h`` [..., D] were the residual stream after its last block:
+        ``final_norm``, ``unembedding`` and what the model does to the logits after it (a softcap, a scale)."""
+        norm = self.final_norm()
+        w = next(norm.parameters(), None)
+        return self.unembedding()(norm(h.to(w.device) if w is not None else h)).float()
+
     def rotary(self, layer: int, fn: Callable) -> list:
         """Register ``fn(rotation) -> rotation | None`` on what block ``layer``'s attention rotates queries and keys
         by (ours: the complex table [T, R/2]; transformers: the (cos, sin) pair [B, T, d]); removable handles."""

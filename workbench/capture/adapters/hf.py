@@ -65,6 +65,7 @@ SCALES = ("routed_scaling_factor", "route_scale", "router_scaling_factor", "moe_
 EXPERT_SCALE = ("per_expert_scale",)
 ATTN_NAMES = ("self_attn", "self_attention", "attn", "attention")
 OUT_PROJ = ("o_proj", "out_proj", "wo")
+FINAL_NORM = ("norm", "final_norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f", "model_norm")
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_local_heads")
 ATOL = {torch.float32: 1e-5, torch.float64: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 HALF_AGREE = 0.95  # in half precision, rounded logits tie now and then: the rule must reproduce 95% of the rows
@@ -740,6 +741,31 @@ class HFAdapter(Adapter):
 
     def unembedding(self) -> nn.Module:
         return self.module.get_output_embeddings()
+
+    def final_norm(self) -> nn.Module:
+        """The norm after the last decoder layer: a module named like one (``norm``, ``ln_f``, ...) outside the
+        decoder layers, the nearest the root (``model.norm``, ``transformer.ln_f``, ``model.decoder.final_layer_norm``)."""
+        inside = {id(m) for m in self.layers.modules()}
+        found = [(name.count("."), name, m) for name, m in self.module.named_modules()
+                 if name.rsplit(".", 1)[-1] in FINAL_NORM and id(m) not in inside and any(True for _ in m.parameters())]
+        if not found:
+            raise ValueError(f"cannot find the final norm of {self.summary.family} (no module named "
+                             f"{' / '.join(FINAL_NORM)} outside the decoder layers)")
+        return min(found, key=lambda f: f[:2])[2]
+
+    def lens_logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = super().lens_logits(h)
+        cfg = _text_config(self.module.config)
+        cap = _cfg(cfg, "final_logit_softcapping")
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        scale = _cfg(cfg, "logit_scale")
+        if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+            logits = logits * scale
+        div = _cfg(cfg, "logits_scaling")
+        if isinstance(div, (int, float)) and not isinstance(div, bool) and div:
+            logits = logits / div
+        return logits
 
     def _rotary_emb(self) -> nn.Module:
         for _, m in self.module.named_modules():

@@ -189,6 +189,9 @@ class NativeAdapter(Adapter):
     def unembedding(self) -> nn.Module:
         return self.module.head
 
+    def final_norm(self) -> nn.Module:
+        return self.module.norm
+
     def rotary(self, layer: int, fn) -> list:
         def pre(_m, args):  # Block.forward(x, start_pos, freqs_cis)
             new = fn(args[2], int(args[1]))
