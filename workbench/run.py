@@ -16,6 +16,7 @@ import polars as pl
 
 from workbench.analysis import anomalies
 from workbench.analysis.anomalies import detect
+from workbench.analysis.atlas import atlas as expert_atlas
 from workbench.analysis.codeview import code_view, run_compile_check, token_classes
 from workbench.analysis.diff import diff_runs
 from workbench.analysis.findings import findings
@@ -286,6 +287,11 @@ class Workbench:
             raise query.RunNotFound(f"no batch {batch_id!r} in {self.store.path}")
         return Batch(self.store, batch_id)
 
+    def atlas(self, run_ids, recompute: bool = False) -> pl.DataFrame:
+        """The expert atlas over a list of runs of one model (``workbench.analysis.atlas``; columns as
+        ``Batch.atlas()``): stored in the ``atlas`` table under ``runs:<hash of the sorted ids>``, computed once."""
+        return expert_atlas(self.store, [getattr(r, "run_id", r) for r in run_ids], recompute=recompute)
+
     def search(self, text: str, **kw) -> pl.DataFrame:
         """Runs and positions whose decoded text contains ``text`` (run_id, pos, end_pos, offset, match,
         context; ``workbench.data.query.search``)."""
@@ -380,6 +386,13 @@ class Batch:
     def low_confidence(self, n: int = 20) -> pl.DataFrame:
         """The ``n`` least confident generated tokens across the batch: run_id, pos, text, confidence, prob, rank."""
         return query.batch_low_confidence(self.store, self.batch_id, n)
+
+    def atlas(self, recompute: bool = False) -> pl.DataFrame:
+        """The expert atlas of the batch's complete runs (``workbench.analysis.atlas``): per MoE layer x expert
+        layer, expert, slots, load_share, runs, mean_weight, label, top_tokens, token_weights, top_classes,
+        class_shares, co_experts, co_shares, contexts (JSON). Computed once and stored in the ``atlas`` table;
+        recomputed when the batch's complete runs changed, or with ``recompute``."""
+        return expert_atlas(self.store, batch_id=self.batch_id, recompute=recompute)
 
     def search(self, text: str, **kw) -> pl.DataFrame:
         """``workbench.data.query.search`` within this batch's runs."""
