@@ -70,6 +70,14 @@ _DERIVED = (
         c("quantiles", "DOUBLE[]", "empirical quantiles at workbench.analysis.baseline.PROBS"),
         c("created_at", "TIMESTAMP"),
         c("source", "VARCHAR", "what it was calibrated on (JSON: prompts, runs, max_new_tokens)")), keyed=False),
+    Table("interventions", (
+        c("idx", "INTEGER", "order of the intervention in the run's list (0-based)"),
+        c("kind", "VARCHAR", "ban | boost | force | scale_head | scale | router_bias (workbench.interventions)"),
+        c("layer", "INTEGER"), c("expert", "INTEGER"), c("head", "INTEGER"),
+        c("path", "VARCHAR", "scale: the module path inside the model"),
+        c("value", "DOUBLE", "boost: the delta; scale_head, scale: the factor; NULL otherwise"),
+        c("spec", "VARCHAR", "the intervention's string form, e.g. ban:L3E5 (router_bias: its vector is here)")),
+        order="idx", doc="the interventions a run was recorded under (workbench.record(..., interventions=))"),
     Table("policy_results", (
         c("policy", "VARCHAR",
           "the KV policy's canonical spec (workbench.analysis.kv_policies), e.g. window:sink=4,recent=64"),
