@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import polars as pl
 
 from workbench.analysis import anomalies
+from workbench.analysis import placement as expert_placement
 from workbench.analysis.anomalies import detect
 from workbench.analysis.atlas import atlas as expert_atlas
 from workbench.analysis.codeview import code_view, run_compile_check, token_classes
@@ -115,6 +116,15 @@ class Run:
 
     def expert_load(self) -> pl.DataFrame:
         return query.expert_load(self.store, self.run_id)
+
+    def maxvio(self, chunk: int = expert_placement.MAXVIO_CHUNK) -> pl.DataFrame:
+        """Load imbalance per MoE layer, ``max_e load_e / mean_e load_e - 1`` (DeepSeek's MaxVio): ``layer,
+        maxvio`` over the whole run, ``maxvio_chunk_mean`` / ``maxvio_chunk_max`` over chunks of ``chunk``
+        positions (default 256), ``chunks``, ``slots`` (``workbench.analysis.placement``)."""
+        n = self.model_summary.n_routed_experts
+        if not n:
+            raise ValueError(f"run {self.run_id}: {query.no_routing_reason(self.store, self.run_id)}")
+        return expert_placement.maxvio(expert_placement.routing_loads(self.routing(), chunk), n)
 
     # -- analyses ---------------------------------------------------------------------------------
     def anomalies(self, recompute: bool = False, reference=None, **thresholds) -> pl.DataFrame:
@@ -373,6 +383,40 @@ class Batch:
     def expert_load(self) -> pl.DataFrame:
         """Routed slots per layer x expert summed over the batch's runs, and the share of the layer's slots."""
         return query.batch_expert_load(self.store, self.batch_id)
+
+    def _loads(self, chunk: int = expert_placement.MAXVIO_CHUNK) -> tuple[pl.DataFrame, int]:
+        """The complete runs' routed slots per chunk x layer x expert, and the model's routed experts E."""
+        runs = self.runs().filter(pl.col("status") == "complete")
+        n = query.model_summary(query.run_row(self.store, runs["run_id"][0])).n_routed_experts if runs.height else 0
+        if not n:
+            raise ValueError(f"batch {self.batch_id}: no complete runs with routed experts")
+        return expert_placement.store_loads(self.store, runs["run_id"].to_list(), chunk), n
+
+    def maxvio(self, chunk: int = expert_placement.MAXVIO_CHUNK) -> pl.DataFrame:
+        """Load imbalance per MoE layer over the complete runs (DeepSeek's MaxVio, ``max / mean - 1``): ``layer,
+        maxvio`` over the whole batch, ``maxvio_chunk_mean`` / ``maxvio_chunk_max`` over chunks of ``chunk`` tokens
+        (default 256; the runs one after the other), ``chunks``, ``slots`` (``workbench.analysis.placement``)."""
+        return expert_placement.maxvio(*self._loads(chunk))
+
+    def placement(self, devices: int, redundant: int = 0, policy="contiguous") -> pl.DataFrame:
+        """Expert-parallel placement what-if over the batch's routing: ``policy, layer, device, slots`` (routed
+        slots the device processes), ``replicas``, ``experts``. ``policy``: "contiguous", "eplb", a user's placement
+        (a dict or JSON file ``{layer or "*": [[experts of device 0], ...]}``) or a list of them
+        (``workbench.analysis.placement``)."""
+        loads = expert_placement.layer_loads(*self._loads())
+        pols = policy if isinstance(policy, (list, tuple)) else [policy]
+        return pl.concat([expert_placement.placement(loads, devices, redundant, p) for p in pols])
+
+    def placement_summary(self, devices: int, redundant: int = 0, policies=expert_placement.POLICIES) -> pl.DataFrame:
+        """Per policy and layer: ``max_load``, ``mean_load``, ``imbalance`` (max / mean) of the device loads and the
+        all-to-all traffic ``offdevice_slots`` / ``offdevice_share`` (sources spread evenly over the devices)."""
+        loads = expert_placement.layer_loads(*self._loads())
+        pols = policies if isinstance(policies, (list, tuple)) else [policies]
+        return pl.concat([expert_placement.summary(expert_placement.placement(loads, devices, redundant, p), loads,
+                                                   redundant) for p in pols])
+
+    def fig_placement(self, devices: int, redundant: int = 0, policies=expert_placement.POLICIES):
+        return figures.placement_figure(self.placement_summary(devices, redundant, policies))
 
     def head_entropy(self) -> pl.DataFrame:
         """Each run's mean entropy per layer x head (run_id, layer, head, entropy, norm_entropy): the

@@ -729,3 +729,26 @@ def batch_confidence_figure(low: pl.DataFrame, batch_id: str = "") -> go.Figure:
     _layout(fig, f"Least confident tokens of batch {html.escape(batch_id)}", height=360,
             xaxis={"title": "run @ pos", "tickangle": -45}, yaxis={"title": "confidence", "range": [0, 1.05]})
     return fig
+
+
+def placement_figure(summary: pl.DataFrame, title: str = "Expert-parallel placement: device load against policy"
+                     ) -> go.Figure:
+    """Per MoE layer, one bar per policy: the busiest device's load over the mean device load (1 = balanced), and
+    the share of routed slots sent off their source device (``workbench.analysis.placement.summary``)."""
+    if summary.height == 0:
+        return _empty("no routing rows to place (dense models, or no complete runs)")
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("max / mean device load", "slots sent off their device"))
+    for i, ((name,), grp) in enumerate(summary.sort("layer").group_by("policy", maintain_order=True)):
+        g = grp.sort("layer")
+        x = [f"L{v}" for v in g["layer"].to_list()]
+        for col, value, fmt in ((1, "imbalance", ".3f"), (2, "offdevice_share", ".1%")):
+            fig.add_trace(go.Bar(x=x, y=g[value].to_list(), name=html.escape(str(name)), legendgroup=str(name),
+                                 showlegend=col == 1, marker={"color": ("#636efa", "#ef553b", "#00cc96", "#ab63fa")[i % 4]},
+                                 hovertemplate=f"%{{x}}: %{{y:{fmt}}}<extra>{html.escape(str(name))}</extra>"),
+                          row=1, col=col)
+    g0 = summary.row(0, named=True)
+    _layout(fig, f"{html.escape(title)} ({g0['devices']} devices, {g0['redundant']} redundant)", height=360,
+            barmode="group")
+    fig.update_yaxes(title_text="max / mean", row=1, col=1)
+    fig.update_yaxes(tickformat=".0%", row=1, col=2)
+    return fig
