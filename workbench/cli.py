@@ -18,7 +18,7 @@ from workbench.data.store import StoreError, default_db
 # commands that read a database someone recorded before: a --db that does not exist is a typo, refused before
 # anything is created (record, demo, import and profile make a new one; ui only with --create or at the default)
 READS_DB = ("search", "runs", "explain", "anomalies", "findings", "replay", "diff", "report", "kv-whatif",
-            "expert-cache", "export")
+            "expert-cache", "export", "atlas")
 
 
 def _moved(p) -> None:
@@ -202,6 +202,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefetch: none (plain LRU), prev3 (last 3 tokens' experts), lookahead (the recorded "
                         "routing of the next 5 positions: an oracle), all (each of them)")
     p.add_argument("--decode-only", action="store_true", help="count generated positions only")
+    p.add_argument("--json", action="store_true")
+    _db(p)
+
+    p = sub.add_parser("atlas", help="the expert atlas of a batch: each expert's load, top tokens, classes, label")
+    p.add_argument("batch_id", metavar="BATCH")
+    p.add_argument("--layer", type=int, default=None, help="only this MoE layer")
+    p.add_argument("--top", type=int, default=None, metavar="N", help="only the N experts of highest load share")
+    p.add_argument("--recompute", action="store_true", help="compute it again (else the stored one is read)")
     p.add_argument("--json", action="store_true")
     _db(p)
 

@@ -304,7 +304,13 @@ def cards_text(df: pl.DataFrame, width: int = 100) -> str:
         if c["co_experts"]:
             lines.append("  with:    " + ", ".join(f"e{e} {s:.0%}" for e, s in zip(c["co_experts"], c["co_shares"])))
         for ctx in c["contexts"][:3]:
-            line = f"{ctx['before']}[[{ctx['token']}]]{ctx['after']}"
-            line = line.replace("\n", "⏎").replace("\t", "⇥")
+            line = _terminal(f"{ctx['before']}[[{ctx['token']}]]{ctx['after']}")
             lines.append(f"  {ctx['weight']:.2f}  {line[:width]}")
-    return "\n".join(lines)
+    return "\n".join(_terminal(x) for x in lines)  # token text is untrusted: no control character gets out
+
+
+def _terminal(text: str) -> str:
+    """Text safe on one terminal line: line breaks and tabs as symbols, other control characters (an escape
+    sequence in a token) as ``\\xNN``."""
+    text = text.replace("\n", "⏎").replace("\t", "⇥")
+    return "".join(ch if ch.isprintable() or ch == " " else f"\\x{ord(ch):02x}" for ch in text)
