@@ -18,7 +18,7 @@ from workbench.data.store import StoreError, default_db
 # commands that read a database someone recorded before: a --db that does not exist is a typo, refused before
 # anything is created (record, demo, import and profile make a new one; ui only with --create or at the default)
 READS_DB = ("search", "runs", "explain", "anomalies", "findings", "replay", "diff", "report", "kv-whatif",
-            "expert-cache", "export", "atlas")
+            "expert-cache", "export", "placement", "atlas")
 
 
 def _moved(p) -> None:
@@ -210,6 +210,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer", type=int, default=None, help="only this MoE layer")
     p.add_argument("--top", type=int, default=None, metavar="N", help="only the N experts of highest load share")
     p.add_argument("--recompute", action="store_true", help="compute it again (else the stored one is read)")
+    p.add_argument("--json", action="store_true")
+    _db(p)
+
+    p = sub.add_parser("placement", help="a batch's routing replayed over an expert-parallel placement: "
+                                          "device load and all-to-all traffic per policy")
+    p.add_argument("batch_id", metavar="BATCH")
+    p.add_argument("--devices", type=int, required=True, metavar="G", help="devices (G must divide experts + R)")
+    p.add_argument("--redundant", type=int, default=0, metavar="R", help="redundant expert slots (replicas of the "
+                   "hottest experts; default 0)")
+    p.add_argument("--policy", action="append", default=None, metavar="contiguous|eplb|FILE.json",
+                   help="repeatable (default: contiguous and eplb); FILE.json: {layer or \"*\": [[experts of "
+                        "device 0], ...]}")
     p.add_argument("--json", action="store_true")
     _db(p)
 
