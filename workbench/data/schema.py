@@ -122,6 +122,18 @@ _DERIVED = (
         c("contexts", "VARCHAR", "JSON list of its highest-weight tokens with 8 tokens either side"),
         c("created_at", "TIMESTAMP")), keyed=False,
         doc="workbench.analysis.atlas: each expert over a batch or a list of runs"),
+    Table("logit_lens", (
+        c("pos", "INTEGER", "position of the produced token (as tokens.pos); read from the residual stream at pos - 1"),
+        c("layer", "INTEGER", "the block whose output (the residual stream after it) goes through the final norm and "
+          "the unembedding"),
+        c("token_id", "INTEGER", "the run's token at pos (tokens.token_id)"),
+        c("prob", "DOUBLE", "its probability under that layer's distribution"),
+        c("rank", "INTEGER", "its rank there (1 = the argmax; -1 if the logits were non-finite)"),
+        c("top_token_id", "INTEGER", "that layer's most likely token"),
+        c("top_prob", "DOUBLE", "its probability"),
+        c("top_text", "VARCHAR", "its text (untrusted: escape before showing in HTML)"),
+        c("created_at", "TIMESTAMP")), order="pos, layer",
+        doc="workbench.analysis.lens: the logit lens, computed with the model on demand (Run.logit_lens)"),
 )
 
 # meta and runs, the signal tables (from the registry, workbench/data/signals.py), then the derived ones
