@@ -22,14 +22,15 @@ Declaring and parsing need no torch (the facade and the store read them); applyi
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
+import polars as pl
+
 __all__ = ["KINDS", "Intervention", "applied", "ban_expert", "boost_expert", "check", "force_expert", "normalize",
-           "parse", "router_bias", "rows", "scale", "scale_head"]
+           "of_run", "parse", "router_bias", "rows", "scale", "scale_head", "stored"]
 
 KINDS = ("ban", "boost", "force", "scale_head", "scale", "router_bias")
 ROUTING = ("ban", "boost", "force", "router_bias")
@@ -210,8 +211,15 @@ def rows(run_id: str, interventions: list[Intervention]) -> dict[str, list]:
             "spec": [i.spec for i in interventions]}
 
 
-def to_json(interventions: list[Intervention]) -> str:
-    return json.dumps([i.spec for i in interventions])
+def stored(store, run_id: str) -> pl.DataFrame:
+    """The run's ``interventions`` rows (idx, kind, layer, expert, head, path, value, spec), in order."""
+    return store.sql("SELECT idx, kind, layer, expert, head, path, value, spec FROM interventions "
+                     "WHERE run_id = ? ORDER BY idx", [run_id])
+
+
+def of_run(store, run_id: str) -> list[Intervention]:
+    """The interventions run ``run_id`` was recorded under (parsed from their stored specs)."""
+    return [parse(s) for s in stored(store, run_id)["spec"].to_list()]
 
 
 # -- applying them ---------------------------------------------------------------------------------------------

@@ -25,6 +25,10 @@ from tqdm import tqdm
 
 from workbench.capture.adapters import Adapter, load_adapter
 from workbench.capture.adapters.base import Route
+from workbench.capture.interventions import applied as intervening
+from workbench.capture.interventions import check as check_interventions
+from workbench.capture.interventions import normalize as interventions_of
+from workbench.capture.interventions import rows as intervention_rows
 from workbench.capture.probes import PROBE_CLASSES, Probe, StepInfo
 from workbench.capture.resolve import check_folder, tokenizer_for, tokenizer_path
 from workbench.capture.settings import RecordSettings, check_generation
@@ -271,19 +275,23 @@ def _open(model, tokenizer, db, settings: RecordSettings, device_map=None, text:
 def record_run(prompt: str | list[int], settings: RecordSettings | None = None, *, model=None, tokenizer=None,
                db=None, progress: bool = False, on_token: Callable[[int, str], None] | None = None,
                parent_run_id: str | None = None, run_id: str | None = None, run_fields: dict | None = None,
-               after_run: Callable[..., object] | None = None,
+               after_run: Callable[..., object] | None = None, interventions=None,
                **setting_kw) -> tuple[str, Store, Adapter, object]:
     """Record one generation; returns (run_id, store, adapter, tokenizer). See ``workbench.record``.
 
     ``settings``: how to generate and what to record (``RecordSettings``; keyword fields of it, e.g.
     ``max_new_tokens=8``, override it). ``run_fields``: more ``runs`` columns for the run's first row (e.g. a
     prompt set's ``batch_id``), so they are there from the start, a run killed mid-way included.
-    ``after_run``: run on the stored run once it is recorded (``run_after``; e.g. the anomaly detectors)."""
+    ``after_run``: run on the stored run once it is recorded (``run_after``; e.g. the anomaly detectors).
+    ``interventions``: ``workbench.capture.interventions`` values or specs to record under (checked against the
+    model before the run row exists; stored in the ``interventions`` table with the run)."""
     settings = RecordSettings.of(settings, **setting_kw)
     probes = _check_request(prompt, settings, run_fields)
+    ivs = interventions_of(interventions)
     store, adapter, tokenizer, source = _open(model, tokenizer, db, settings, settings.device_map,
                                               text=isinstance(prompt, str))
     ids = _encode(prompt, adapter, tokenizer, settings.max_new_tokens)
+    check_interventions(adapter, ivs)
     run_id = run_id or new_run_id()
     bar = None
     if progress:
@@ -292,9 +300,12 @@ def record_run(prompt: str | list[int], settings: RecordSettings | None = None, 
                      settings.topk, on_token, bar)  # the probes are made before the run row exists
     _insert_run(store, run_id, adapter, source, prompt, ids, tokenizer,
                 settings.params(ids, adapter.summary.backend), settings.seed, parent_run_id, run_fields)
+    if ivs:
+        store.append({"interventions": pl.DataFrame(intervention_rows(run_id, ivs), schema=_INTERVENTION_TYPES)})
     run.writer = writer = Writer(store)
     try:
-        with _finishing(lambda: [run], store, writer), adapter.seams(run.rec.listeners()):
+        # the interventions' hooks come first: the probes see what the model computed under them
+        with _finishing(lambda: [run], store, writer), intervening(adapter, ivs), adapter.seams(run.rec.listeners()):
             t0 = time.perf_counter()
             for step in adapter.stream(ids, settings.max_new_tokens, settings.temperature, settings.top_p,
                                        settings.seed, run.eos):
@@ -305,6 +316,10 @@ def record_run(prompt: str | list[int], settings: RecordSettings | None = None, 
             bar.close()
     run_after(after_run, store, run_id, adapter)
     return run_id, store, adapter, tokenizer
+
+
+_INTERVENTION_TYPES = {"run_id": pl.String, "idx": pl.Int32, "kind": pl.String, "layer": pl.Int32, "expert": pl.Int32,
+                      "head": pl.Int32, "path": pl.String, "value": pl.Float64, "spec": pl.String}
 
 
 def run_after(after_run: Callable[..., object] | None, store: Store, run_id: str, adapter=None) -> None:
