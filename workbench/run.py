@@ -22,6 +22,7 @@ from workbench.analysis.codeview import code_view, run_compile_check, token_clas
 from workbench.analysis.diff import diff_runs
 from workbench.analysis.findings import findings
 from workbench.analysis.whatif import expert_cache, fit_latency
+from workbench.capture import interventions as _interventions
 from workbench.capture.settings import RecordSettings
 from workbench.data import query
 from workbench.data.signals import PROBES, TABLES
@@ -168,6 +169,24 @@ class Run:
         from workbench.analysis.replay import replay_run  # lazy: imports torch; reading a run needs none
         return replay_run(self.store, self.run_id, model=kw.pop("model", self._adapter), **kw)
 
+    def interventions(self) -> pl.DataFrame:
+        """The interventions this run was recorded under (``interventions`` table: idx, kind, layer, expert, head,
+        path, value, spec); empty for a plain run. Its parent: ``info["parent_run_id"]``."""
+        return _interventions.stored(self.store, self.run_id)
+
+    def rerun(self, interventions=(), **kw) -> "Run":
+        """This run's prompt (its token ids) recorded again with the same settings and model, under
+        ``interventions`` (``workbench.interventions`` values or specs), as a child run (``parent_run_id`` this run).
+        The child runs exactly the interventions given (not this run's own). ``kw``: ``record``'s keywords."""
+        settings = RecordSettings.of_run(self.info)
+        ids = json.loads(self.info["params"] or "{}").get("prompt_ids")
+        if not ids:
+            raise ValueError(f"run {self.run_id} has no recorded prompt_ids in its params; it cannot be re-run")
+        kw.setdefault("tokenizer", self._tokenizer if self._tokenizer is not None else self.tokenizer())
+        model = kw.pop("model", None)
+        return record(list(ids), model=self.adapter() if model is None else model, db=self.store, settings=settings,
+                      parent_run_id=self.run_id, interventions=interventions, **kw)
+
     def report(self, out: str | Path | None = None, format: str = "html") -> Path | str:
         return write_report(self, out, format)
 
@@ -276,6 +295,10 @@ class Workbench:
     def diff(self, a: str, b: str):
         return diff_runs(self.store, a, b)
 
+    def intervene(self, run_id: str, interventions, **kw) -> Run:
+        """Run ``run_id``'s prompt again under ``interventions``, as its child run (``Run.rerun``)."""
+        return self.run(run_id).rerun(interventions, **kw)
+
     def sql(self, query_text: str, **kw) -> pl.DataFrame:
         """Read-only SQL over the store (row and time limits; see ``workbench.data.sqlsafe``)."""
         return readonly_sql(self.store, query_text, **kw)
@@ -315,7 +338,7 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
            temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, db=None, dtype: str | None = None,
            probes=PROBES, topk: int = 5, progress: bool = False, on_token=None, parent_run_id: str | None = None,
            run_id: str | None = None, detect: bool = True, backend: str = "auto", run_fields: dict | None = None,
-           device_map=None, settings: RecordSettings | None = None) -> Run:
+           device_map=None, settings: RecordSettings | None = None, interventions=None) -> Run:
     """Generate from ``prompt`` with probes attached and store every signal; returns the ``Run``.
 
     Args:
@@ -335,6 +358,9 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
             {module path: device}); recorded through the same adapter and probes.
         settings: every generation / recording setting at once (``workbench.capture.settings.RecordSettings``),
             instead of the keywords max_new_tokens ... device_map (give one or the other).
+        interventions: edits of the model's computation to record under (``workbench.interventions``: values
+            such as ``ban_expert(1, 5)`` or specs such as ``"scale_head:L0H1=0"``); stored with the run
+            (``Run.interventions()``); ``parent_run_id`` names the run it varies.
     """
     from workbench.capture.recorder import record_run  # lazy: imports torch; reading a run needs none
 
@@ -350,7 +376,8 @@ def record(prompt: str | list[int], *, model=None, tokenizer=None, max_new_token
     rid, store, adapter, tok = record_run(
         prompt, settings, model=model, tokenizer=tokenizer, db=db, progress=progress, on_token=on_token,
         parent_run_id=parent_run_id, run_id=run_id, run_fields=run_fields,
-        after_run=anomalies.detect if detect else None)  # the runs table shows anomaly counts
+        after_run=anomalies.detect if detect else None,  # the runs table shows anomaly counts
+        interventions=interventions)
     return Run(store, rid, model=adapter, tokenizer=tok)
 
 
