@@ -15,6 +15,7 @@ from typing import Any
 import plotly.graph_objects as go
 import polars as pl
 
+from workbench.capture.interventions import stored as stored_interventions
 from workbench.data import query
 from workbench.data.signals import TABLES as SIGNAL_TABLES
 from workbench.data.store import Store
@@ -101,8 +102,9 @@ class RunDiff:
 
     def __repr__(self) -> str:
         s = self.summary
+        under = f", b under {', '.join(s['interventions'])}" if s.get("interventions") else ""
         return (f"RunDiff({self.a} vs {self.b}: first divergence at {s['first_divergence_pos']}, "
-                f"{s['token_diff_share']:.1%} tokens differ)")
+                f"{s['token_diff_share']:.1%} tokens differ{under})")
 
 
 def _token_frame(store: Store, a: str, b: str) -> pl.DataFrame:
@@ -144,9 +146,19 @@ def diff_runs(store: Store, a: str, b: str, tol: float = 1e-4) -> RunDiff:
     pb = json.loads(ib["params"] or "{}").get("prompt_ids")
     n_slots = int(routing["slots"].sum()) if routing.height else 0
     row = differ.row(0, named=True) if differ.height else None
+    iv_a, iv_b = (stored_interventions(store, r)["spec"].to_list() for r in (a, b))
+    # the weights each ran with: a fault or an in-place edit changes them under the same checkpoint hash (compared
+    # at the same dtype: a cast is the same checkpoint); NULL (offloaded weights) compares as unknown
+    wa, wb = ia.get("weights_sha256"), ib.get("weights_sha256")
+    same_weights = None if wa is None or wb is None or ia["dtype"] != ib["dtype"] else wa == wb
     summary = {
         "run_a": a, "run_b": b, "dtype_a": ia["dtype"], "dtype_b": ib["dtype"],
-        "same_checkpoint": ia["checkpoint_sha256"] == ib["checkpoint_sha256"],
+        "same_checkpoint": ia["checkpoint_sha256"] == ib["checkpoint_sha256"] and same_weights is not False,
+        "same_weights": same_weights,
+        "interventions_a": iv_a, "interventions_b": iv_b,
+        # what b ran under that a did not, and the reverse (b a child of a: its interventions)
+        "interventions": [x for x in iv_b if x not in iv_a], "interventions_removed": [x for x in iv_a if x not in iv_b],
+        "b_is_child_of_a": ib.get("parent_run_id") == a,
         "same_prompt": pa == pb if pa is not None and pb is not None else ia["prompt"] == ib["prompt"],
         "n_tokens_a": int(tokens["token_id_a"].is_not_null().sum()),
         "n_tokens_b": int(tokens["token_id_b"].is_not_null().sum()),

@@ -15,6 +15,7 @@ import polars as pl
 
 from workbench.analysis.anomalies import detect
 from workbench.analysis.diff import first_divergence
+from workbench.capture.interventions import of_run as interventions_of_run
 from workbench.capture.recorder import record_run
 from workbench.capture.resolve import load_for_run, run_tokenizer
 from workbench.capture.settings import RecordSettings
@@ -118,7 +119,8 @@ def at_step(store: Store, run_id: str, t: int) -> StepState:
 
 def replay_run(store: Store, run_id: str, *, model=None, tokenizer=None, tol: float = 1e-4,
                progress: bool = False) -> dict:
-    """Re-run a recorded run (prompt ids, settings, seed, checkpoint, dtype) and compare it with the record.
+    """Re-run a recorded run (prompt ids, settings, seed, checkpoint, dtype, and the interventions it was recorded
+    under: ``interventions`` table) and compare it with the record.
 
     Args:
         model: None to reload the run's checkpoint folder; or a checkpoint folder / module whose weights
@@ -140,7 +142,7 @@ def replay_run(store: Store, run_id: str, *, model=None, tokenizer=None, tol: fl
     # the tokenizer given, else the one the run was recorded with, else its checkpoint folder's
     tokenizer = run_tokenizer(info, adapter if adapter.checkpoint_path else None, tokenizer)
     new_id = record_run(list(ids), RecordSettings.of_run(info), model=adapter, tokenizer=tokenizer, db=store,
-                        parent_run_id=run_id, progress=progress)[0]
+                        parent_run_id=run_id, progress=progress, interventions=interventions_of_run(store, run_id))[0]
     detect(store, new_id, model=adapter)
     div = first_divergence(store, run_id, new_id, tol, n_prompt=len(ids))
     ta, tb = (query.table(store, "tokens", r, "pos", cols=["pos", "token_id"]) for r in (run_id, new_id))
