@@ -44,6 +44,7 @@ from workbench.apps.shared import (  # noqa: F401 - re-exported: the app's helpe
 )
 from workbench.apps.tabs import (
     anomalies,
+    atlas,
     attention,
     batches,
     code,
@@ -69,7 +70,7 @@ CSS = """
 """
 #: the tabs, in page order
 TABS = [runs, record, run_view, attention, experts, kv_cache, kv_whatif, code, anomalies, compare, replay, sql,
-        batches, search]
+        batches, atlas, search]
 
 
 def export_report(app: AppContext, run_id: str | None):
