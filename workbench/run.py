@@ -209,6 +209,19 @@ class Run:
         return precision_probe(self.adapter(), self.tokens()["token_id"].to_list(), formats, layers, parts,
                                all_layers)
 
+    def logit_lens(self, pos=None, recompute: bool = False) -> pl.DataFrame:
+        """Where in depth each token was decided: per produced position (``tokens.pos``) x layer, the residual
+        stream after the layer through the final norm and unembedding: ``pos, layer, token_id, prob, rank,
+        top_token_id, top_prob, top_text, text`` (``workbench.analysis.lens``). ``pos``: a position, several, or
+        None (all). Computed with the model on the first call and stored (``logit_lens``); read back afterwards."""
+        from workbench.analysis.lens import logit_lens  # lazy: imports torch; reading a run needs none
+        return logit_lens(self.store, self.run_id, pos, adapter=self.adapter, tokenizer=self.tokenizer,
+                          recompute=recompute)
+
+    def fig_logit_lens(self, pos=None, recompute: bool = False):
+        """Heat map layer x position of ``logit_lens``: the produced token's probability, the top-1 on hover."""
+        return figures.logit_lens_figure(self.logit_lens(pos, recompute))
+
     def code_view(self, generated_only: bool = True, per_token: bool = False) -> pl.DataFrame:
         """Confidence and entropy by Python token class (``workbench.analysis.codeview``); ``per_token``: each token's class."""
         return token_classes(self.tokens()) if per_token else code_view(self.tokens(), generated_only)

@@ -752,3 +752,40 @@ def placement_figure(summary: pl.DataFrame, title: str = "Expert-parallel placem
     fig.update_yaxes(title_text="max / mean", row=1, col=1)
     fig.update_yaxes(tickformat=".0%", row=1, col=2)
     return fig
+
+
+# -- the logit lens --------------------------------------------------------------------------------
+
+def logit_lens_figure(lens: pl.DataFrame, tokens: pl.DataFrame | None = None, title: str | None = None) -> go.Figure:
+    """Heat map layer x position of a logit lens (``Run.logit_lens``): the probability each layer gives the token
+    the run produced there ("where was this token decided"); hover: its rank and the layer's top-1 token. Texts
+    from the frame's ``text`` / ``top_text`` columns, else the run's ``tokens``, else ``#id``."""
+    if lens.height == 0:
+        return _empty("no logit-lens rows: compute them with the model (Run.logit_lens)")
+    texts = _texts_by_pos(tokens)
+    if "text" in lens.columns:
+        texts |= {p: t for p, t in zip(lens["pos"].to_list(), lens["text"].to_list()) if t is not None}
+    seen = dict(zip(tokens["token_id"].to_list(), tokens["text"].to_list())) if tokens is not None else {}
+    positions = sorted(set(lens["pos"].to_list()))
+    layers = sorted(set(lens["layer"].to_list()))
+    col, row = {p: i for i, p in enumerate(positions)}, {l: i for i, l in enumerate(layers)}
+    z = [[None] * len(positions) for _ in layers]
+    hover = [[""] * len(positions) for _ in layers]
+    top_texts = lens["top_text"].to_list() if "top_text" in lens.columns else [None] * lens.height
+    for r, top in zip(lens.iter_rows(named=True), top_texts):
+        i, j = row[r["layer"]], col[r["pos"]]
+        z[i][j] = r["prob"]
+        tok = token_label(texts.get(r["pos"], seen.get(r["token_id"], f"#{r['token_id']}")), 20)
+        top = token_label(top if top is not None else seen.get(r["top_token_id"], f"#{r['top_token_id']}"), 20)
+        p, tp = r["prob"], r["top_prob"]
+        hover[i][j] = (f"pos {r['pos']} «{tok}», layer {r['layer']}<br>p = {'' if p is None else f'{p:.3g}'}, "
+                       f"rank {r['rank']}<br>top-1 «{top}» ({'' if tp is None else f'{tp:.3g}'})")
+    fig = go.Figure(go.Heatmap(z=z, x=list(range(len(positions))), y=layers, customdata=hover, zmin=0, zmax=1,
+                               colorscale=CONFIDENCE_SCALE, colorbar={"title": "p(token)"},
+                               hovertemplate="%{customdata}<extra></extra>"))
+    ticks = _tick_axis(list(range(len(positions))), [texts.get(p, "") for p in positions], max_ticks=40)
+    ticks["ticktext"] = [f"{positions[v]} {t}" for v, t in zip(ticks["tickvals"], ticks["ticktext"])]
+    _layout(fig, html.escape(title or "Logit lens: where was each token decided (p of the produced token per layer)"),
+            height=max(260, 28 * len(layers) + 160), xaxis={"title": "position", **ticks},
+            yaxis={"title": "layer (residual stream after it)", "dtick": 1})
+    return fig
