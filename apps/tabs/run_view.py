@@ -23,6 +23,7 @@ from workbench.apps.shared import (
 )
 from workbench.apps.tabs.runs import reference_choices
 from workbench.data import query
+from workbench.views.figures import logit_lens_figure
 from workbench.views.markup import defuse, md_plain
 from workbench.views.session import RunFrames, Session
 
@@ -167,6 +168,24 @@ def explain(app: AppContext, s: Session, run_id: str | None, pos: float | None, 
             + (f"  \n⚠️ {md_plain(warn)}" if warn else ""), f.fig_attribution(pos), f.fig_components(pos), shown)
 
 
+def logit_lens(app: AppContext, s: Session, run_id: str | None, progress=gr.Progress()):
+    """The picked run's logit lens (computed with the model on the first press, then read back): a status line and
+    the heat map layer x position of the produced token's probability."""
+    if not run_id:
+        return "Choose a run first.", None
+    run = app.run(run_id)
+    progress(0.1, desc="logit lens: one forward of the run's tokens")
+    try:
+        lens = run.logit_lens()
+    except Exception as e:  # the lens needs the run's model: say why it cannot run, keep the app alive
+        return defuse(fail("Logit lens", e)), None
+    f = frames_of(s, run_id)
+    low = lens.filter(pl.col("layer") == lens["layer"].max()) if lens.height else lens
+    return (f"Logit lens of {md_plain(run_id)}: {lens['pos'].n_unique()} positions x {lens['layer'].n_unique()} "
+            f"layers; at the last layer the produced token is the top-1 at {int((low['rank'] == 1).sum())} of "
+            f"{low.height} positions."), logit_lens_figure(lens, f.tokens if f is not None else None)
+
+
 def pick_token(evt: gr.SelectData):
     return evt.index if isinstance(evt.index, int) else evt.index[0]
 
@@ -196,6 +215,11 @@ def build(session: Page) -> None:
         with gr.Row():
             comp_plot = gr.Plot(label="Components", elem_id="comp-plot")
             rc_table = table(CAUSE_COLUMNS, "Ranked causes", elem_id="rc-table")
+        with gr.Row():
+            lens_btn = gr.Button("Logit lens", elem_id="logit-lens-button")
+            lens_msg = gr.Markdown(latex_delimiters=[], elem_classes=["wb-message"], elem_id="logit-lens-msg")
+        lens_plot = gr.Plot(label="Logit lens: where was each token decided (layer x position)",
+                            elem_id="logit-lens-plot")
         with gr.Accordion("Run overview", open=False):
             conf_plot = gr.Plot(label="Confidence along the run", elem_id="conf-plot")
             summary_json = gr.Code(label="Summary", language="json")
@@ -211,3 +235,4 @@ def build(session: Page) -> None:
     rc_ref.change(partial(reference_note, app), [state, pick, rc_ref], ref_msg, **LAST)
     rc_btn.click(partial(explain, app), [state, pick, pos, rc_steps, rc_ref], [rc_msg, attr_plot, comp_plot, rc_table],
                  api_name="explain")
+    lens_btn.click(partial(logit_lens, app), [state, pick], [lens_msg, lens_plot], api_name="logit_lens")
