@@ -40,12 +40,14 @@ from workbench.analysis.codeview import code_view, run_compile_check
 from workbench.analysis.findings import group_findings
 from workbench.data import query
 from workbench.data.schema import SCHEMA_VERSION
+from workbench.views.figures import logit_lens_figure
 from workbench.views.session import RunFrames
 
 FORMATS = ("html", "json", "md")
 CAUSES_SHOWN = 10
 FINDINGS_SHOWN = 10
 EXPLAIN_BUDGET_S = 60.0  # root cause (IG + ablations) takes seconds to minutes per position on a CPU
+LENS_POSITIONS = 40  # positions of a finding's logit-lens heat map
 ANOMALIES_SHOWN = 30  # rows of the HTML table shown before the rest is folded away
 KV_POLICY_COLUMNS = ["policy", "bytes_kept", "bytes_full", "delta_nll", "top1_agreement", "first_divergence", "events"]
 CODE_COLUMNS = ["class", "tokens", "mean_confidence", "median_confidence", "mean_entropy", "low_confidence_share"]
@@ -168,6 +170,29 @@ def _compile_line(chk: dict, text: dict) -> str:
             f"of {chk['lines']} lines parse.")
 
 
+def _lens_figures(rep: Report, store, run_id: str, toks: pl.DataFrame) -> None:
+    """For each finding, the logit lens (layer x position) at its positions and the next ones, when the run's
+    ``logit_lens`` rows are stored (``Run.logit_lens``); the report never runs the model for it."""
+    try:
+        lens = query.table(store, "logit_lens", run_id, "pos, layer",
+                           cols=["pos", "layer", "token_id", "prob", "rank", "top_token_id", "top_prob", "top_text"])
+    except Exception as e:  # noqa: BLE001 - a report still comes out
+        rep.notes.append(f"logit lens rows could not be read: {type(e).__name__}: {e}")
+        return
+    if lens.height == 0:
+        return
+    for fnd in rep.facts["findings"]:
+        near = sorted({p + d for p in fnd.get("positions") or [] for d in (0, 1)} & set(lens["pos"].to_list()))
+        if not near:
+            continue
+        near = near[:LENS_POSITIONS]
+        fnd["lens_positions"] = near
+        rank = int(fnd["rank"])
+        fig = logit_lens_figure(lens.filter(pl.col("pos").is_in(near)), toks,
+                                f"Logit lens at the positions of finding {rank}: p of the produced token per layer")
+        rep.figures.append((f"lens-{rank}", f"logit_lens_{rank}", fig))
+
+
 def build_report(run, explain: int = 3, root_cause_kw: dict | None = None,
                  explain_budget_s: float | None = EXPLAIN_BUDGET_S) -> Report:
     """Collect a report's facts and figures for ``run`` (a ``workbench.Run``).
@@ -243,6 +268,7 @@ def build_report(run, explain: int = 3, root_cause_kw: dict | None = None,
         _figure(rep, f"explain-{pos}", f"attribution_{pos}", "fig_attribution", pos)
         _figure(rep, f"explain-{pos}", f"components_{pos}", "fig_components", pos)
     store, rid = run.store, run.run_id
+    _lens_figures(rep, store, rid, toks)
     facts["signals"] = {
         "head_entropy": _records(query.head_entropy(store, rid)),
         "expert_load": _records(query.expert_load(store, rid)),
@@ -331,7 +357,8 @@ def render_html(rep: Report) -> str:
     by_section: dict[str, list] = {}
     for section, key, fig in rep.figures:
         by_section.setdefault(section, []).append((key, fig))
-    shown = [f"explain-{ex['pos']}" for ex in f["explained"]] + ["signals"]
+    shown = [f"lens-{int(fnd['rank'])}" for fnd in f["findings"] if fnd.get("lens_positions")]
+    shown += [f"explain-{ex['pos']}" for ex in f["explained"]] + ["signals"]
     shown += ["kv_whatif"] if f.get("kv_policies") else []
     shown += ["code"] if f.get("code") else []
     figs, figs_by_section = [], {}
