@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections import Counter
 
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import gradio as gr
 import polars as pl
 import pytest
 
 import workbench
 from workbench import cli
+from workbench.apps import app as app_mod
+from workbench.apps.shared import AppContext
+from workbench.apps.tabs import batches, experts
 from workbench.analysis import placement as P
 from workbench.data.store import Store
 
@@ -221,3 +228,22 @@ def test_cli_placement(env, capsys, tmp_path):
     assert "no batch 'nope'" in capsys.readouterr().err
     assert cli.main(["placement", bid, "--devices", "4", "--db", str(tmp_path / "missing.duckdb")]) == 2
     assert "no database" in capsys.readouterr().err
+
+
+def test_experts_and_batches_tabs_show_maxvio_and_placement(env):
+    batch, run = env["batch"], env["runs"][0]
+    app = AppContext(batch.store)
+    s = app.session()
+    vio, note = experts.maxvio_view(app, s, run.run_id)
+    assert vio["maxvio"].to_list() == pytest.approx(run.maxvio()["maxvio"].round(3).to_list()) and "MaxVio" in note
+    assert s.frames.reads["routing"] == 1  # the routing frame the other Experts views read
+    experts.expert_views(app, s, run.run_id, None, 16)
+    assert s.frames.reads["routing"] == 1
+    assert experts.maxvio_view(app, s, None)[0].height == 0
+    vio, note, fig = batches.batch_balance(app, batch.batch_id, 4, 4)
+    assert vio["maxvio"].to_list() == pytest.approx(batch.maxvio()["maxvio"].round(3).to_list())
+    assert "MaxVio" in note and {t.name for t in fig.data} == {"contiguous", "eplb"}
+    _, _, fig = batches.batch_balance(app, batch.batch_id, 3, 0)
+    assert len(fig.data) == 0 and "must divide" in fig.layout.title.text
+    assert batches.batch_balance(app, None, 4, 0)[2] is None
+    assert isinstance(app_mod.build_app(batch.store), gr.Blocks)
