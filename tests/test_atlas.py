@@ -17,6 +17,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import polars as pl
 import pytest
 from helpers import free_port, tiny_model
+from markupsafe import escape as _escape
 
 import workbench
 from workbench import cli
@@ -228,21 +229,17 @@ def test_tab_callbacks_show_an_escaped_card(store):
     assert "never routed" in tab.atlas_card(app, "b1", 1, E - 1)
 
 
-# -- in the browser: a recorded batch --------------------------------------------------------------------
+# -- a recorded batch: the report and the browser -----------------------------------------------------
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 
-@pytest.mark.browser
-@pytest.mark.skipif(shutil.which(CHROMIUM) is None and not Path(CHROMIUM).exists(), reason="no Debian chromium")
-def test_browser_atlas_tab_picks_a_batch_and_shows_a_card(tmp_path):
-    from playwright.sync_api import sync_playwright
-
-    from workbench.apps.app import build_app
-
-    store = Store(tmp_path / "wb.duckdb")
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """A batch of three prompts on a tiny model, its atlas computed, a hostile token in its stored contexts."""
+    store = Store(tmp_path_factory.mktemp("atlas") / "wb.duckdb")
     batch = workbench.record_many(["def add(a, b):", "x = [1, 2, 3]", "print('hi')"], model=tiny_model(vocab_size=4096),
                                   tokenizer=load_tokenizer(), db=store, max_new_tokens=4, progress=False)
     load = batch.expert_load()
@@ -251,7 +248,43 @@ def test_browser_atlas_tab_picks_a_batch_and_shows_a_card(tmp_path):
                       .with_columns(pl.col("layer").cast(pl.Int32), pl.col("expert").cast(pl.Int32),
                                     pl.col("slots").cast(pl.Int64)))
     store.execute("UPDATE atlas SET contexts = replace(contexts, '\"token\": \"', '\"token\": \"' || ?)", [XSS])
-    app = build_app(store)
+    return batch
+
+
+def test_report_shows_the_atlas_card_of_an_expert_a_finding_names(recorded, tmp_path, monkeypatch):
+    from workbench.views import report
+
+    run = recorded.run(recorded.run_ids[0])
+    layer = run.model_summary.moe_layers[0]
+    expert = int(recorded.atlas().filter(pl.col("layer") == layer).sort("load_share", descending=True)["expert"][0])
+    finding = {"rank": 1, "component": "expert", "layer": layer, "head": None, "expert": expert, "pos_start": 1,
+               "pos_end": 2, "positions": [1, 2], "n_rows": 2, "kinds": ["resid_norm_outlier"], "severity": "warning",
+               "score": 5.0, "explanation": f"layer {layer} expert {expert}: made up for the test"}
+    monkeypatch.setattr(report, "_findings", lambda *a: pl.DataFrame([finding]))
+    page = Path(run.report(tmp_path / "r.html")).read_text()
+    label = recorded.atlas().filter((pl.col("layer") == layer) & (pl.col("expert") == expert))["label"][0]
+    assert "Expert atlas" in page and str(_escape(label)) in page  # Jinja's escaping
+    assert XSS not in page and str(_escape(XSS)) in page  # the hostile context, escaped
+    md = Path(run.report(tmp_path / "r.md", "md")).read_text()
+    assert "Expert atlas (batch" in md and XSS not in md
+    facts = json.loads(Path(run.report(tmp_path / "r.json", "json")).read_text())
+    assert facts["findings"][0]["atlas"]["expert"] == expert
+    # a run outside any batch, or a batch without a stored atlas: no card, no error
+    recorded.store.execute("DELETE FROM atlas")
+    assert "Expert atlas" not in Path(run.report(tmp_path / "r2.html")).read_text()
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(shutil.which(CHROMIUM) is None and not Path(CHROMIUM).exists(), reason="no Debian chromium")
+def test_browser_atlas_tab_picks_a_batch_and_shows_a_card(recorded):
+    from playwright.sync_api import sync_playwright
+
+    from workbench.apps.app import build_app
+
+    recorded.atlas()
+    recorded.store.execute("UPDATE atlas SET contexts = replace(contexts, '\"token\": \"', '\"token\": \"' || ?) "
+                           "WHERE contexts NOT LIKE '%onerror%'", [XSS])
+    app = build_app(recorded.store)
     port = free_port()
     app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     try:
@@ -266,7 +299,7 @@ def test_browser_atlas_tab_picks_a_batch_and_shows_a_card(tmp_path):
             pg.wait_for_function("() => { const p = document.querySelector('#atlas-grid .js-plotly-plot'); "
                                  "return p && p.data && p.data.length > 0; }", timeout=30_000)
             z = pg.evaluate("() => document.querySelector('#atlas-grid .js-plotly-plot').data[0].z")
-            assert len(z) == len(batch.run(batch.run_ids[0]).model_summary.moe_layers)
+            assert len(z) == len(recorded.run(recorded.run_ids[0]).model_summary.moe_layers)
             card = pg.locator("#atlas-card")
             card.locator("mark").first.wait_for(timeout=30_000)
             assert "Top contexts" in card.inner_text() and XSS in card.inner_text()  # shown as text

@@ -35,6 +35,7 @@ from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescap
 from markupsafe import Markup
 from plotly.offline import get_plotlyjs
 
+from workbench.analysis import atlas as expert_atlas
 from workbench.analysis.anomalies import what_was_tested
 from workbench.analysis.codeview import code_view, run_compile_check
 from workbench.analysis.findings import group_findings
@@ -170,6 +171,29 @@ def _compile_line(chk: dict, text: dict) -> str:
             f"of {chk['lines']} lines parse.")
 
 
+def _atlas_cards(rep: Report, store, info: dict) -> None:
+    """For each finding that names an expert: its card from the stored atlas of the run's batch
+    (``Batch.atlas()``; the report never computes one)."""
+    named = [fnd for fnd in rep.facts["findings"] if fnd.get("expert") is not None and fnd.get("layer") is not None]
+    if not named or not info.get("batch_id"):
+        return
+    try:
+        df, fp = expert_atlas.stored(store, expert_atlas.batch_scope(info["batch_id"]))
+    except Exception as e:  # noqa: BLE001 - a report still comes out
+        rep.notes.append(f"the batch's expert atlas could not be read: {type(e).__name__}: {e}")
+        return
+    cards = {(r["layer"], r["expert"]): r for r in df.iter_rows(named=True)} if fp else {}
+    for fnd in named:
+        row = cards.get((int(fnd["layer"]), int(fnd["expert"])))
+        if row is not None:
+            c = expert_atlas.card(row)
+            fnd["atlas"] = _plain({
+                "batch_id": info["batch_id"], "layer": c["layer"], "expert": c["expert"],
+                "load_share": c["load_share"], "label": c["label"], "top_tokens": c["top_tokens"][:6],
+                "classes": list(zip(c["top_classes"], c["class_shares"]))[:4],
+                "co_experts": list(zip(c["co_experts"], c["co_shares"]))[:3], "contexts": c["contexts"][:3]})
+
+
 def _lens_figures(rep: Report, store, run_id: str, toks: pl.DataFrame) -> None:
     """For each finding, the logit lens (layer x position) at its positions and the next ones, when the run's
     ``logit_lens`` rows are stored (``Run.logit_lens``); the report never runs the model for it."""
@@ -268,6 +292,7 @@ def build_report(run, explain: int = 3, root_cause_kw: dict | None = None,
         _figure(rep, f"explain-{pos}", f"attribution_{pos}", "fig_attribution", pos)
         _figure(rep, f"explain-{pos}", f"components_{pos}", "fig_components", pos)
     store, rid = run.store, run.run_id
+    _atlas_cards(rep, store, info)
     _lens_figures(rep, store, rid, toks)
     facts["signals"] = {
         "head_entropy": _records(query.head_entropy(store, rid)),
