@@ -46,8 +46,8 @@ def get_batch(db: Path, prompts: Path, new_tokens: int):
 
 
 def maxvio_table(vio: pl.DataFrame, chunk: int) -> str:
-    rows = ["| MoE layer | MaxVio (whole batch) | mean MaxVio over chunks | max MaxVio over chunks | chunks | routed slots |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| MoE layer | MaxVio (whole batch) | mean MaxVio over chunks | max MaxVio over chunks | chunks "
+            "| routed slots |", "|---|---|---|---|---|---|"]
     for r in vio.iter_rows(named=True):
         rows.append(f"| {r['layer']} | {r['maxvio']:.3f} | {r['maxvio_chunk_mean']:.3f} | {r['maxvio_chunk_max']:.3f} "
                     f"| {r['chunks']} | {r['slots']} |")
@@ -86,11 +86,13 @@ def main() -> int:
     settings = [(4, 0), (4, E // 4), (16, 0), (16, 16)]
     place = placement_table(batch, settings)
     took = time.perf_counter() - t0
+    prompts = Path(args.prompts).resolve()
+    shown = prompts.relative_to(ROOT) if prompts.is_relative_to(ROOT) else prompts
     text = "\n".join([
         HEADER, "",
         f"{dt.date.today().isoformat()}, `python benchmarks/placement.py --write` (Python {platform.python_version()},"
         f" CPU). The bundled demo model ({E} routed experts, top-{summary.top_k}, MoE layers "
-        f"{', '.join(map(str, summary.moe_layers))}) on {Path(args.prompts).relative_to(ROOT) if Path(args.prompts).is_relative_to(ROOT) else args.prompts}: "
+        f"{', '.join(map(str, summary.moe_layers))}) on {shown}: "
         f"{runs.height} prompts, greedy, {args.new_tokens} new tokens each, {n_tok} tokens in all (prompt + generated: "
         f"every position is routed), batch `{batch.batch_id}`. "
         f"MaxVio and the placement tables from the store: {took:.1f} s"

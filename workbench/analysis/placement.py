@@ -136,8 +136,8 @@ def maxvio(loads: pl.DataFrame, n_experts: int) -> pl.DataFrame:
     glob = (loads.group_by("layer", "expert").agg(pl.col("slots").sum())
             .group_by("layer").agg(pl.col("slots").max().alias("top"), pl.col("slots").sum().alias("total"))
             .select("layer", vio.alias("maxvio"), pl.col("total").cast(pl.Int64).alias("slots")))
-    per = (loads.group_by("layer", "chunk").agg(pl.col("slots").max().alias("top"), pl.col("slots").sum().alias("total"))
-           .sort("layer", "chunk"))
+    per = (loads.group_by("layer", "chunk")
+           .agg(pl.col("slots").max().alias("top"), pl.col("slots").sum().alias("total")).sort("layer", "chunk"))
     last = per.group_by("layer").agg(pl.col("chunk").max().alias("last"), pl.col("total").max().alias("full"),
                                      pl.len().alias("n"))
     per = (per.join(last, on="layer")  # the trailing partial chunk is left out when a full one exists

@@ -738,12 +738,13 @@ def placement_figure(summary: pl.DataFrame, title: str = "Expert-parallel placem
     if summary.height == 0:
         return _empty("no routing rows to place (dense models, or no complete runs)")
     fig = make_subplots(rows=1, cols=2, subplot_titles=("max / mean device load", "slots sent off their device"))
+    colors = ("#636efa", "#ef553b", "#00cc96", "#ab63fa")
     for i, ((name,), grp) in enumerate(summary.sort("layer").group_by("policy", maintain_order=True)):
         g = grp.sort("layer")
         x = [f"L{v}" for v in g["layer"].to_list()]
         for col, value, fmt in ((1, "imbalance", ".3f"), (2, "offdevice_share", ".1%")):
             fig.add_trace(go.Bar(x=x, y=g[value].to_list(), name=html.escape(str(name)), legendgroup=str(name),
-                                 showlegend=col == 1, marker={"color": ("#636efa", "#ef553b", "#00cc96", "#ab63fa")[i % 4]},
+                                 showlegend=col == 1, marker={"color": colors[i % len(colors)]},
                                  hovertemplate=f"%{{x}}: %{{y:{fmt}}}<extra>{html.escape(str(name))}</extra>"),
                           row=1, col=col)
     g0 = summary.row(0, named=True)
