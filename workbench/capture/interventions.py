@@ -304,13 +304,8 @@ def applied(adapter, interventions: Iterable) -> Iterator[None]:
             return
         keep, extra, forced = plan
         n = r.indices.size(0)
-        if not keep.all():
-            full = keep.to(r.logits.device)[None].expand(n, -1)
-            if extra.any() or forced.any():  # every row is chosen anew
-                r.remove(full)
-            else:  # only the rows that chose a banned expert are re-routed: the others keep the router's output
-                hit = (~keep).to(r.indices.device)[r.indices].any(-1)
-                r.remove(full | ~hit.to(full.device)[:, None])
+        if not keep.all():  # every row: with group-limited routing a banned expert moves its group's score too
+            r.remove(keep.to(r.logits.device)[None].expand(n, -1))
         if extra.any():
             r.add_selection(extra)
         if forced.any():  # the final choice: the forced experts, then the best others under every edit so far
