@@ -18,6 +18,7 @@ from workbench.analysis import anomalies
 from workbench.analysis import placement as expert_placement
 from workbench.analysis.anomalies import detect
 from workbench.analysis.atlas import atlas as expert_atlas
+from workbench.analysis import contrast as _contrast
 from workbench.analysis.codeview import code_view, run_compile_check, token_classes
 from workbench.analysis.diff import diff_runs
 from workbench.analysis.findings import findings
@@ -311,6 +312,46 @@ class Workbench:
     def intervene(self, run_id: str, interventions, **kw) -> Run:
         """Run ``run_id``'s prompt again under ``interventions``, as its child run (``Run.rerun``)."""
         return self.run(run_id).rerun(interventions, **kw)
+
+    def run_set(self, runs, **record_kw) -> list[str]:
+        """Run ids from: a list of run ids and / or batch ids, a ``Batch``, a string of comma-separated ids, or a
+        prompt file (``.txt`` / ``.jsonl``, recorded first as a batch, by default with the bundled model:
+        ``record_kw`` are ``record_many``'s keywords). A batch gives its complete runs."""
+        if isinstance(runs, Batch):
+            runs = [runs.batch_id]
+        if isinstance(runs, Path) or (isinstance(runs, str) and Path(runs).is_file()):
+            record_kw.setdefault("detect", False)
+            runs = [record_many(str(runs), db=self.store, progress=False, **record_kw).batch_id]
+        elif isinstance(runs, str):
+            runs = [r.strip() for r in runs.split(",") if r.strip()]
+        out: list[str] = []
+        for r in runs:
+            r = getattr(r, "run_id", r)
+            b = query.batch_runs(self.store, r)
+            if b.height:
+                out += b.filter(pl.col("status") == "complete")["run_id"].to_list()
+            else:
+                out.append(query.run_row(self.store, r)["run_id"])  # RunNotFound names a typo
+        if not out:
+            raise ValueError(f"no complete runs in {runs!r}")
+        return out
+
+    def expert_contrast(self, runs_a, runs_b, generated_only: bool = False, **record_kw) -> pl.DataFrame:
+        """(layer, expert) ranked by how much more often set A's runs choose it than set B's: layer, expert,
+        share_a, share_b, diff, p, rank, n_a, n_b (``workbench.analysis.contrast``: per-run shares, Welch's t over
+        runs). ``runs_a`` / ``runs_b``: run ids, batch ids or prompt files (``run_set``)."""
+        a, b = self.run_set(runs_a, **record_kw), self.run_set(runs_b, **record_kw)
+        return _contrast.expert_contrast(self.store, a, b, generated_only)
+
+    def steer(self, runs_a, contrast: pl.DataFrame, top: int = 3, action: str = "ban", side: str | None = None,
+              delta: float = 1.0, **kw) -> list[Run]:
+        """Ban (or boost by ``delta``) the ``top`` experts of ``contrast`` and re-record every run of set A under
+        it, each as a child of its run (``Run.rerun``); returns the child runs. ``side`` (whose experts): "a"
+        (chosen more by A; the default for ban) or "b" (by B; the default for boost: pushes A toward B)."""
+        specs = _contrast.steer_targets(contrast, top, action, side, delta)
+        if not specs:
+            raise ValueError(f"the contrast has no expert chosen more by set {(side or ('a' if action == 'ban' else 'b')).upper()}")
+        return [self.intervene(r, specs, **kw) for r in self.run_set(runs_a)]
 
     def sql(self, query_text: str, **kw) -> pl.DataFrame:
         """Read-only SQL over the store (row and time limits; see ``workbench.data.sqlsafe``)."""
