@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="--prompts: prompts recorded together in one batched "
                    "generation, similar lengths together (default 8; 1: one at a time)")
     p.add_argument("--no-detect", action="store_true", help="skip anomaly detection after each run")
+    p.add_argument("--intervene", action="append", default=None, metavar="SPEC",
+                   help="record under an intervention (repeatable): ban:L3E5, boost:L3E5=1.5, force:L3E5, "
+                        "scale_head:L2H1=0, scale:layers.2.ffn=0.5, router_bias:L3=[v0,v1,...] (workbench.interventions)")
+    p.add_argument("--parent", default=None, metavar="RUN", help="the run this one varies (runs.parent_run_id)")
     _db(p)
 
     p = sub.add_parser("import", help="merge a folder of Parquet shards (export / record --out) into a database")
@@ -222,6 +226,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", action="append", default=None, metavar="contiguous|eplb|FILE.json",
                    help="repeatable (default: contiguous and eplb); FILE.json: {layer or \"*\": [[experts of "
                         "device 0], ...]}")
+    p.add_argument("--json", action="store_true")
+    _db(p)
+
+    p = sub.add_parser("expert-contrast", help="rank (layer, expert) by how much more often set A chooses it than "
+                                                "set B (per-run shares, Welch's t over runs)")
+    p.add_argument("a", metavar="A", help="a batch id, comma-separated run ids, or a prompt file (.txt / .jsonl, "
+                                          "recorded first with --model)")
+    p.add_argument("b", metavar="B", help="the same for set B")
+    p.add_argument("--top", type=int, default=20, metavar="N", help="rows printed (default 20; 0: all)")
+    p.add_argument("--generated-only", action="store_true", help="count generated tokens only")
+    p.add_argument("--model", default=None, help="prompt files: the model to record them with (default: bundled demo)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="prompt files: tokens to generate (default 32)")
     p.add_argument("--json", action="store_true")
     _db(p)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from workbench.capture.interventions import normalize
 from workbench.capture.settings import RecordSettings
 from workbench.run import record, record_many
 
@@ -13,18 +14,22 @@ def main(args) -> int:
         return record_set(args)
     if args.out or args.ray or args.batch_id or args.batch_size != 8:
         raise ValueError("--out, --ray, --batch-id and --batch-size go with --prompts")
+    interventions = normalize(args.intervene)  # a bad spec is refused before the model loads
 
     prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
     run = record(prompt, model=args.model, tokenizer=args.tokenizer, db=args.db, progress=True,
-                 settings=settings(args, device_map=device_map(args.device_map)))
+                 settings=settings(args, device_map=device_map(args.device_map)), interventions=interventions,
+                 parent_run_id=args.parent)
     info = run.refresh().info
     out = {"run_id": run.run_id, "status": info["status"], "db": str(run.store.path),
-           "prompt_tokens": info["n_prompt_tokens"], "tokens": info["n_tokens"], "text": run.generated_text}
+           "prompt_tokens": info["n_prompt_tokens"], "tokens": info["n_tokens"], "text": run.generated_text,
+           "interventions": [i.spec for i in interventions], "parent_run_id": info["parent_run_id"]}
     if args.json:
         print(json.dumps(out))
     else:
         print(run.prompt + run.generated_text)
-        print(f"\nrun {run.run_id} ({info['status']}) -> {run.store.path}")
+        under = f" under {', '.join(out['interventions'])}" if interventions else ""
+        print(f"\nrun {run.run_id} ({info['status']}){under} -> {run.store.path}")
     return 0
 
 
@@ -49,6 +54,8 @@ def record_set(args) -> int:
 
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    if args.intervene or args.parent:
+        raise ValueError("--intervene and --parent record one prompt (--prompt / --prompt-file), not --prompts")
     if args.ray and not args.out:
         raise ValueError("--ray writes Parquet shards: give --out DIR")
     batch = record_many(args.prompts, model=args.model, tokenizer=args.tokenizer, db=args.db, out=args.out,
