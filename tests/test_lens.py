@@ -193,3 +193,20 @@ def test_report_shows_the_lens_at_each_findings_positions_only_when_stored(nativ
     page = report_mod.render_html(rep)
     assert "data-key='logit_lens_1'" in page
     assert page.index("data-key='logit_lens_1'") < page.index("<h2>Summary")
+
+
+def test_a_child_run_is_lensed_under_its_interventions(native):
+    """A run recorded under an intervention (a banned expert): its lens re-runs that intervention, so the last
+    layer is the child's own recorded distribution, not the clean model's."""
+    from workbench.interventions import ban_expert
+
+    run = native["run"]
+    layer = run.model_summary.moe_layers[0]
+    top = int(run.routing().filter(pl.col("layer") == layer)["expert"].mode()[0])
+    child = run.rerun([ban_expert(layer, top)])
+    assert child.interventions().height == 1
+    last = child.logit_lens().filter(pl.col("layer") == run.model_summary.n_layers - 1).sort("pos")
+    t = child.tokens()
+    assert last["prob"].to_list() == pytest.approx(t["prob"].to_list()[1:], rel=1e-3, abs=1e-6)
+    clean = own_distribution(adapter_for(native["model"]), t["token_id"].to_list())
+    assert last["prob"].to_list() != pytest.approx(clean["prob"], rel=1e-3, abs=1e-6)

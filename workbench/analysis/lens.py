@@ -5,7 +5,8 @@ hook on every block (``Adapter.blocks()``) keeping the residual stream after it.
 through what the model does after its last block (``Adapter.lens_logits``: the final norm, the unembedding, a
 family's logit softcap or scale), as if that block were the last; the distribution at position ``p - 1``
 scores the run's token at ``p``, the row ``pos = p`` (the ``tokens`` table's convention: its ``prob`` is under
-the distribution at ``pos - 1``). At the last block this is the model's own output distribution.
+the distribution at ``pos - 1``). At the last block this is the model's own output distribution. A run recorded
+under interventions (``workbench.interventions``: a child run) is re-run under them.
 
 Stored in the ``logit_lens`` table (docs/schema.md), computed on the first call and read back afterwards.
 """
@@ -18,6 +19,7 @@ import polars as pl
 import torch
 
 from workbench.capture.adapters import Adapter, adapter_for
+from workbench.capture import interventions
 from workbench.capture.adapters.base import first_output
 from workbench.capture.resolve import load_for_run, run_tokenizer
 from workbench.data import query
@@ -118,13 +120,16 @@ def _compute_and_store(store, run_id: str, ids: list[int], adapter, tokenizer) -
     info = query.run_row(store, run_id)
     model = adapter() if callable(adapter) and not isinstance(adapter, (Adapter, torch.nn.Module)) else adapter
     model = model if model is not None else load_for_run(info)
-    tok = tokenizer() if callable(tokenizer) and not hasattr(tokenizer, "decode") else tokenizer
-    if tok is None:
-        try:
-            tok = run_tokenizer(info)
-        except (OSError, ValueError):  # texts are a convenience: ids are the facts
-            tok = None
-    df = compute(model, ids, tok)
+    try:  # texts are a convenience (ids are the facts): no tokenizer here leaves top_text null
+        if callable(tokenizer) and not hasattr(tokenizer, "decode"):
+            tok = tokenizer()
+        else:
+            tok = tokenizer if tokenizer is not None else run_tokenizer(info)
+    except (OSError, ValueError):
+        tok = None
+    adapter = adapter_for(model)
+    with interventions.applied(adapter, interventions.of_run(store, run_id)):  # a child run's own edits
+        df = compute(adapter, ids, tok)
     stamp = datetime.now(timezone.utc).replace(tzinfo=None)
     store.replace_rows("logit_lens", {"run_id": run_id},
                        df.with_columns(pl.lit(run_id).alias("run_id"), pl.lit(stamp).alias("created_at")))

@@ -231,9 +231,10 @@ class Adapter:
     def lens_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits (fp32) the model would output if ``h`` [..., D] were the residual stream after its last block:
         ``final_norm``, ``unembedding`` and what the model does to the logits after it (a softcap, a scale)."""
-        norm = self.final_norm()
-        w = next(norm.parameters(), None)
-        return self.unembedding()(norm(h.to(w.device) if w is not None else h)).float()
+        norm, head = self.final_norm(), self.unembedding()
+        w, hw = next(norm.parameters(), None), next(head.parameters(), None)
+        x = norm(h.to(w.device) if w is not None else h)
+        return head(x.to(hw.device) if hw is not None else x).float()  # placed across devices: each on its own
 
     def rotary(self, layer: int, fn: Callable) -> list:
         """Register ``fn(rotation) -> rotation | None`` on what block ``layer``'s attention rotates queries and keys
