@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-detect", action="store_true", help="skip anomaly detection after each run")
     p.add_argument("--intervene", action="append", default=None, metavar="SPEC",
                    help="record under an intervention (repeatable): ban:L3E5, boost:L3E5=1.5, force:L3E5, "
-                        "scale_head:L2H1=0, scale:layers.2.ffn=0.5, router_bias:L3=[v0,v1,...] (workbench.interventions)")
+                        "scale_head:L2H1=0, scale:layers.2.ffn=0.5, router_bias:L3=[v0,v1,...] "
+                        "(workbench.interventions)")
     p.add_argument("--parent", default=None, metavar="RUN", help="the run this one varies (runs.parent_run_id)")
     _db(p)
 

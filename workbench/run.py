@@ -350,7 +350,8 @@ class Workbench:
         (chosen more by A; the default for ban) or "b" (by B; the default for boost: pushes A toward B)."""
         specs = _contrast.steer_targets(contrast, top, action, side, delta)
         if not specs:
-            raise ValueError(f"the contrast has no expert chosen more by set {(side or ('a' if action == 'ban' else 'b')).upper()}")
+            whose = (side or ("a" if action == "ban" else "b")).upper()
+            raise ValueError(f"the contrast has no expert chosen more by set {whose}")
         return [self.intervene(r, specs, **kw) for r in self.run_set(runs_a)]
 
     def sql(self, query_text: str, **kw) -> pl.DataFrame:

@@ -157,7 +157,8 @@ def diff_runs(store: Store, a: str, b: str, tol: float = 1e-4) -> RunDiff:
         "same_weights": same_weights,
         "interventions_a": iv_a, "interventions_b": iv_b,
         # what b ran under that a did not, and the reverse (b a child of a: its interventions)
-        "interventions": [x for x in iv_b if x not in iv_a], "interventions_removed": [x for x in iv_a if x not in iv_b],
+        "interventions": [x for x in iv_b if x not in iv_a],
+        "interventions_removed": [x for x in iv_a if x not in iv_b],
         "b_is_child_of_a": ib.get("parent_run_id") == a,
         "same_prompt": pa == pb if pa is not None and pb is not None else ia["prompt"] == ib["prompt"],
         "n_tokens_a": int(tokens["token_id_a"].is_not_null().sum()),

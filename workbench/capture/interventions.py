@@ -178,7 +178,8 @@ def parse(spec: str) -> Intervention:
     if kind == "scale_head":
         m = _LH.fullmatch(where)
         if not m:
-            raise ValueError(f"intervention {spec!r}: write scale_head:L<layer>H<head>=<factor>, e.g. scale_head:L2H1=0")
+            raise ValueError(f"intervention {spec!r}: write scale_head:L<layer>H<head>=<factor>, "
+                             "e.g. scale_head:L2H1=0")
         return Intervention(kind, layer=int(m[1]), head=int(m[2]), value=_float(val, spec))
     if kind == "scale":
         if not where:
