@@ -29,9 +29,11 @@ _LAZY = {
     "profile": "workbench.analysis.baseline",
 }
 _MODULES = {"faults": "workbench.analysis.faults", "tiny": "workbench.capture.tiny"}
+# ``workbench.capture(model, inputs, names, max_bytes=...)``: the capture room's package is itself callable (its
+# name is the function's; workbench/capture/__init__.py), so it needs no entry here and loads torch only when called
 
 __all__ = ["Adapter", "Batch", "ModelArgs", "ModelSummary", "PROBES", "REGISTRY", "Run", "RunNotFound", "Store",
-           "StoreError", "Transformer", "Workbench", "attach", "default_db", "generate", "hook_points", "load_adapter",
+           "StoreError", "Transformer", "Workbench", "attach", "capture", "default_db", "generate", "hook_points", "load_adapter",
            "load_checkpoint", "load_tokenizer", "open", "profile", "record", "record_many", "TraceStore"]
 
 
