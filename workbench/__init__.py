@@ -28,7 +28,8 @@ _LAZY = {
     "Adapter": "workbench.capture.adapters", "load_adapter": "workbench.capture.adapters",
     "profile": "workbench.analysis.baseline",
 }
-_MODULES = {"faults": "workbench.analysis.faults", "tiny": "workbench.capture.tiny"}
+_MODULES = {"faults": "workbench.analysis.faults", "tiny": "workbench.capture.tiny",
+            "interventions": "workbench.interventions"}
 # ``workbench.capture(model, inputs, names, max_bytes=...)``: the capture room's package is itself callable (its
 # name is the function's; workbench/capture/__init__.py), so it needs no entry here and loads torch only when called
 
