@@ -99,6 +99,14 @@ def test_top_tokens_and_contexts_are_the_highest_weight_ones(store):
         want = sorted(summed.items(), key=lambda kv: -kv[1])[:A.TOP_TOKENS]
         assert r["top_tokens"] == [t for t, _ in want]
         assert r["token_weights"] == pytest.approx([w for _, w in want])
+        # key tokens: summed weight x the share of the layer's tokens of that text routed here, texts seen twice
+        layer_n = Counter(routed.filter(pl.col("layer") == r["layer"]).unique(["run_id", "pos"])["text"])
+        n = Counter(mine["text"])
+        often = [t for t in summed if n[t] >= min(A.KEY_MIN, max(n.values()))]
+        key = sorted(often, key=lambda t: (-summed[t] * n[t] / layer_n[t], -n[t], t))[:A.TOP_TOKENS]
+        assert r["key_tokens"] == key
+        assert r["key_scores"] == pytest.approx([summed[t] * n[t] / layer_n[t] for t in key])
+        assert r["label"] == A.make_label(key, r["top_classes"], r["class_shares"])
         ctx = json.loads(r["contexts"])
         assert [c["weight"] for c in ctx] == pytest.approx(sorted(mine["weight"], reverse=True)[:A.TOP_CONTEXTS])
         for c in ctx:  # 8 tokens either side, as text

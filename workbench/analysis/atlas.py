@@ -4,6 +4,9 @@ Per MoE layer x routed expert, from the runs' ``routing`` and ``tokens`` rows:
 
 - ``load_share``: its routed slots over the layer's routed slots (``slots``, ``runs``, ``mean_weight`` beside);
 - ``top_tokens``: the token texts with the largest summed gate weight (``weight``) routed to it;
+- ``key_tokens``: the texts that characterise it: summed gate weight times the share of the text's tokens in
+  the layer that chose it (a frequent token every expert gets scores low, a token mostly sent here high), among
+  texts routed to it at least ``KEY_MIN`` times (all of its texts when none is);
 - ``contexts``: its ``TOP_CONTEXTS`` highest-weight slots, each with ``CONTEXT`` tokens either side as text
   (ties: run id, then position);
 - ``top_classes`` / ``class_shares``: the histogram of its slots' token classes: Python's
@@ -11,7 +14,7 @@ Per MoE layer x routed expert, from the runs' ``routing`` and ``tokens`` rows:
   the prompt is ``ok`` or ``incomplete``), else ``TEXT_CLASSES`` (word, number, punctuation, whitespace);
 - ``co_experts`` / ``co_shares``: the experts chosen for the same token in the same layer, and the share of its
   slots they shared;
-- ``label``: its top tokens and most frequent class, e.g. `` `def`, `return` (keyword 62%) `` (no language model;
+- ``label``: its key tokens and most frequent class, e.g. `` `def`, `return` (keyword 62%) `` (no language model;
   the same rows give the same label).
 
 Experts of the model that no token chose have a row with ``slots`` 0 and the label ``never routed``.
@@ -38,6 +41,7 @@ TOP_CONTEXTS = 8
 TOP_TOKENS = 10
 CO_EXPERTS = 5
 LABEL_TOKENS = 3
+KEY_MIN = 2  # times a text must be routed to the expert to be one of its key tokens
 TEXT_CLASSES = ("word", "number", "punctuation", "whitespace")
 NEVER = "never routed"
 #: the columns ``atlas()`` returns (the table's, less scope, fingerprint and created_at)
@@ -96,7 +100,8 @@ def shown(text: str | None, most: int = 24) -> str:
 
 
 def make_label(top_tokens: list[str], top_classes: list[str], class_shares: list[float]) -> str:
-    """`` `tok1`, `tok2`, `tok3` (class 62%) ``: deterministic in its inputs."""
+    """`` `tok1`, `tok2`, `tok3` (class 62%) ``: the first distinct texts of ``top_tokens`` (its key tokens)
+    and the most frequent class; deterministic in its inputs."""
     if not top_tokens:
         return NEVER
     seen: list[str] = []
@@ -181,6 +186,19 @@ def compute(store: Store, run_ids: list[str]) -> pl.DataFrame:
             .sort(["layer", "expert", "w", "n", "text"], descending=[False, False, True, True, False], nulls_last=True)
             .group_by("layer", "expert", maintain_order=True)
             .agg(pl.col("text").head(TOP_TOKENS).alias("top_tokens"), pl.col("w").head(TOP_TOKENS).alias("token_weights")))
+    positions = (r.select("run_id", "pos", "layer", "text").unique().group_by("layer", "text")
+                 .agg(pl.len().alias("n_text")))  # the layer's tokens of each text
+    ranked = (r.group_by("layer", "expert", "text").agg(pl.col("weight").sum().alias("w"), pl.len().alias("n"))
+              .join(positions, on=["layer", "text"], how="left", nulls_equal=True)
+              .with_columns((pl.col("w") * pl.col("n") / pl.col("n_text")).alias("score"),
+                            (pl.col("n") >= pl.col("n").max().over("layer", "expert").clip(upper_bound=KEY_MIN))
+                            .alias("often"))
+              .filter(pl.col("often"))
+              .sort(["layer", "expert", "score", "n", "text"], descending=[False, False, True, True, False],
+                    nulls_last=True)
+              .group_by("layer", "expert", maintain_order=True)
+              .agg(pl.col("text").head(TOP_TOKENS).alias("key_tokens"),
+                   pl.col("score").head(TOP_TOKENS).alias("key_scores")))
     cls = (r.filter(pl.col("class").is_not_null()).group_by("layer", "expert", "class").agg(pl.len().alias("n"))
            .join(load.select("layer", "expert", "slots"), on=["layer", "expert"])
            .with_columns((pl.col("n") / pl.col("slots")).alias("share"))
@@ -209,7 +227,8 @@ def compute(store: Store, run_ids: list[str]) -> pl.DataFrame:
             "token": (t[i] if 0 <= i < len(t) else None) or "",
             "after": "".join(x or "" for x in t[i + 1:i + 1 + CONTEXT])})
 
-    out = (load.join(toks, on=["layer", "expert"], how="left").join(cls, on=["layer", "expert"], how="left")
+    out = (load.join(toks, on=["layer", "expert"], how="left").join(ranked, on=["layer", "expert"], how="left")
+           .join(cls, on=["layer", "expert"], how="left")
            .join(co, on=["layer", "expert"], how="left"))
     n_exp = _n_experts(runs)
     layers = sorted(set(out["layer"].to_list()))
@@ -223,17 +242,20 @@ def compute(store: Store, run_ids: list[str]) -> pl.DataFrame:
     rows = []
     for row in out.iter_rows(named=True):
         tt, tc, cs = row["top_tokens"] or [], row["top_classes"] or [], row["class_shares"] or []
+        kt = row["key_tokens"] or []
         rows.append({**row, "top_tokens": [x or "" for x in tt], "token_weights": row["token_weights"] or [],
+                     "key_tokens": [x or "" for x in kt], "key_scores": row["key_scores"] or [],
                      "top_classes": tc, "class_shares": cs, "co_experts": row["co_experts"] or [],
                      "co_shares": row["co_shares"] or [],
-                     "label": make_label(tt, tc, cs) if row["slots"] else NEVER,
+                     "label": make_label(kt, tc, cs) if row["slots"] else NEVER,
                      "contexts": json.dumps(contexts.get((row["layer"], row["expert"]), []), ensure_ascii=False)})
     return pl.DataFrame(rows, schema=SCHEMA).select(COLUMNS)
 
 
 SCHEMA = {"layer": pl.Int32, "expert": pl.Int32, "slots": pl.Int64, "load_share": pl.Float64, "runs": pl.Int32,
           "mean_weight": pl.Float64, "label": pl.String, "top_tokens": pl.List(pl.String),
-          "token_weights": pl.List(pl.Float64), "top_classes": pl.List(pl.String),
+          "token_weights": pl.List(pl.Float64), "key_tokens": pl.List(pl.String), "key_scores": pl.List(pl.Float64),
+          "top_classes": pl.List(pl.String),
           "class_shares": pl.List(pl.Float64), "co_experts": pl.List(pl.Int32), "co_shares": pl.List(pl.Float64),
           "contexts": pl.String}
 
@@ -299,6 +321,7 @@ def cards_text(df: pl.DataFrame, width: int = 100) -> str:
         if not c["slots"]:
             continue
         lines.append("  classes: " + ", ".join(f"{k} {v:.0%}" for k, v in zip(c["top_classes"], c["class_shares"])))
+        lines.append("  key:     " + ", ".join(shown(t) for t in c["key_tokens"][:6]))
         lines.append("  tokens:  " + ", ".join(f"{shown(t)} ({w:.2f})" for t, w in zip(c["top_tokens"][:6],
                                                                                     c["token_weights"][:6])))
         if c["co_experts"]:

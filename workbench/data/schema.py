@@ -115,6 +115,9 @@ _DERIVED = (
         c("label", "VARCHAR", "short deterministic label from its top tokens and classes"),
         c("top_tokens", "VARCHAR[]", "token texts by summed gate weight, highest first"),
         c("token_weights", "DOUBLE[]", "their summed gate weights"),
+        c("key_tokens", "VARCHAR[]", "token texts that characterise it: summed gate weight x the share of the "
+          "text's tokens in the layer routed to it, highest first (texts routed to it at least twice)"),
+        c("key_scores", "DOUBLE[]", "their scores"),
         c("top_classes", "VARCHAR[]", "token classes of its slots, most frequent first"),
         c("class_shares", "DOUBLE[]", "their shares of its slots"),
         c("co_experts", "INTEGER[]", "experts chosen with it for the same token in the same layer, most often first"),
