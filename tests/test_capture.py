@@ -124,7 +124,8 @@ def test_attach_on_a_plain_module_path_of_a_transformers_model(mixtral):
     with torch.no_grad():
         assert torch.equal(hf(ids, use_cache=False).logits, base)
     # a glob over plain paths; observing (None) changes nothing; an exception inside still removes the hooks
-    with pytest.raises(RuntimeError, match="boom"), torch.no_grad(), attach(hf, {"model.layers.*.self_attn": lambda o, **_: None}):
+    observe = {"model.layers.*.self_attn": lambda o, **_: None}
+    with pytest.raises(RuntimeError, match="boom"), torch.no_grad(), attach(hf, observe):
         assert torch.equal(hf(ids, use_cache=False).logits, base)
         raise RuntimeError("boom")
     assert no_hooks_left(hf)

@@ -744,7 +744,8 @@ class HFAdapter(Adapter):
 
     def final_norm(self) -> nn.Module:
         """The norm after the last decoder layer: a module named like one (``norm``, ``ln_f``, ...) outside the
-        decoder layers, the nearest the root (``model.norm``, ``transformer.ln_f``, ``model.decoder.final_layer_norm``)."""
+        decoder layers, the nearest the root (``model.norm``, ``transformer.ln_f``,
+        ``model.decoder.final_layer_norm``)."""
         inside = {id(m) for m in self.layers.modules()}
         found = [(name.count("."), name, m) for name, m in self.module.named_modules()
                  if name.rsplit(".", 1)[-1] in FINAL_NORM and id(m) not in inside and any(True for _ in m.parameters())]
