@@ -6,7 +6,8 @@
 Records the set with the bundled demo model (greedy, every probe, detectors off; a batch already in ``--db``
 is resumed, not recorded again), then computes ``Batch.atlas()`` (timed: computed and stored, then read back)
 and prints, as Markdown for benchmarks/RESULTS.md, the ``--top`` experts by load share: layer, expert, load
-share, label (its key tokens and top class), its top tokens by summed gate weight, token classes, the experts chosen with it and its highest-weight context.
+share, label (its key tokens and top class), its top tokens by summed gate weight, token classes, the experts
+chosen with it and its highest-weight context.
 """
 from __future__ import annotations
 

@@ -516,8 +516,8 @@ class Batch:
     def atlas(self, recompute: bool = False) -> pl.DataFrame:
         """The expert atlas of the batch's complete runs (``workbench.analysis.atlas``): per MoE layer x expert
         layer, expert, slots, load_share, runs, mean_weight, label, top_tokens, token_weights, key_tokens,
-        key_scores, top_classes, class_shares, co_experts, co_shares, contexts (JSON). Computed once and stored in the ``atlas`` table;
-        recomputed when the batch's complete runs changed, or with ``recompute``."""
+        key_scores, top_classes, class_shares, co_experts, co_shares, contexts (JSON). Computed once and stored
+        in the ``atlas`` table; recomputed when the batch's complete runs changed, or with ``recompute``."""
         return expert_atlas(self.store, batch_id=self.batch_id, recompute=recompute)
 
     def search(self, text: str, **kw) -> pl.DataFrame:

@@ -36,8 +36,9 @@ def grid_figure(df: pl.DataFrame, batch_id: str | None) -> go.Figure:
     fig = go.Figure(go.Heatmap(z=z, x=[str(e) for e in experts], y=[f"layer {lay}" for lay in layers], text=text,
                                colorscale="Viridis", colorbar={"title": "load share"},
                                hovertemplate="%{y}, expert %{x}<br>load share %{z:.1%}<br>%{text}<extra></extra>"))
-    fig.update_layout(title=f"Load share per expert: batch {plotly_text(batch_id or '')}", height=120 + 40 * len(layers),
-                      xaxis_title="expert", yaxis={"autorange": "reversed"}, margin={"l": 70, "r": 20, "t": 50, "b": 40})
+    fig.update_layout(title=f"Load share per expert: batch {plotly_text(batch_id or '')}",
+                      height=120 + 40 * len(layers), xaxis_title="expert", yaxis={"autorange": "reversed"},
+                      margin={"l": 70, "r": 20, "t": 50, "b": 40})
     return fig
 
 
@@ -61,8 +62,8 @@ def card_html(row: dict | None) -> str:
     if not row["slots"]:
         return CARD_CSS + f"<div class='atlas-card'>{head}</div>"
     ctx = "".join(f"<div class='ctx'>{_e(c['before'])}<mark>{_e(c['token'])}</mark>{_e(c['after'])}</div>"
-                  f"<small>weight {c['weight']:.3f} · {_e(c.get('class'))} · run {_e(c['run_id'])} pos {int(c['pos'])}"
-                  "</small>" for c in json.loads(row["contexts"] or "[]"))
+                  f"<small>weight {c['weight']:.3f} · {_e(c.get('class'))} · run {_e(c['run_id'])} "
+                  f"pos {int(c['pos'])}</small>" for c in json.loads(row["contexts"] or "[]"))
     toks = ", ".join(f"<code>{_e(t)}</code> {w:.2f}" for t, w in zip(row["top_tokens"], row["token_weights"]))
     co = _bars(row["co_experts"], row["co_shares"], "expert ") or "none"
     return (CARD_CSS + f"<div class='atlas-card'>{head}<h4>Top contexts (highest gate weight)</h4>{ctx}"

@@ -185,7 +185,8 @@ def compute(store: Store, run_ids: list[str]) -> pl.DataFrame:
             .agg(pl.col("weight").sum().alias("w"), pl.len().alias("n"))
             .sort(["layer", "expert", "w", "n", "text"], descending=[False, False, True, True, False], nulls_last=True)
             .group_by("layer", "expert", maintain_order=True)
-            .agg(pl.col("text").head(TOP_TOKENS).alias("top_tokens"), pl.col("w").head(TOP_TOKENS).alias("token_weights")))
+            .agg(pl.col("text").head(TOP_TOKENS).alias("top_tokens"),
+                 pl.col("w").head(TOP_TOKENS).alias("token_weights")))
     positions = (r.select("run_id", "pos", "layer", "text").unique().group_by("layer", "text")
                  .agg(pl.len().alias("n_text")))  # the layer's tokens of each text
     ranked = (r.group_by("layer", "expert", "text").agg(pl.col("weight").sum().alias("w"), pl.len().alias("n"))

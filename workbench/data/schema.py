@@ -105,7 +105,8 @@ _DERIVED = (
         c("source", "VARCHAR", "what it was calibrated on")), keyed=False,
         doc="workbench.analysis.activations: each component's activations on clean prompts"),
     Table("atlas", (
-        c("scope", "VARCHAR", "what the atlas covers: batch:<batch_id>, or runs:<12 hex of the sorted run ids' SHA-256>"),
+        c("scope", "VARCHAR",
+          "what the atlas covers: batch:<batch_id>, or runs:<12 hex of the sorted run ids' SHA-256>"),
         c("fingerprint", "VARCHAR", "SHA-256 of the sorted run ids it was computed from (a resumed batch differs)"),
         c("layer", "INTEGER"), c("expert", "INTEGER"),
         c("slots", "BIGINT", "routed slots (routing rows) of the expert over the runs"),
