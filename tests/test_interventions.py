@@ -263,6 +263,13 @@ def test_cli_store_diff_and_replay_round_trip(mixtral_folder, tmp_path, capsys):
     assert plain["match"] and wb.run(plain["run_id"]).interventions().height == 0
     assert cli.main(common + ["--intervene", "ban:L1"]) == 2  # a bad spec: one line, exit 2
     assert "ban:L<layer>E<expert>" in capsys.readouterr().err
+    n = wb.runs().height
+    assert cli.main(common + ["--intervene", "ban:L9E3"]) == 2  # a layer the model lacks: before any run row
+    assert "out of range" in capsys.readouterr().err and wb.runs().height == n
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("x = 1\n")
+    assert cli.main(["record", "--prompts", str(prompts), "--intervene", "ban:L1E3", "--db", db]) == 2
+    assert "--intervene and --parent record one prompt" in capsys.readouterr().err
 
 
 def test_an_in_place_weight_edit_changes_the_fingerprint(mixtral_folder, tmp_path):
@@ -336,3 +343,6 @@ def test_expert_contrast_recovers_planted_experts_and_steers(models, tmp_path, c
     assert {(int(x[1]), int(x[2])) for x in lines} == top3
     with pytest.raises(ValueError, match="in both sets"):
         expert_contrast(db, a, a[:1])
+    missing = tmp_path / "typo" / "x.duckdb"  # ids on a database that is not there: refused, nothing created
+    assert cli.main(["expert-contrast", "r1", "r2", "--db", str(missing)]) == 2
+    assert "no database" in capsys.readouterr().err and not missing.parent.exists()
