@@ -24,7 +24,8 @@ from workbench import cli
 from workbench.analysis import atlas as A
 from workbench.apps.shared import AppContext
 from workbench.apps.tabs import atlas as tab
-from workbench.data.store import Store
+from workbench.data.export import export_parquet
+from workbench.data.store import Store, TraceStore
 from workbench.model import load_tokenizer
 
 XSS = "<img src=x onerror=alert(1)>"
@@ -168,6 +169,14 @@ def test_an_atlas_over_a_list_of_runs(store):
     _write(store, [("other", "complete", CODE[:5], None, "another model")], seed=2)
     with pytest.raises(ValueError, match="one model"):
         wb.atlas(["code", "other"])
+
+
+def test_a_read_only_folder_of_shards_gets_its_atlas_computed_not_stored(store, tmp_path):
+    export_parquet(store, tmp_path / "shards")
+    shards = TraceStore(tmp_path / "shards")
+    got = workbench.open(shards).batch("b1").atlas()
+    assert got.equals(workbench.open(store).batch("b1").atlas())
+    assert A.scopes(shards) == []
 
 
 def test_label_is_deterministic(store, tmp_path):
