@@ -50,7 +50,7 @@ from torch import nn
 
 from workbench.capture.preflight import check_config, check_no_remote_code
 from workbench.model import state_sha256
-from workbench.model.generate import check_prompt, decode
+from workbench.model.generate import check_prompt, decode, decode_batch
 
 from .base import Adapter, Listener, ModelSummary, QuantPoints, first_output
 from .routing import SCORE_FUNCS, RouterMath, _by_expert
@@ -412,6 +412,8 @@ def _infer(block, router, experts, hidden_size: int, seed: int = 0):
 class HFAdapter(Adapter):
     """Adapter over a ``transformers`` causal LM (eager attention)."""
 
+    supports_batch = True  # stream_batch: rows fed the same positions, as our model's (no padding before a token)
+
     def __init__(self, hf: nn.Module, folder: str | Path | None = None, attn_chunk: int = 512):
         impl = getattr(hf.config, "_attn_implementation", None)
         if impl not in (None, "eager") and hasattr(hf, "set_attn_implementation"):
@@ -567,13 +569,46 @@ class HFAdapter(Adapter):
         finally:
             self._cache = None
 
+    def stream_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
+                     temperature: Sequence[float], top_p: Sequence[float], seed: Sequence[int],
+                     eos_id: int | None) -> Iterator:
+        """Several prompts in one ``DynamicCache`` of B rows, as our model's ``stream_batch``
+        (``workbench.model.generate.decode_batch``): every row is fed the same positions, the first forward the
+        shortest prompt (in query blocks while attention is observed), a longer prompt's remaining tokens
+        teacher-forced one per forward while the shorter rows decode, a finished row fed token 0. No row has a
+        token before its first, so the causal mask and the positions a row would have alone are exact for every
+        family (sliding windows, attention sinks, families that ignore ``position_ids``), no attention mask or
+        padding is needed, and each row's seams see exactly its single recording's tensors (up to summation
+        order): attention over its own keys only, no routing of padding before its tokens."""
+        from transformers import DynamicCache  # lazy: transformers is optional; only its models get here
+
+        prompts = [check_prompt(p, n, self.summary.max_seq_len) for p, n in zip(prompts, max_new_tokens)]
+        cache = DynamicCache(config=self.module.config)
+
+        def forward(rows: list[list[int]], pos: int) -> torch.Tensor:
+            nonlocal cache
+            logits, cache = self._feed_rows(cache, rows, pos, self.attn_chunk if self._attn_listeners and pos == 0
+                                            else len(rows[0]))
+            return logits
+
+        try:
+            with torch.inference_mode():
+                yield from decode_batch(forward, prompts, max_new_tokens, temperature, top_p, seed, eos_id)
+        finally:
+            self._cache = None
+
     def _feed(self, cache, ids: list[int], pos: int, chunk: int) -> tuple[torch.Tensor, object]:
         """Feed ``ids`` from position ``pos`` through ``cache`` in blocks of ``chunk`` tokens: (logits [T, V] fp32,
         the cache)."""
+        logits, cache = self._feed_rows(cache, [ids], pos, chunk)
+        return logits[0], cache
+
+    def _feed_rows(self, cache, rows: list[list[int]], pos: int, chunk: int) -> tuple[torch.Tensor, object]:
+        """``_feed`` for B rows of equal length fed the same positions: (logits [B, T, V] fp32, the cache)."""
         parts = []
-        for c0 in range(0, len(ids), chunk):
+        for c0 in range(0, len(rows[0]), chunk):
             self._pos = pos + c0
-            x = torch.tensor([ids[c0:c0 + chunk]], device=self.device)
+            x = torch.tensor([r[c0:c0 + chunk] for r in rows], device=self.device)
             if cache is not None and not getattr(self, "_own_cache", False):
                 try:
                     out = self.module(x, cache=cache, use_cache=True)
@@ -586,17 +621,18 @@ class HFAdapter(Adapter):
                 out = self.module(x, use_cache=True) if cache is None or getattr(self, "_own_cache", False) and \
                     not _started(cache) else self.module(x, cache=cache, use_cache=True)
             cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-            parts.append(out.logits[0].float())
+            parts.append(out.logits.float())
         self._cache = cache
-        return (torch.cat(parts) if len(parts) > 1 else parts[0]), cache
+        return (torch.cat(parts, 1) if len(parts) > 1 else parts[0]), cache
 
-    def kv_state(self) -> list[tuple[int, int, int, torch.Tensor, torch.Tensor, int]]:
+    def kv_state(self, row: int = 0) -> list[tuple[int, int, int, torch.Tensor, torch.Tensor, int]]:
         out = []
         for i, layer in enumerate(getattr(self._cache, "layers", None) or []):
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
             if keys is None or values is None or keys.numel() == 0:
                 continue
             n = keys.size(-2)
+            keys, values = keys[row:row + 1], values[row:row + 1]  # batch row ``row`` (a batched generation's)
             nbytes = keys.numel() * keys.element_size() + values.numel() * values.element_size()
             # [B, Hkv, S, d] -> [S, Hkv*d]: a token's cached vectors over all kv heads (values first, as the
             # latent is for our model)
@@ -805,11 +841,14 @@ class HFAdapter(Adapter):
     # -- seams ----------------------------------------------------------------------------------------
     def _attach(self, seam: str, fn: Listener) -> list:
         if seam == "attn_probs":
+            batched = getattr(fn, "batched", False)
+
             def on_attn(m, _a, out, i):
                 probs = out[1] if isinstance(out, tuple) and len(out) > 1 else None
                 # softmax probabilities [B, H, Tc, S] (a module returning something else is not attention we read)
                 if isinstance(probs, torch.Tensor) and probs.ndim == 4 and self._first_pass(i):
-                    fn(i, probs[0].detach().transpose(0, 1), self._pos, getattr(m, "sliding_window", None))
+                    p = probs.detach().transpose(1, 2)  # [B, Tc, H, S]; a batch fan-out takes every row
+                    fn(i, p if batched else p[0], self._pos, getattr(m, "sliding_window", None))
             handles = [a.register_forward_hook(lambda m, a_, o, i=i: on_attn(m, a_, o, i))
                        for i, (a, h) in enumerate(zip(self.attn, self._heads)) if a is not None and h]
             self._attn_listeners += 1
