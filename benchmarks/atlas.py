@@ -7,7 +7,8 @@ Records the set with the bundled demo model (greedy, every probe, detectors off;
 is resumed, not recorded again), then computes ``Batch.atlas()`` (timed: computed and stored, then read back)
 and prints, as Markdown for benchmarks/RESULTS.md, the ``--top`` experts by load share: layer, expert, load
 share, label (its key tokens and top class), its top tokens by summed gate weight, token classes, the experts
-chosen with it and its highest-weight context.
+chosen with it and its highest-weight context; then the ``--top // 2`` most specialised experts (the largest
+share of one token class).
 """
 from __future__ import annotations
 
@@ -71,19 +72,29 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"The {a.top} experts of highest load share (over all layers):")
     print()
+    table(top)
+    routed = df.filter(pl.col("slots") > 0).with_columns(pl.col("class_shares").list.first().alias("_top"))
+    special = routed.sort(["_top", "layer", "expert"], descending=[True, False, False]).head(a.top // 2).drop("_top")
+    print()
+    print(f"The {a.top // 2} most specialised experts (largest share of one token class):")
+    print()
+    table(special)
+    return 0
+
+
+def table(rows: pl.DataFrame) -> None:
     print("| layer | expert | load share | label (key tokens, top class) | top tokens by summed weight | classes | "
           "chosen with | highest-weight context (token in [[ ]]) |")
     print("|---|---|---|---|---|---|---|---|")
-    for r in top.iter_rows(named=True):
+    for r in rows.iter_rows(named=True):
         classes = ", ".join(f"{k} {v:.0%}" for k, v in list(zip(r["top_classes"], r["class_shares"]))[:3])
         co = ", ".join(f"e{e} {s:.0%}" for e, s in list(zip(r["co_experts"], r["co_shares"]))[:3])
         ctx = json.loads(r["contexts"])[0]
         text = cell(ctx["before"][-30:]) + "[[" + cell(ctx["token"]) + "]]" + cell(ctx["after"][:30])
-        label = ", ".join(cell(shown(t)) for t in r["key_tokens"][:3])
-        heavy = ", ".join(cell(shown(t)) for t in r["top_tokens"][:3])
+        label = ", ".join(list(dict.fromkeys(cell(shown(t)) for t in r["key_tokens"]))[:3])  # as the label
+        heavy = ", ".join(list(dict.fromkeys(cell(shown(t)) for t in r["top_tokens"]))[:3])
         print(f"| {r['layer']} | {r['expert']} | {r['load_share']:.1%} | {label} ({r['top_classes'][0]} "
               f"{r['class_shares'][0]:.0%}) | {heavy} | {classes} | {co} | {text} (w {ctx['weight']:.2f}) |")
-    return 0
 
 
 if __name__ == "__main__":

@@ -121,6 +121,7 @@ def test_classes_and_co_experts_from_direct_counts(store):
     code_classes = dict(zip(range(len(CODE)), workbench.open(store).run("code").code_view(per_token=True)["class"]))
     prose_classes = {i: A.text_class(t) for i, t in enumerate(TEXT)}  # "The cat sat ..." does not read as Python
     assert A.reads_as_python("".join(CODE[:6])) and not A.reads_as_python("".join(TEXT[:6]))
+    assert A.reads_as_python("def f(x):\nreturn x") and not A.reads_as_python("It's a cat.")
     assert prose_classes[9] == "number" and prose_classes[12] == "punctuation" and prose_classes[13] == "whitespace"
     chosen = defaultdict(set)
     for r in routed.iter_rows(named=True):

@@ -11,7 +11,8 @@ Per MoE layer x routed expert, from the runs' ``routing`` and ``tokens`` rows:
   (ties: run id, then position);
 - ``top_classes`` / ``class_shares``: the histogram of its slots' token classes: Python's
   (``workbench.analysis.codeview.token_classes``) for a run whose prompt reads as Python (``compile_check`` of
-  the prompt is ``ok`` or ``incomplete``), else ``TEXT_CLASSES`` (word, number, punctuation, whitespace);
+  the prompt is ``ok`` or ``incomplete``, or fails only on indentation: ``reads_as_python``), else
+  ``TEXT_CLASSES`` (word, number, punctuation, whitespace);
 - ``co_experts`` / ``co_shares``: the experts chosen for the same token in the same layer, and the share of its
   slots they shared;
 - ``label``: its key tokens and most frequent class, e.g. `` `def`, `return` (keyword 62%) `` (no language model;
@@ -84,8 +85,12 @@ def text_class(text: str | None) -> str | None:
 
 
 def reads_as_python(prompt: str | None) -> bool:
-    """A prompt that parses as Python, or is Python cut off mid-statement."""
-    return bool(prompt) and compile_check(prompt)["status"] in ("ok", "incomplete")
+    """A prompt that parses as Python, is Python cut off mid-statement, or fails only on its indentation (code
+    whose leading whitespace was lost: "expected an indented block", "unexpected indent")."""
+    if not prompt:
+        return False
+    chk = compile_check(prompt)
+    return chk["status"] in ("ok", "incomplete") or "indent" in (chk["message"] or "")
 
 
 def shown(text: str | None, most: int = 24) -> str:
