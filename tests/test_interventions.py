@@ -293,6 +293,11 @@ def test_an_in_place_weight_edit_changes_the_fingerprint(mixtral_folder, tmp_pat
     wb = workbench.Workbench(db)
     assert not wb.diff(clean.run_id, edited.run_id).summary["same_checkpoint"]
     assert wb.diff(clean.run_id, again.run_id).summary["same_checkpoint"]
+    # never taken for the clean checkpoint: a re-run from the folder, or with the module put back, is refused
+    for model in (str(mixtral_folder), hf):
+        with pytest.raises(ValueError, match="ran with weights changed in memory"):
+            wb.run(edited.run_id).replay(model=model)
+    assert wb.run(clean.run_id).replay(model=str(mixtral_folder))["match"]
 
 
 # -- expert contrast ----------------------------------------------------------------------------------------------

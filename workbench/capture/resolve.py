@@ -135,14 +135,29 @@ def load_for_run(info: dict, model=None, verify: bool = True) -> Adapter:
             if have != want:
                 raise ValueError(f"checkpoint {path} has sha256 {have[:12]}..., but run {rid} was recorded with "
                                  f"{str(want)[:12]}...: the weights changed, so a re-run would not be comparable")
-        return load_adapter(path, dtype=dtype, backend=run_backend(info))
+        adapter = load_adapter(path, dtype=dtype, backend=run_backend(info))
+        if verify:
+            _ran_with(adapter, info, f"{path}'s weights as saved")
+        return adapter
     adapter = adapter_for(model)
     if adapter.dtype != dtype:
         adapter = adapter_for(copy.deepcopy(adapter.module).to(dtype))  # leave the caller's module as it was
     if verify:
         ckpt = adapter.checkpoint_path
-        ok = adapter.state_sha256() == want or (ckpt is not None and Path(ckpt).is_dir() and file_sha256(ckpt) == want)
+        have = adapter.state_sha256()
+        ok = have == want or (ckpt is not None and Path(ckpt).is_dir() and file_sha256(ckpt) == want)
         if not ok:
             raise ValueError(f"the module passed has weights whose sha256 differs from the one run {rid} was "
                              f"recorded with ({str(want)[:12]}...)")
+        _ran_with(adapter, info, "the module's weights now", have)
     return adapter
+
+
+def _ran_with(adapter: Adapter, info: dict, what: str, have: str | None = None) -> None:
+    """ValueError when the run's weights in memory (``weights_sha256``: a weight fault or an in-place edit leaves the
+    checkpoint's files and hash as they were) are not ``adapter``'s: a re-run would explain other weights."""
+    ran = info.get("weights_sha256")
+    if ran and (have or adapter.state_sha256()) != ran:
+        raise ValueError(f"run {info['run_id']} ran with weights changed in memory (a weight fault or an in-place "
+                         f"edit: weights_sha256 {ran[:12]}...), not {what}: a re-run would not be comparable; pass "
+                         "the module as it ran (model=...)")
