@@ -241,6 +241,9 @@ def check(adapter, interventions: list[Intervention]) -> None:
         if iv.expert is not None and not 0 <= iv.expert < s.n_routed_experts:
             raise ValueError(f"{iv.spec}: expert {iv.expert} out of range: the layer has experts "
                              f"0..{s.n_routed_experts - 1}")
+        o_proj = getattr(adapter, "_o_proj", None)  # transformers: None for a layer without attention (Mamba, ...)
+        if iv.kind == "scale_head" and o_proj is not None and o_proj[iv.layer] is None:
+            raise ValueError(f"{iv.spec}: layer {iv.layer} has no attention heads")
         if iv.head is not None and not 0 <= iv.head < s.n_heads:
             raise ValueError(f"{iv.spec}: head {iv.head} out of range: the layer has heads 0..{s.n_heads - 1}")
         if iv.kind == "router_bias" and len(iv.values) != s.n_routed_experts:
