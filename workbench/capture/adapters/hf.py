@@ -69,6 +69,13 @@ FINAL_NORM = ("norm", "final_norm", "final_layernorm", "final_layer_norm", "ln_f
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_local_heads")
 ATOL = {torch.float32: 1e-5, torch.float64: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 HALF_AGREE = 0.95  # in half precision, rounded logits tie now and then: the rule must reproduce 95% of the rows
+# families whose rows of a batched generation (HFAdapter.stream_batch) differ from their single recordings beyond the
+# replay tolerance (benchmarks/hf_batch_sweep.py, transformers 5.24): a prompt set records them one at a time. A
+# longer prompt's positions are fed one per forward there, which chunked / sparse / lightning attention and gated
+# delta nets compute differently from a prefill (llama4, glm_moe_dsa, deepseek_v4, minimax, qwen3_next), and some
+# compute a row differently beside others (dbrx, doge, dots3_note)
+SINGLE_ONLY = frozenset({"dbrx", "deepseek_v4", "doge", "dots3_note", "dots3_note_text", "glm_moe_dsa", "llama4",
+                         "llama4_text", "minimax", "qwen3_next"})
 
 
 def folder_model_type(path: str | Path) -> str | None:
@@ -126,6 +133,22 @@ def _attention(layer: nn.Module) -> nn.Module | None:
     if isinstance(mixer, nn.Module) and "Attention" in type(mixer).__name__ and "Linear" not in type(mixer).__name__:
         return mixer
     return None
+
+
+def _windows(cfg, attn: list) -> list[int | None]:
+    """Each layer's sliding attention window: its attention module's ``sliding_window``, else the config's for a
+    layer the config makes sliding (``layer_types``, or every layer when it has none, as transformers' cache and mask
+    do: Mistral, Mixtral keep the window on the config only), else None."""
+    w, types = _cfg(cfg, "sliding_window"), getattr(cfg, "layer_types", None)
+    out: list[int | None] = []
+    for i, a in enumerate(attn):
+        own = getattr(a, "sliding_window", None) if a is not None else None
+        if own is None and a is not None and isinstance(w, int) and not isinstance(w, bool) and \
+                getattr(cfg, "use_sliding_window", True) is not False:
+            kind = "sliding_attention" if types is None else (types[i] if i < len(types) else None)
+            own = w if kind == "sliding_attention" else None
+        out.append(own)
+    return out
 
 
 def _out_proj(attn: nn.Module | None) -> nn.Linear | None:
@@ -508,6 +531,12 @@ class HFAdapter(Adapter):
         streams = int(_cfg(cfg, "hc_mult", "hc_count", default=1) or 1)
         if streams > 1:
             notes.append(f"the residual stream is {streams} parallel streams: resid_norm is the norm over all of them")
+        family = str(hf.config.model_type)
+        self.supports_batch = not {family, getattr(_text_config(hf.config), "model_type", None)} & SINGLE_ONLY
+        if not self.supports_batch:
+            notes.append(f"{family}: a prompt set records one prompt at a time (its rows of a batched generation "
+                         "differ from their single recordings)")
+        self._windows = _windows(cfg, self.attn)
         self._passes: dict[int, int] = {}
         loops = int(_cfg(cfg, "loop_num_passes", default=1) or 1)
         if loops > 1:
@@ -848,7 +877,7 @@ class HFAdapter(Adapter):
                 # softmax probabilities [B, H, Tc, S] (a module returning something else is not attention we read)
                 if isinstance(probs, torch.Tensor) and probs.ndim == 4 and self._first_pass(i):
                     p = probs.detach().transpose(1, 2)  # [B, Tc, H, S]; a batch fan-out takes every row
-                    fn(i, p if batched else p[0], self._pos, getattr(m, "sliding_window", None))
+                    fn(i, p if batched else p[0], self._pos, self._windows[i])
             handles = [a.register_forward_hook(lambda m, a_, o, i=i: on_attn(m, a_, o, i))
                        for i, (a, h) in enumerate(zip(self.attn, self._heads)) if a is not None and h]
             self._attn_listeners += 1
