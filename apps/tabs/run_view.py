@@ -1,5 +1,6 @@
 """The Run view: the picked run's header and token strip, the token at a position (top-k, heads, routing),
-and its root cause (Explain, against an optional reference run)."""
+its root cause (Explain, against an optional reference run), the logit lens, and the Interventions panel (the
+prompt re-run with an expert banned, boosted or forced or a head scaled, as a child run, and what changed)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ from functools import partial
 import gradio as gr
 import polars as pl
 
+from workbench.analysis.diff import diff_runs
 from workbench.analysis.rootcause import ig_check
 from workbench.apps.shared import (
     COLOR_MAP,
@@ -23,6 +25,7 @@ from workbench.apps.shared import (
 )
 from workbench.apps.tabs.runs import reference_choices
 from workbench.data import query
+from workbench.interventions import ban_expert, boost_expert, force_expert, normalize, scale_head
 from workbench.views.figures import logit_lens_figure
 from workbench.views.markup import defuse, md_plain
 from workbench.views.session import RunFrames, Session
@@ -30,6 +33,8 @@ from workbench.views.session import RunFrames, Session
 TOKEN_COLUMNS = ["pos", "token", "token_id", "prompt", "prob", "confidence", "entropy", "rank"]
 CAUSE_COLUMNS = ["rank", "kind", "layer", "head", "expert", "source_pos", "score", "method"]
 TITLE = "## MoE observability workbench"
+IV_ACTIONS = ["ban expert", "boost expert", "force expert", "scale head", "only the specs typed"]
+CHANGED_COLUMNS = ["pos", "text_a", "text_b", "confidence_a", "confidence_b", "d_logprob"]
 
 
 def run_summary(f: RunFrames) -> dict:
@@ -50,6 +55,8 @@ def run_header(f: RunFrames, s: dict) -> str:
         head += (f" · {s['prompt_tokens']} prompt + {s['generated_tokens']} generated tokens · mean confidence "
                  f"{s['mean_confidence']:.3f}")
     head += f"  \n{esc(s['architecture'])}"
+    if f.info.get("parent_run_id"):
+        head += f"  \nchild of {esc(f.info['parent_run_id'])}"
     if f.info.get("notes"):
         head += f"  \n⚠️ {esc(f.info['notes'])}"
     if f.info.get("error"):
@@ -186,6 +193,57 @@ def logit_lens(app: AppContext, s: Session, run_id: str | None, progress=gr.Prog
             f"{low.height} positions."), logit_lens_figure(lens, f.tokens if f is not None else None)
 
 
+def intervention_list(action: str | None, layer, expert, head, value, specs: str | None) -> list:
+    """The panel's picks as interventions: the action on (layer, expert / head, value), then the specs typed
+    (``;``-separated, e.g. ``ban:L1E3; scale_head:L0H1=0``). ValueError (one line) for a bad one."""
+    out = []
+
+    def n(x, what: str) -> int:
+        if x is None:
+            raise ValueError(f"{action}: pick a {what}")
+        return int(x)
+    if action == "ban expert":
+        out.append(ban_expert(n(layer, "layer"), n(expert, "expert")))
+    elif action == "boost expert":
+        out.append(boost_expert(n(layer, "layer"), n(expert, "expert"), float(value or 0.0)))
+    elif action == "force expert":
+        out.append(force_expert(n(layer, "layer"), n(expert, "expert")))
+    elif action == "scale head":
+        out.append(scale_head(n(layer, "layer"), n(head, "head"), float(value or 0.0)))
+    return out + normalize([x.strip() for x in (specs or "").split(";") if x.strip()])
+
+
+def intervene(app: AppContext, s: Session, run_id: str | None, action: str | None, layer, expert, head, value,
+              specs: str | None, progress=gr.Progress()):
+    """Re-run the picked run's prompt under the chosen interventions as its child run (``Run.rerun``); the
+    status line, the tokens that changed and the two runs' confidence along the sequence."""
+    nothing = empty_table(CHANGED_COLUMNS)
+    if not run_id:
+        return "Choose a run first.", nothing, None
+    try:
+        ivs = intervention_list(action, layer, expert, head, value, specs)
+    except ValueError as e:
+        return f"⚠️ {md_plain(e)}", nothing, None
+    if not ivs:
+        return "Pick an action (or type a spec) first.", nothing, None
+    run = app.run(run_id)
+    progress(0.1, desc=f"re-running {run_id} under {', '.join(i.spec for i in ivs)}")
+    try:
+        child = run.rerun(ivs)
+    except Exception as e:  # the model may be unavailable, or the intervention not fit it: say why
+        return defuse(fail("Intervention", e)), nothing, None
+    app.live[child.run_id] = child  # keeps its module: root cause of the child runs on it
+    d = diff_runs(app.store, run_id, child.run_id)
+    changed = d.tokens.filter(~pl.col("same_token")).select(CHANGED_COLUMNS)
+    sm = d.summary
+    first = sm["first_divergence_pos"]
+    where = "the same tokens" if first is None else (f"first divergence at pos {first}, "
+                                                      f"{sm['token_diff_share']:.0%} of the tokens differ")
+    return (f"Child run **{md_plain(child.run_id)}** of {md_plain(run_id)} under "
+            f"{md_plain(', '.join(sm['interventions']))}: {where}; it is in the Runs tab.",
+            changed.head(100), d.figures()["confidence"])
+
+
 def pick_token(evt: gr.SelectData):
     return evt.index if isinstance(evt.index, int) else evt.index[0]
 
@@ -220,6 +278,21 @@ def build(session: Page) -> None:
             lens_msg = gr.Markdown(latex_delimiters=[], elem_classes=["wb-message"], elem_id="logit-lens-msg")
         lens_plot = gr.Plot(label="Logit lens: where was each token decided (layer x position)",
                             elem_id="logit-lens-plot")
+        with gr.Accordion("Interventions: re-run this prompt with an expert or head changed", open=True):
+            with gr.Row():
+                iv_action = gr.Dropdown(IV_ACTIONS, value="ban expert", label="Action", elem_id="iv-action")
+                iv_layer = gr.Number(value=0, precision=0, minimum=0, label="Layer", elem_id="iv-layer")
+                iv_expert = gr.Number(value=0, precision=0, minimum=0, label="Expert", elem_id="iv-expert")
+                iv_head = gr.Number(value=0, precision=0, minimum=0, label="Head", elem_id="iv-head")
+                iv_value = gr.Number(value=0.0, label="Boost delta / head factor", elem_id="iv-value")
+            iv_specs = gr.Textbox(label="More interventions (specs, ';'-separated: ban:L1E3; scale_head:L0H1=0; "
+                                        "scale:layers.1.ffn=0.5; router_bias:L1=[...])", elem_id="iv-specs")
+            iv_btn = gr.Button("Re-run with the intervention", elem_id="iv-button")
+            iv_msg = gr.Markdown(latex_delimiters=[], elem_classes=["wb-message"], elem_id="iv-msg")
+            with gr.Row():
+                iv_changed = table(CHANGED_COLUMNS, "Tokens that changed (A: this run, B: the child)",
+                                   elem_id="iv-changed")
+                iv_plot = gr.Plot(label="Confidence: this run vs the child", elem_id="iv-plot")
         with gr.Accordion("Run overview", open=False):
             conf_plot = gr.Plot(label="Confidence along the run", elem_id="conf-plot")
             summary_json = gr.Code(label="Summary", language="json")
@@ -236,3 +309,5 @@ def build(session: Page) -> None:
     rc_btn.click(partial(explain, app), [state, pick, pos, rc_steps, rc_ref], [rc_msg, attr_plot, comp_plot, rc_table],
                  api_name="explain")
     lens_btn.click(partial(logit_lens, app), [state, pick], [lens_msg, lens_plot], api_name="logit_lens")
+    iv_btn.click(partial(intervene, app), [state, pick, iv_action, iv_layer, iv_expert, iv_head, iv_value, iv_specs],
+                 [iv_msg, iv_changed, iv_plot], api_name="intervene")
