@@ -123,8 +123,8 @@ def test_specs_round_trip_and_bad_ones_are_refused():
         Intervention("ban", layer=1)
 
 
-def test_importing_the_interventions_needs_no_torch(tmp_path):
-    code = ("import sys, workbench, workbench.interventions as i\n"
+def test_importing_the_interventions_and_the_contrast_needs_no_torch(tmp_path):
+    code = ("import sys, workbench, workbench.interventions as i, workbench.analysis.contrast\n"
             "assert i.parse('ban:L1E2') == i.ban_expert(1, 2)\n"
             "assert 'torch' not in sys.modules\nprint('ok')")
     got = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
