@@ -112,7 +112,9 @@ def record_one(item: dict, *, store: Store, batch_id: str, adapter, tokenizer, l
 def record_group(items: list[dict], *, store: Store, batch_id: str, adapter, tokenizer, label: str,
                  settings: RecordSettings, after_run=None) -> list[dict]:
     """Record prompts of a batch together, in one batched generation (``workbench.capture.recorder.record_batch``) when
-    the model's adapter has one, else one by one (``record_one``); one row per prompt, as ``record_one``'s."""
+    the model's adapter has one (ours, and transformers models: ``HFAdapter.stream_batch``, except the families of
+    ``workbench.capture.adapters.hf.SINGLE_ONLY``, whose rows would differ from their single recordings), else one by
+    one (``record_one``); one row per prompt, as ``record_one``'s."""
 
     if len(items) == 1 or not adapter.supports_batch:
         return [record_one(item, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tokenizer, label=label,
@@ -226,8 +228,10 @@ def record_many(prompts, *, model=None, tokenizer=None, db=None, out: str | Path
             (prompts with a ``complete`` run in it are skipped).
         settings: ``RecordSettings`` (keyword fields of it, ``max_new_tokens=...`` etc., override it).
         batch_size: prompts recorded together in one batched generation (similar lengths together; 1: one at
-            a time). Each run equals its single recording up to floating-point summation order. Models whose
-            adapter has no batched generation record one at a time.
+            a time). Each run equals its single recording up to floating-point summation order. Our models and
+            transformers models are batched; the few transformers families whose rows would differ from their
+            single recordings (``workbench.capture.adapters.hf.SINGLE_ONLY``; their runs' notes say so) and models
+            whose adapter has no batched generation record one at a time.
         The other arguments are ``workbench.record``'s.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
