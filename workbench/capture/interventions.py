@@ -34,7 +34,6 @@ __all__ = ["KINDS", "Intervention", "applied", "ban_expert", "boost_expert", "ch
 
 KINDS = ("ban", "boost", "force", "scale_head", "scale", "router_bias")
 ROUTING = ("ban", "boost", "force", "router_bias")
-FORCE_MARGIN = 1e4  # added to a forced expert's selection score: above any score + bias a router produces
 
 
 def _num(v: float) -> str:
@@ -258,6 +257,10 @@ def check(adapter, interventions: list[Intervention]) -> None:
             forced.setdefault(iv.layer, set()).add(iv.expert)
         if iv.kind == "ban":
             banned.setdefault(iv.layer, set()).add(iv.expert)
+    for layer, experts in banned.items():
+        if len(experts) > s.n_routed_experts - s.top_k:
+            raise ValueError(f"layer {layer}: {len(experts)} experts banned, the router must still choose {s.top_k} "
+                             f"of {s.n_routed_experts}")
     for layer, experts in forced.items():
         if experts & banned.get(layer, set()):
             raise ValueError(f"layer {layer}: expert(s) {sorted(experts & banned[layer])} both forced and banned")
