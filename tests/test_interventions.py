@@ -227,6 +227,9 @@ def test_refused_before_a_run_row(models, store):
             continue
         with pytest.raises(ValueError, match=words):
             workbench.record(IDS, model=m, max_new_tokens=2, db=store, detect=False, interventions=[bad])
+    with pytest.raises(ValueError, match="must still choose"):
+        workbench.record(IDS, model=m, max_new_tokens=2, db=store, detect=False,
+                         interventions=[ban_expert(1, j) for j in range(7)])
     assert store.sql("SELECT count(*) AS n FROM runs")["n"][0] == n
 
 
