@@ -49,6 +49,7 @@ from workbench.apps.tabs import (
     batches,
     code,
     compare,
+    contrast,
     experts,
     kv_cache,
     kv_whatif,
@@ -70,7 +71,7 @@ CSS = """
 """
 #: the tabs, in page order
 TABS = [runs, record, run_view, attention, experts, kv_cache, kv_whatif, code, anomalies, compare, replay, sql,
-        batches, atlas, search]
+        batches, atlas, contrast, search]
 
 
 def export_report(app: AppContext, run_id: str | None):

@@ -1,5 +1,6 @@
 """The Run view: the picked run's header and token strip, the token at a position (top-k, heads, routing),
-its root cause (Explain, against an optional reference run), the logit lens, and the Interventions panel (the
+its root cause (Explain, against an optional reference run), the patch scan against the reference (a heat map
+layer x part of what restores the token), the logit lens, and the Interventions panel (the
 prompt re-run with an expert banned, boosted or forced or a head scaled, as a child run, and what changed)."""
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from workbench.apps.shared import (
 from workbench.apps.tabs.runs import reference_choices
 from workbench.data import query
 from workbench.interventions import ban_expert, boost_expert, force_expert, normalize, scale_head
-from workbench.views.figures import logit_lens_figure
+from workbench.views.figures import logit_lens_figure, patch_scan_figure
 from workbench.views.markup import defuse, md_plain
 from workbench.views.session import RunFrames, Session
 
@@ -175,6 +176,39 @@ def explain(app: AppContext, s: Session, run_id: str | None, pos: float | None, 
             + (f"  \n⚠️ {md_plain(warn)}" if warn else ""), f.fig_attribution(pos), f.fig_components(pos), shown)
 
 
+def patch_scan(app: AppContext, s: Session, run_id: str | None, pos: float | None, reference: str | None,
+               progress=gr.Progress()):
+    """Activation patching of the token at ``pos`` against the picked reference run (``Run.root_cause`` with a
+    reference: its default method, stored like Explain's): a status line and the heat map layer x part of the
+    fraction of the gap each patch closes (``patch_scan_figure``)."""
+    if not run_id or pos is None:
+        return "Choose a run and a token first.", None
+    if not reference:
+        return "Pick a known-good reference run first (the picker beside Explain).", None
+    if reference == run_id:
+        return "⚠️ A run is no reference for itself: choose another run.", None
+    pos = int(pos)
+    run = app.run(run_id)
+    progress(0.05, desc=f"patch scan of the token at {pos} against {reference}")
+    try:
+        ranked = run.root_cause(pos, reference=app.run(reference), method="patching")
+    except Exception as e:  # the models may be unavailable or not fit each other: say why, keep the app alive
+        return defuse(fail("Patch scan", e)), None
+    progress(1.0, desc="done")
+    f = frames_of(s, run_id)
+    if f is not None:
+        f.forget("attributions")  # just stored
+    parts = ranked.filter(pl.col("kind") != "token")
+    best = parts.filter(pl.col("restored").is_not_nan()).sort("restored", descending=True, nulls_last=True).head(1)
+    top = ""
+    if best.height:
+        b = best.row(0, named=True)
+        what = ", ".join(f"{k} {b[k]}" for k in ("layer", "head", "expert") if b[k] is not None)
+        top = f"; the most restoring: {md_plain(b['kind'])}" + (f" ({what})" if what else "") + f", {b['restored']:.0%}"
+    return (f"Patch scan of pos {pos} against {md_plain(reference)}: {parts.height} parts patched{top}.",
+            patch_scan_figure(ranked))
+
+
 def logit_lens(app: AppContext, s: Session, run_id: str | None, progress=gr.Progress()):
     """The picked run's logit lens (computed with the model on the first press, then read back): a status line and
     the heat map layer x position of the produced token's probability."""
@@ -274,6 +308,10 @@ def build(session: Page) -> None:
             comp_plot = gr.Plot(label="Components", elem_id="comp-plot")
             rc_table = table(CAUSE_COLUMNS, "Ranked causes", elem_id="rc-table")
         with gr.Row():
+            scan_btn = gr.Button("Patch scan against the reference", elem_id="patch-scan-button")
+            scan_msg = gr.Markdown(latex_delimiters=[], elem_classes=["wb-message"], elem_id="patch-scan-msg")
+        scan_plot = gr.Plot(label="Patch scan: what restores the token (layer x part)", elem_id="patch-scan-plot")
+        with gr.Row():
             lens_btn = gr.Button("Logit lens", elem_id="logit-lens-button")
             lens_msg = gr.Markdown(latex_delimiters=[], elem_classes=["wb-message"], elem_id="logit-lens-msg")
         lens_plot = gr.Plot(label="Logit lens: where was each token decided (layer x position)",
@@ -308,6 +346,7 @@ def build(session: Page) -> None:
     rc_ref.change(partial(reference_note, app), [state, pick, rc_ref], ref_msg, **LAST)
     rc_btn.click(partial(explain, app), [state, pick, pos, rc_steps, rc_ref], [rc_msg, attr_plot, comp_plot, rc_table],
                  api_name="explain")
+    scan_btn.click(partial(patch_scan, app), [state, pick, pos, rc_ref], [scan_msg, scan_plot], api_name="patch_scan")
     lens_btn.click(partial(logit_lens, app), [state, pick], [lens_msg, lens_plot], api_name="logit_lens")
     iv_btn.click(partial(intervene, app), [state, pick, iv_action, iv_layer, iv_expert, iv_head, iv_value, iv_specs],
                  [iv_msg, iv_changed, iv_plot], api_name="intervene")

@@ -790,3 +790,89 @@ def logit_lens_figure(lens: pl.DataFrame, tokens: pl.DataFrame | None = None, ti
             height=max(260, 28 * len(layers) + 160), xaxis={"title": "position", **ticks},
             yaxis={"title": "layer (residual stream after it)", "dtick": 1})
     return fig
+
+
+# -- patch scan and expert contrast -----------------------------------------------------------------------
+
+PATCH_PARTS = ["attn_block", "mlp_block / dense_mlp", "resid", "attn_norm", "mlp_norm", "kv_latent", "rotary",
+               "shared_expert", "router"]  # then "head h", "expert e"; a row "embed / unembed" for the model's ends
+
+
+def _patch_column(kind: str, head, expert) -> str:
+    if kind in ("mlp_block", "dense_mlp"):
+        return "mlp_block / dense_mlp"
+    if kind == "head":
+        return f"head {head}"
+    if kind == "expert":
+        return f"expert {expert}"
+    return kind
+
+
+def patch_scan_figure(frame: pl.DataFrame, title: str | None = None) -> go.Figure:
+    """Heat map "what restores the token" of a patching root cause (``Run.root_cause(pos, reference=...)``):
+    layer (rows) x part (columns: attn_block, mlp_block / dense_mlp, resid, the norms, kv_latent, rotary,
+    shared_expert, router, then each head and routed expert patched inside the descended layers), coloured by
+    ``restored`` (the fraction of the gap to the reference the patch closes; 1: the token given back). A cell
+    that was not patched is blank (NULL), never 0; embed / unembed form a row of their own; source tokens are
+    left out (they are the Ranked causes table's). Hover: kind, layer, head / expert, score in nats, restored."""
+    rows = frame.filter(pl.col("method") == "patching") if "method" in frame.columns else frame
+    rows = rows.filter(pl.col("kind") != "token")
+    if rows.height == 0:
+        return _empty("no patching rows: explain the token against a reference run (activation patching)")
+    present = {_patch_column(r["kind"], r["head"], r["expert"]) for r in rows.iter_rows(named=True)}
+    heads = sorted({h for h in rows["head"].to_list() if h is not None})
+    experts = sorted({e for e in rows["expert"].to_list() if e is not None})
+    cols = ([c for c in PATCH_PARTS if c in present] + [f"head {h}" for h in heads]
+            + [f"expert {e}" for e in experts] + [c for c in ("embed", "unembed") if c in present])
+    layers = sorted({lay for lay in rows["layer"].to_list() if lay is not None})
+    ylab = [f"layer {lay}" for lay in layers] + (["embed / unembed"] if rows["layer"].null_count() else [])
+    yi = {lay: i for i, lay in enumerate(layers)}
+    xi = {c: j for j, c in enumerate(cols)}
+    z = [[None] * len(cols) for _ in ylab]
+    hover = [[""] * len(cols) for _ in ylab]
+    for r in rows.iter_rows(named=True):
+        i = yi[r["layer"]] if r["layer"] is not None else len(layers)
+        j = xi[_patch_column(r["kind"], r["head"], r["expert"])]
+        rest = r["restored"]
+        rest = None if rest is None or rest != rest else float(rest)  # NaN: a gap too small to divide by
+        z[i][j] = rest
+        where = "" if r["layer"] is None else f", layer {r['layer']}"
+        what = (f", head {r['head']}" if r["head"] is not None else "") + (
+            f", expert {r['expert']}" if r["expert"] is not None else "")
+        score = "" if r["score"] is None else f"{r['score']:+.4g} nats"
+        hover[i][j] = (f"{html.escape(str(r['kind']))}{where}{what}<br>score {score}<br>restored "
+                       + ("n/a (no gap)" if rest is None else f"{rest:.1%}") + f"<br>rank {r['rank']}")
+    fig = go.Figure(go.Heatmap(z=z, x=cols, y=ylab, customdata=hover, zmid=0, colorscale="RdBu",
+                               colorbar={"title": "restored"}, hoverongaps=False, xgap=1, ygap=1,
+                               hovertemplate="%{customdata}<extra></extra>"))
+    _layout(fig, html.escape(title or "Patch scan: what restores the token (fraction of the gap to the reference "
+                                      "closed by patching each part)"),
+            height=max(280, 30 * len(ylab) + 180), xaxis={"title": "part", "type": "category", "tickangle": -45},
+            yaxis={"title": "", "autorange": "reversed", "type": "category"})
+    return fig
+
+
+def contrast_figure(contrast: pl.DataFrame, title: str | None = None) -> go.Figure:
+    """Heat map MoE layer x expert of an expert contrast (``Workbench.expert_contrast``): ``diff`` = share_a -
+    share_b (red: chosen more by set A, blue: by set B); hover: both shares, p and rank."""
+    if contrast.height == 0:
+        return _empty("no expert contrast rows")
+    layers = sorted(set(contrast["layer"].to_list()))
+    experts = sorted(set(contrast["expert"].to_list()))
+    yi, xi = {lay: i for i, lay in enumerate(layers)}, {e: j for j, e in enumerate(experts)}
+    z = [[None] * len(experts) for _ in layers]
+    hover = [[""] * len(experts) for _ in layers]
+    for r in contrast.iter_rows(named=True):
+        i, j = yi[r["layer"]], xi[r["expert"]]
+        z[i][j] = r["diff"]
+        p = "n/a" if r["p"] is None or r["p"] != r["p"] else f"{r['p']:.3g}"
+        hover[i][j] = (f"layer {r['layer']}, expert {r['expert']}<br>share A {r['share_a']:.3f}, share B "
+                       f"{r['share_b']:.3f}<br>diff {r['diff']:+.3f}, p {p}<br>rank {r['rank']}")
+    m = max((abs(v) for row in z for v in row if v is not None), default=0.0) or 1.0
+    fig = go.Figure(go.Heatmap(z=z, x=[str(e) for e in experts], y=[f"layer {lay}" for lay in layers],
+                               customdata=hover, zmin=-m, zmax=m, colorscale="RdBu_r", colorbar={"title": "diff"},
+                               hovertemplate="%{customdata}<extra></extra>"))
+    _layout(fig, html.escape(title or "Expert contrast: share of set A minus share of set B per layer x expert"),
+            height=max(260, 40 * len(layers) + 160), xaxis={"title": "expert", "type": "category"},
+            yaxis={"autorange": "reversed", "type": "category"})
+    return fig
