@@ -48,7 +48,8 @@ def test_profile_cells_are_the_calibration_moments(tiny, prof):
     kinds = set(prof["kind"])
     assert {"attn_norm", "kv_latent", "head", "attn_block", "mlp_norm", "resid", "router"} <= kinds
     assert prof.filter(pl.col("signal") == "pos_distance").height == s.n_layers * s.n_heads
-    cells = prof.filter(~pl.col("kind").is_in(["router_check", "unembed_rows", "embed"]))
+    cells = prof.filter(~pl.col("kind").is_in(["router_check", "unembed_rows", "embed"])
+                        & ~pl.col("signal").is_in(["angle", "chosen"]))
     spread = np.array(cells["run_norm_std"].to_list() + cells["run_dev_std"].to_list())
     assert spread.shape == (2 * cells.height, len(activations.RUN_BUCKETS)) and (spread >= 0.1).all()
     assert prof.filter(pl.col("kind") == "router_check")["n"].to_list() == [0]  # RouterMath agrees with the model
@@ -80,6 +81,50 @@ def test_a_broken_component_is_the_most_unusual(tiny, prof, kind, layer, index, 
 def test_clean_prompts_have_no_strong_rows(tiny, prof):
     worst = [max(abs(v) for _, v in activations.evidence(tiny, p, prof)) for p in _prompts(6, 30, seed=11)]
     assert max(worst) < 12, worst  # nats, after the Bonferroni adjustment within each family
+
+
+def test_each_expert_is_profiled_from_its_own_contribution(tiny, prof):
+    """Per routed expert: its weighted contribution where chosen (rows of other positions NaN); the experts' rows
+    plus the shared experts' add up to the MoE block's output; how often each is chosen is its own cell."""
+    ids = _prompts(1, 30, seed=4)[0]
+    got, _ = activations.capture(tiny, ids)
+    s = tiny.summary
+    for layer in s.moe_layers:
+        experts = [got[k] for k in got if k[0] == "expert" and k[1] == layer]
+        total = sum(torch.nan_to_num(y) for y in experts) + got[("shared_expert", layer, None, None, "out")]
+        torch.testing.assert_close(total, got[("mlp_block", layer, None, None, "out")], rtol=1e-4, atol=1e-5)
+        chosen = torch.cat([got[("router", layer, None, e, "chosen")] for e in range(s.n_routed_experts)], 1)
+        assert (chosen.sum(1) == s.top_k).all()  # every position chose its top K
+        for k in (k for k in got if k[0] == "expert" and k[1] == layer):
+            assert torch.equal(~torch.isnan(got[k][:, 0]), chosen[:, k[3]].bool())
+    cells = prof.filter(pl.col("kind") == "expert")
+    assert cells.height > 0 and set(cells["layer"]) <= set(s.moe_layers)
+    rates = prof.filter(pl.col("signal") == "chosen")
+    assert rates.height == len(s.moe_layers) * s.n_routed_experts
+    assert sum(r[0] for r in rates.filter(pl.col("layer") == s.moe_layers[0])["mean"]) == pytest.approx(
+        s.top_k, rel=1e-5)  # the rates of one layer's experts add up to K
+
+
+def test_a_scaled_expert_a_biased_router_and_a_wrong_rotation_are_named(tiny, prof):
+    ids = _prompts(1, 30, seed=7)[0]
+    layer = tiny.summary.moe_layers[0]
+    chosen = tiny.routing_of(torch.tensor([ids]))[layer]
+    busy = int(torch.bincount(chosen[1:].flatten()).argmax())
+    rare = int(torch.bincount(tiny.routing_of(torch.tensor([_prompts(1, 60, seed=7)[0]]))[layer][1:].flatten(),
+                              minlength=tiny.summary.n_routed_experts).argmin())
+    clean = activations.evidence(tiny, ids, prof)
+    assert not any(k[0] == "rotary" and abs(v) >= activations.MISMATCH_NATS for k, v in clean)  # exact rotation
+    with faults.break_expert(tiny, layer, busy, scale=30.0):
+        assert _top(activations.evidence(tiny, ids, prof), 1)[0] == ("expert", layer, None, busy, None)
+    longer = _prompts(1, 60, seed=7)[0]  # a rate needs positions: beyond every clean prompt's, not one short one's
+    with faults.bias_router(tiny, layer, rare, amount=1.0):  # chosen at (nearly) every position now
+        signals = {}
+        top = _top(activations.evidence(tiny, longer, prof, signals=signals), 3)
+    assert ("router", layer, None, rare, None) in top and signals[("router", layer, None, rare, None)] == "chosen"
+    with faults.scale_rotary(tiny, 1, 3.0):
+        ev = dict(activations.evidence(tiny, ids, prof))
+    assert _top(ev.items(), 1)[0] == ("rotary", 1, None, None, None)
+    assert ev[("rotary", 1, None, None, None)] == pytest.approx(activations.MISMATCH_NATS * (len(ids) - 1))
 
 
 def test_routing_that_disagrees_with_the_router_is_named(tiny):

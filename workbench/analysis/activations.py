@@ -23,6 +23,13 @@ layer added to the residual stream (``resid``: stream after minus stream before;
 the router's logit for each expert (``router`` with ``expert``), and per head two scalars of its attention
 pattern, scored as that head: the mean log distance to the keys it reads and the weight on the previous token
 (``head`` rows with signal ``pos_distance`` / ``prev_weight``: a rotation of the wrong frequency moves them).
+Each routed expert's own weighted contribution at the positions that chose it (``expert``, signal ``out``: the
+experts are run again on the block's input, one module per expert or the fused module once per slot, and the
+cells are kept only where the contributions add up to the block's output on every calibration prompt), how
+often each expert is chosen (``router`` with ``expert``, signal ``chosen``: a binomial z of the context's rate,
+judged against the overdispersion clean contexts of that length show), and the rotation each layer gives its
+queries and keys (``rotary``, signal ``angle``: the angle at position 1 per frequency; a rotation is exact, so
+every context position rotated otherwise counts ``MISMATCH_NATS``, like routing that disagrees with its router).
 
 A run is scored on the context of one token (positions 1 .. pos - 1, every position the target's forward
 sees): each component's z of the log norm and of the deviation, averaged over the context, and at the last
@@ -55,6 +62,7 @@ from scipy.stats import norm
 
 from workbench.analysis.patching import _Taps
 from workbench.capture.adapters import Adapter, Route, adapter_for
+from workbench.capture.adapters.base import first_output
 from workbench.data import query
 
 Key = tuple  # (kind, layer, head, expert, signal)
@@ -78,6 +86,10 @@ EXPERT_NATS = 3.0  # the expert behind an unusual MoE block: its positions' exce
 EXPLAINS = 10.0  # nats: an upstream part this unusual caps its layer's downstream parts at half its surprise
 MISMATCH_NATS = 10.0  # per context position whose experts differ from what the router's logits select
 LAST_WEIGHT = 0.5  # the last context position's z counts at this weight beside the context mean
+FIT_TOL = 1e-3  # experts are profiled one by one only where their contributions add up to the block's output
+ANGLE_TOL = 1e-2  # radians: a position whose rotation is further than this from the clean one is rotated wrongly
+OWN_Z = 4.0  # an expert's own contribution this unusual (and twice any other's) is the one behind its block
+RATE_FLOOR = 1.0  # a selection rate varies between clean contexts at least as much as a binomial count's
 
 
 def capture(a: Adapter, ids: list[int]) -> tuple[dict[Key, torch.Tensor], dict[int, torch.Tensor]]:
@@ -110,9 +122,34 @@ def capture(a: Adapter, ids: list[int]) -> tuple[dict[Key, torch.Tensor], dict[i
         pw = p.gather(-1, prev[:, :, None].expand(tq, p.size(1), 1))[..., 0]
         pos_stats.setdefault(layer, []).append((q_start, ld.cpu(), pw.cpu()))
 
+    angles: dict[int, list[tuple[int, torch.Tensor]]] = {}
+
+    def rotation(layer: int):
+        def fn(pe, start) -> None:  # ours: complex freqs_cis [T, F]; transformers: (cos, sin) [B, T, d]
+            if isinstance(pe, (tuple, list)) and len(pe) == 2:
+                cos, sin = (t.detach().float().reshape(-1, t.size(-2), t.size(-1))[0] for t in pe)
+                ang = torch.atan2(sin[:, : sin.size(-1) // 2], cos[:, : cos.size(-1) // 2])
+            elif torch.is_tensor(pe) and pe.is_complex():
+                ang = torch.angle(pe.detach()).float().reshape(-1, pe.size(-1))
+            else:
+                return None
+            angles.setdefault(layer, []).append((int(start or 0), ang.cpu()))
+            return None
+        return fn
+
     x = torch.tensor([ids], device=a.device)
-    with torch.no_grad(), taps.attached(), a.seams({"routed": routed, "attn_probs": probs}):
-        final = a.forward(x)
+    handles = []
+    try:
+        for layer in range(a.summary.n_layers):
+            try:
+                handles += a.rotary(layer, rotation(layer))
+            except (NotImplementedError, ValueError):  # no rotary part here: nothing to observe
+                pass
+        with torch.no_grad(), taps.attached(), a.seams({"routed": routed, "attn_probs": probs}):
+            final = a.forward(x)
+    finally:
+        for h in handles:
+            h.remove()
     c, s = taps.cache, a.summary
     out: dict[Key, torch.Tensor] = {("unembed", None, None, None, "logit"): final[0].float().cpu()}
     prev = c.get(("embed", None))
@@ -136,9 +173,15 @@ def capture(a: Adapter, ids: list[int]) -> tuple[dict[Key, torch.Tensor], dict[i
         route = c.get(("route", layer))
         if route is not None:
             out[("route", layer, None, None, "indices")] = route[0].cpu()
+            out.update(_expert_rows(a, layer, c.get(("mlp_norm", layer)), route, c.get(("mlp_block", layer)),
+                                    c.get(("shared_expert", layer))))
         if layer in logits:
             for e in range(logits[layer].size(1)):
                 out[("router", layer, None, e, "logit")] = logits[layer][:, e:e + 1]
+        if angles.get(layer):  # the rotation each position's keys and queries got: [T, F] angles
+            first = sorted(angles[layer], key=lambda b: b[0])
+            if first[0][0] == 0:
+                out[("rotary", layer, None, None, "angle")] = torch.cat([b[1] for b in first])[: len(ids)]
         if layer in pos_stats:
             blocks = sorted(pos_stats[layer], key=lambda b: b[0])
             ld = torch.cat([b[1] for b in blocks])
@@ -149,16 +192,145 @@ def capture(a: Adapter, ids: list[int]) -> tuple[dict[Key, torch.Tensor], dict[i
     return out, lost
 
 
+def expert_slots(a: Adapter, layer: int, x: torch.Tensor, indices: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor | None:
+    """Each position's weighted contribution from each of its chosen experts, [T, K, D], by running the layer's
+    routed experts on the MoE block's input ``x`` [T, D] again: one module per expert (ours, older families) or
+    the fused experts module called as transformers 5 calls it, ``experts(x, top_k_index, top_k_weights)``, once
+    per slot with the other slots' weights at zero. None where the experts cannot be called so."""
+    ex = a.parts(layer).get("experts")
+    if ex is None or x is None:
+        return None
+    x = x.to(next(ex.parameters()).dtype)
+    idx, w = indices.to(x.device), weights.to(x.device, x.dtype)
+    out = torch.zeros(*idx.shape, x.size(-1), dtype=torch.float32)
+    try:
+        if isinstance(ex, torch.nn.ModuleList):
+            for e in idx.unique().tolist():
+                rows, slot = torch.where(idx == e)
+                y = first_output(ex[e](x[rows]))
+                out[rows.cpu(), slot.cpu()] = (y * w[rows, slot, None]).float().cpu()
+        else:
+            for k in range(idx.size(1)):
+                mask = torch.zeros_like(w)
+                mask[:, k] = 1
+                out[:, k] = first_output(ex(x, idx, w * mask)).float().cpu()
+    except Exception:  # a call convention we do not know: no per-expert rows (never a wrong one)
+        return None
+    return out
+
+
+def _expert_rows(a: Adapter, layer: int, x, route, block, shared) -> dict[Key, torch.Tensor]:
+    """Per routed expert of one layer: its weighted contribution at the positions that chose it (rows of the
+    others NaN: ``("expert", layer, None, e, "out")`` [T, D]), whether each position chose it (``("router", layer,
+    None, e, "chosen")`` [T, 1], 0 / 1), and how well the contributions (plus the shared experts') add up to the
+    block's output (``("expert_fit", ...)``: relative error; the profile keeps expert cells only where it is
+    small on every calibration prompt, so a family whose experts we cannot call exactly gets none)."""
+    idx = route[0].cpu()
+    n_e = a.summary.n_routed_experts
+    rows: dict[Key, torch.Tensor] = {}
+    for e in range(n_e):
+        rows[("router", layer, None, e, "chosen")] = (idx == e).any(1).float()[:, None]
+    with torch.no_grad():
+        slots = expert_slots(a, layer, x, *route)
+    if slots is None or block is None:
+        return rows
+    total = slots.sum(1) + (shared.float().cpu() if shared is not None else 0.0)
+    b = block.float().cpu()
+    fit = float((b - total).norm() / b.norm().clamp_min(1e-12))
+    rows[("expert_fit", layer, None, None, "fit")] = torch.tensor([[fit]])
+    for e in idx.unique().tolist():
+        y = torch.full((idx.size(0), slots.size(-1)), float("nan"))
+        r, k = torch.where(idx == e)
+        y[r] = slots[r, k]
+        rows[("expert", layer, None, int(e), "out")] = y
+    return rows
+
+
 def _moments(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y.mean(0), y.std(0).clamp_min(1e-6) if y.size(0) > 1 else torch.ones(y.size(1))
 
 
+_TENSORS: dict[int, tuple[list, torch.Tensor, torch.Tensor]] = {}  # id(cell's mean list) -> (it, mean, std)
+
+
+def _cell_tensors(r: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cell's mean and std as tensors, converted once per list (a profile is judged many times over)."""
+    got = _TENSORS.get(id(r["mean"]))
+    if got is None or got[0] is not r["mean"]:
+        if len(_TENSORS) > 4096:
+            _TENSORS.clear()
+        got = (r["mean"], torch.as_tensor(r["mean"]), torch.as_tensor(r["std"]).clamp_min(1e-6))
+        _TENSORS[id(r["mean"])] = got
+    return got[1], got[2]
+
+
 def _zs(y: torch.Tensor, r: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position: the z of the log norm and of the log deviation, against the component's cell ``r``."""
-    mu, sd = torch.as_tensor(r["mean"]), torch.as_tensor(r["std"]).clamp_min(1e-6)
+    mu, sd = _cell_tensors(r)
     zl = (y.norm(dim=-1).clamp_min(1e-30).log() - r["log_norm_mean"]) / r["log_norm_std"]
     zd = ((((y - mu) / sd) ** 2).mean(-1).clamp_min(1e-30).log() - r["dev_mean"]) / r["dev_std"]
     return zl, zd
+
+
+def _chosen_rows(y: torch.Tensor) -> torch.Tensor:
+    """The rows of a component's output that exist (an expert's: the positions that chose it; others: all)."""
+    return y[~torch.isnan(y[:, 0])] if y.numel() else y
+
+
+def _intraclass(p: float, ys: list[torch.Tensor]) -> float:
+    """How alike one prompt's positions are in choosing an expert (the intraclass correlation of a beta-binomial,
+    by the method of moments over the calibration prompts' rates): 0 would be independent positions."""
+    p = min(max(p, 1e-4), 1 - 1e-4)
+    vals = [(((float(y.mean()) - p) ** 2) / (p * (1 - p)) - 1 / y.size(0)) / (1 - 1 / y.size(0))
+            for y in ys if y.size(0) >= 2]
+    return float(min(max(np.mean(vals), 0.0), 1.0)) if vals else 0.0
+
+
+def _rate_z(y: torch.Tensor, r: dict) -> float | None:
+    """How far a context's selection rate of one expert (``y`` [n, 1]: 0 / 1 per position) is from its clean
+    rate ``r["mean"][0]``, in standard errors of a beta-binomial: positions of one text choose alike (the
+    intraclass correlation ``r["std"][0]``), so the rate of a long context varies about as much as the rates of
+    whole clean prompts do, not as a count of independent positions would."""
+    n = y.size(0)
+    if n == 0:
+        return None
+    p = (r["mean"][0] * r["n"] + 0.5) / (r["n"] + 1.0)  # never exactly 0 or 1
+    rho = r["std"][0]
+    return (float(y.mean()) - p) / math.sqrt(p * (1 - p) * (1 / n + rho * (1 - 1 / n)))
+
+
+def _run_z(y: torch.Tensor, r: dict) -> tuple[float, float] | None:
+    """A context's (mean z of the log norm, mean z of the deviation) for one component (an expert: over the
+    positions that chose it; a ``chosen`` indicator: its rate, twice), or None where no position has it."""
+    if r["signal"] == "chosen":
+        z = _rate_z(y, r)
+        return None if z is None else (z, z)
+    y = _chosen_rows(y)
+    if y.size(0) == 0:
+        return None
+    zl, zd = _zs(y, r)
+    return float(zl.mean()), float(zd.mean())
+
+
+def _off_rotation(y: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """Per position of ``y`` ([T, F] rotary angles), whether it is rotated other than ``p * theta`` (the clean
+    layer's angle at position 1: its frequencies), beyond float rounding."""
+    p = torch.arange(y.size(0), dtype=torch.float64)[:, None]
+    d = torch.remainder(y.double() - p * theta.double()[None] + math.pi, 2 * math.pi) - math.pi
+    return d.abs().amax(-1) > ANGLE_TOL
+
+
+def _largest(runs: dict, k: Key, stats: list[tuple]) -> list[float]:
+    """Per length bucket, the largest |z| (standardised by that bucket's spread) clean prefixes reached; a
+    bucket with too few prefixes takes the nearest shorter bucket's."""
+    out, last = [], 3.0
+    for b, (m, sd, _, _) in enumerate(stats):
+        v = np.array(runs.get((k, b), []))
+        if len(v) >= MIN_RUNS:
+            last = float(np.abs((v[:, 0] - m) / sd).max())
+        out.append(last)
+    return out
 
 
 def _bucket_end(b: int, n: int) -> int:
@@ -179,19 +351,31 @@ def build(a: Adapter, prompts: list[list[int]], seed: int = 0) -> pl.DataFrame:
     acc: dict[Key, list[torch.Tensor]] = {}
     captured = []
     disagree = 0  # positions where clean routing differs from what RouterMath selects (a family it mis-models)
+    fits: dict[int, float] = {}  # MoE layer -> the worst relative error of the experts' contributions' sum
+    angle_rows: dict[Key, list[torch.Tensor]] = {}  # rotary layer -> each prompt's angles [T, F]
     for ids in prompts:
         got, lost = capture(a, ids)
         disagree += sum(int(m.any(1).sum()) for m in lost.values())
         captured.append(got)
         for k, y in got.items():
-            if k[0] != "route":  # the chosen experts: read beside the block, not profiled
+            if k[0] == "expert_fit":
+                fits[k[1]] = max(fits.get(k[1], 0.0), float(y.max()))
+            elif k[4] == "angle":  # a rotation is exact: its frequencies, if every prompt follows them
+                if y.size(0) >= 2:
+                    angle_rows.setdefault(k, []).append(y)
+            elif k[0] != "route":  # the chosen experts: read beside the block, not profiled
                 acc.setdefault(k, []).append(y[1:])
     cells: dict[Key, dict] = {}
     for k, ys in acc.items():
-        y = torch.cat(ys).float()
-        if y.size(0) < 2:
+        y = _chosen_rows(torch.cat(ys).float())
+        if y.size(0) < 2 or (k[0] == "expert" and fits.get(k[1], 1.0) > FIT_TOL):
             continue
         mu, sd = _moments(y)
+        if k[4] == "chosen":  # a 0 / 1 per position: only its rate is judged (run level)
+            cells[k] = {"kind": k[0], "layer": k[1], "head": k[2], "expert": k[3], "signal": k[4], "n": y.size(0),
+                        "mean": mu.tolist(), "std": [_intraclass(float(mu[0]), [g[k][1:] for g in captured])],
+                        "log_norm_mean": 0.0, "log_norm_std": 1.0, "dev_mean": 0.0, "dev_std": 1.0}
+            continue
         ln = y.norm(dim=-1).clamp_min(1e-30).log()
         dev = (((y - mu) / sd) ** 2).mean(-1).clamp_min(1e-30).log()
         cells[k] = {"kind": k[0], "layer": k[1], "head": k[2], "expert": k[3], "signal": k[4], "n": y.size(0),
@@ -209,18 +393,32 @@ def build(a: Adapter, prompts: list[list[int]], seed: int = 0) -> pl.DataFrame:
             n = min(max(n, lo), hi)
             for k, y in got.items():
                 if k in cells:
-                    zl, zd = _zs(y[1:n], cells[k])
-                    runs.setdefault((k, b), []).append((float(zl.mean()), float(zd.mean())))
+                    got_z = _run_z(y[1:n], cells[k])
+                    if got_z is not None:
+                        runs.setdefault((k, b), []).append(got_z)
     for k, r in cells.items():
+        if k[4] == "angle":
+            continue
         stats, last = [], (0.0, 1.0, 0.0, 1.0)
+        floor = RATE_FLOOR if k[4] == "chosen" else 0.1
         for b in range(len(RUN_BUCKETS)):
             v = np.array(runs.get((k, b), []))
             if len(v) >= MIN_RUNS:
-                last = (float(v[:, 0].mean()), max(float(v[:, 0].std()), 0.1),
-                        float(v[:, 1].mean()), max(float(v[:, 1].std()), 0.1))
+                last = (float(v[:, 0].mean()), max(float(v[:, 0].std()), floor),
+                        float(v[:, 1].mean()), max(float(v[:, 1].std()), floor))
             stats.append(last)
         r |= {"run_norm_mean": [x[0] for x in stats], "run_norm_std": [x[1] for x in stats],
               "run_dev_mean": [x[2] for x in stats], "run_dev_std": [x[3] for x in stats]}
+        if k[4] == "chosen":  # a rate's tails are content's, not a normal's: the largest clean z per bucket
+            r["run_dev_mean"] = _largest(runs, k, stats)
+            r["run_dev_std"] = [1.0] * len(stats)
+    for k, ys in angle_rows.items():
+        theta = ys[0][1]
+        if all(int(_off_rotation(y, theta).sum()) == 0 for y in ys):
+            cells[k] = {"kind": k[0], "layer": k[1], "head": None, "expert": None, "signal": "angle", "n": len(ys),
+                        "mean": theta.tolist(), "std": [0.0] * theta.numel(), "log_norm_mean": 0.0,
+                        "log_norm_std": 1.0, "dev_mean": 0.0, "dev_std": 1.0, "run_norm_mean": [],
+                        "run_norm_std": [], "run_dev_mean": [], "run_dev_std": []}
     emb = cells.get(("embed", None, None, None, "out"))
     if emb is not None:  # a token's row is what it is: the largest |z| any calibration token reached
         emb["run_dev_mean"] = [max(float(_zs(g[("embed", None, None, None, "out")][1:], emb)[0].abs().max())
@@ -313,25 +511,29 @@ def _signed_nats(nats: float, sign: float) -> float:
     return float(math.copysign(max(nats, 0.0), sign if sign else 1.0))
 
 
-def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool = True) -> list[tuple[tuple, float]]:
+def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool = True,
+             signals: dict | None = None) -> list[tuple[tuple, float]]:
     """((kind, layer, head, expert, source_pos), signed surprise in nats) for every profiled component, on the
     context ``ids`` (the tokens before the explained one), plus the routing consistency rows (no profile
-    needed). A head's output and its two attention-pattern scalars give one ``head`` row: the largest."""
+    needed). A head's output and its two attention-pattern scalars give one ``head`` row: the largest.
+    ``signals``, when given, is filled with the signal behind each row (``out``, ``chosen``, ``logit``, ...)."""
     got, lost = capture(a, list(ids))
     best: dict[tuple, float] = {}
+    why = signals if signals is not None else {}
 
-    def put(key: tuple, v: float) -> None:
+    def put(key: tuple, v: float, signal: str | None = None) -> None:
         if abs(v) > abs(best.get(key, 0.0)):
             best[key] = v
+            why[key] = signal
 
     check = prof.filter(pl.col("kind") == "router_check") if prof is not None else None
     trusted = check is None or check.height == 0 or int(check["n"][0]) == 0  # clean routing agreed with RouterMath
     for layer, m in lost.items() if trusted else ():
         bad = m[1:].any(1)  # positions whose experts differ from the router's own choice
         if bad.any():
-            put(("router", layer, None, None, None), MISMATCH_NATS * float(bad.sum()))
+            put(("router", layer, None, None, None), MISMATCH_NATS * float(bad.sum()), "mismatch")
             e = int(m[1:].sum(0).argmax())
-            put(("expert", layer, None, e, None), MISMATCH_NATS * float(m[1:, e].sum()))
+            put(("expert", layer, None, e, None), MISMATCH_NATS * float(m[1:, e].sum()), "mismatch")
     if prof is not None and len(ids) >= 2:
         bucket = max(i for i, lo in enumerate(RUN_BUCKETS) if len(ids) >= lo or i == 0)
         zs: dict[tuple, tuple[float, float]] = {}  # component -> (|z|, sign)
@@ -341,7 +543,21 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
             y = got.get(k)
             if y is None or y.size(0) < 2 or len(r["mean"]) != y.size(1):
                 continue
-            zl, zd = _zs(y[1:], r)
+            b = min(bucket, len(r["run_norm_mean"]) - 1) if r["run_norm_mean"] else 0
+            if k[4] == "angle":  # the rotation is exact: every context position rotated otherwise is a fault
+                off = int(_off_rotation(y, torch.as_tensor(r["mean"]))[1:].sum())
+                if off:
+                    put(("rotary", k[1], None, None, None), MISMATCH_NATS * off, "angle")
+                continue
+            if k[4] == "chosen":  # how often the expert is chosen, against clean contexts of this length
+                run_l = (_rate_z(y[1:], r) - r["run_norm_mean"][b]) / r["run_norm_std"][b]
+                if abs(run_l) > BEYOND * r["run_dev_mean"][b]:  # routing varies with content: beyond all clean text
+                    zs[k] = (abs(run_l), run_l)
+                continue
+            seen = ~torch.isnan(y[1:, 0])  # an expert's rows: the positions that chose it; others: every one
+            if not seen.any():
+                continue
+            zl, zd = _zs(y[1:][seen], r)
             if k[0] == "embed":  # one token's row: the most unusual position, Bonferroni over the context
                 p = int(zl.abs().argmax())
                 seen = r["run_dev_mean"][0] if r["run_dev_mean"] else 0.0
@@ -360,11 +576,11 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
                         nats = log_tail(float(zr.max())) - math.log(zr.numel())
                         put(("unembed", None, None, None, None), _signed_nats(nats, 1.0))
                 continue
-            b = min(bucket, len(r["run_norm_mean"]) - 1)
             run_l = (float(zl.mean()) - r["run_norm_mean"][b]) / r["run_norm_std"][b]
             run_d = (float(zd.mean()) - r["run_dev_mean"][b]) / r["run_dev_std"][b]
+            at_last = last and bool(torch.isnan(y[-1, 0]).logical_not())  # the last position has this output
             z = max(abs(run_l), run_d, *((LAST_WEIGHT * abs(float(zl[-1])), LAST_WEIGHT * float(zd[-1]))
-                                         if last else ()))
+                                         if at_last else ()))
             sign = run_l if k[4] == "out" else float(y[1:].mean()) - float(np.mean(r["mean"]))
             zs[k] = (z, sign)
             if k[4] in ("pos_distance", "prev_weight"):
@@ -372,16 +588,24 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
         family: dict[tuple, int] = {}
         for k in zs:
             family[(k[0], k[4])] = family.get((k[0], k[4]), 0) + 1
+        own = {k[1:4]: z for k, (z, _) in zs.items() if k[0] == "expert"}  # each expert's own contribution
         for k, (z, sign) in zs.items():  # two-sided tail, Bonferroni over the component's family
-            put((k[0], k[1], k[2], k[3], None), _signed_nats(log_tail(z) - math.log(family[(k[0], k[4])]), sign))
+            if k[0] == "expert":  # heavy-tailed (a few positions each): only to name the expert behind a block
+                continue
+            put((k[0], k[1], k[2], k[3], None), _signed_nats(log_tail(z) - math.log(family[(k[0], k[4])]), sign),
+                k[4])
         for r in prof.filter(pl.col("kind") == "mlp_block").iter_rows(named=True):  # the expert behind a block
             nats = best.get(("mlp_block", r["layer"], None, None, None), 0.0)
             idx = got.get(("route", r["layer"], None, None, "indices"))
             if abs(nats) >= EXPLAINS and idx is not None:
-                zl, zd = _zs(got[("mlp_block", r["layer"], None, None, "out")][1:], r)
-                e = expert_behind(idx[1:], torch.maximum(zl.abs(), zd))
+                mine = sorted(((z, key[2]) for key, z in own.items() if key[0] == r["layer"]), reverse=True)
+                if len(mine) >= 2 and mine[0][0] >= OWN_Z and mine[0][0] >= 2 * mine[1][0]:
+                    e = mine[0][1]  # one expert's own contribution is far more unusual than any other's
+                else:
+                    zl, zd = _zs(got[("mlp_block", r["layer"], None, None, "out")][1:], r)
+                    e = expert_behind(idx[1:], torch.maximum(zl.abs(), zd))
                 if e is not None:
-                    put(("expert", r["layer"], None, e, None), math.copysign(abs(nats) + 1.0, nats))
+                    put(("expert", r["layer"], None, e, None), math.copysign(abs(nats) + 1.0, nats), "behind")
         for layer, vs in positional.items():  # most heads of a layer read other positions: its rotation
             nats = log_tail(float(np.median(np.abs(vs)))) - math.log(len(positional))  # the middle head's
             put(("rotary", layer, None, None, None), _signed_nats(nats, 1.0))
@@ -424,15 +648,22 @@ def anomaly_rows(a: Adapter, ids: list[int], prof: pl.DataFrame | None) -> list[
     whose activations over the first ``MAX_TOKENS`` of ``ids`` are at least ``WARNING_NATS`` unusual."""
     rows = []
     a = adapter_for(a)
-    for (kind, layer, head, expert, pos), nats in evidence(a, list(ids)[:MAX_TOKENS], prof, last=False):
+    signals: dict = {}
+    for key, nats in evidence(a, list(ids)[:MAX_TOKENS], prof, last=False, signals=signals):
+        kind, layer, head, expert, pos = key
         if abs(nats) < WARNING_NATS:
             continue
         what = WORDS.get(kind, kind).format(head=head, expert=expert, pos=pos)
         where = "" if layer is None else f"layer {layer} "
-        if kind == "router" and expert is not None:
+        if kind == "router" and expert is not None and signals.get(key) == "chosen":
+            what = f"expert {expert}"
+            how = f"is chosen {'more' if nats > 0 else 'less'} often than on clean text of this length"
+        elif kind == "router" and expert is not None:
             what, how = f"the router's logit for expert {expert}", "is outside its clean range"
         elif kind == "router":
             how = "sends tokens to other experts than its own logits select"
+        elif kind == "expert" and signals.get(key) == "behind":
+            how = "is chosen where the MoE block's output is unusual"
         elif kind == "expert":
             how = "loses tokens that its router's logits give it"
         elif kind == "embed":

@@ -1,0 +1,57 @@
+"""Rebuild the bundled demo model's activation profile, ``data/demo/activations.parquet``.
+
+    python scripts/build_activation_profile.py [--db /tmp/calibration.duckdb]
+
+Records ``data/prompts/calibration.jsonl`` with the bundled model (greedy, 32 new tokens: what ``workbench
+profile`` does), then profiles the components (``workbench.analysis.activations.build``) over the first 1,024
+tokens of every complete run and writes the rows. Deterministic: the same checkpoint and prompts give the same
+file. The signal profile (``data/demo/profile.parquet``) is left as it is.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import polars as pl
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from workbench.analysis import activations  # noqa: E402
+from workbench.analysis.baseline import ACTIVATION_TOKENS  # noqa: E402
+from workbench.capture.adapters import load_adapter  # noqa: E402
+from workbench.capture.prompt_sets import record_many  # noqa: E402
+from workbench.capture.prompts import load_prompts  # noqa: E402
+from workbench.data import query  # noqa: E402
+from workbench.data.store import Store  # noqa: E402
+
+PROMPTS = ROOT / "data" / "prompts" / "calibration.jsonl"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--db", default=None, help="scratch database for the calibration runs (default: a temp file)")
+    ap.add_argument("--out", default=str(ROOT / "data" / "demo" / "activations.parquet"))
+    args = ap.parse_args(argv)
+    db = args.db or str(Path(tempfile.mkdtemp()) / "calibration.duckdb")
+    store = Store(db)
+    model = load_adapter(ROOT / "data" / "demo")
+    res = record_many(load_prompts(PROMPTS), model=model, db=store, max_new_tokens=32, progress=True)
+    runs = query.batch_runs(store, res.batch_id).filter(pl.col("status") == "complete")["run_id"].to_list()
+    toks = [query.table(store, "tokens", r, "pos", cols=["token_id"])["token_id"].to_list()[:ACTIVATION_TOKENS]
+            for r in runs]
+    sha = query.run_row(store, runs[0])["checkpoint_sha256"]
+    source = f"{len(runs)} prompts of data/prompts/calibration.jsonl, first {ACTIVATION_TOKENS} tokens, teacher-forced"
+    rows = activations.build(model, toks)
+    # the bundled file: the stored columns, no time stamp (the same inputs give the same bytes)
+    rows = rows.with_columns(pl.lit(sha).alias("checkpoint_sha256"),
+                             pl.lit(None, dtype=pl.Datetime("us")).alias("created_at"), pl.lit(source).alias("source"))
+    rows.write_parquet(args.out)
+    print(f"{rows.height} components from {len(runs)} calibration runs -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
