@@ -178,3 +178,16 @@ def test_detection_after_a_recording_judges_the_components(tiny, tmp_path):
         assert ((f["component"] == component) & (f["layer"] == layer)).any(), f
         # a recompute with the run's model keeps them; the stored rows survive a plain read
         assert bad.anomalies().filter(pl.col("kind") == "component_outlier").height == rows.height
+
+
+def test_an_older_bundled_profile_in_a_database_is_replaced_by_the_current_one(tmp_path):
+    """A database that copied an earlier release's bundled demo profile gets the current one; a profile the user
+    made with ``workbench profile`` is kept."""
+    bundled = pl.read_parquet(activations.BUNDLED)
+    sha = bundled["checkpoint_sha256"][0]
+    db = workbench.Store(tmp_path / "old.duckdb")
+    old = bundled.head(5).drop("checkpoint_sha256", "created_at", "source")
+    activations.save(db, sha, old, "96 prompts of data/prompts/calibration.jsonl, first 1024 tokens, teacher-forced")
+    assert activations.load(db, sha).height == bundled.height
+    activations.save(db, sha, old, '{"prompts": "mine.jsonl", "runs": 5}')
+    assert activations.load(db, sha).height == 5

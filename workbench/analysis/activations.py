@@ -474,14 +474,24 @@ def load(store, sha: str | None) -> pl.DataFrame | None:
     if not sha:
         return None
     got = query.activation_profile(store, sha)
-    if got.height == 0 and BUNDLED.exists():
+    stale = got.height and BUNDLED.exists() and _from_bundle(store, sha)  # an older release's bundled rows
+    if (got.height == 0 or stale) and BUNDLED.exists():
         bundled = pl.read_parquet(BUNDLED)
+        if stale and bundled["source"][0] == stale:
+            return got
         if bundled.height and bundled["checkpoint_sha256"][0] == sha:
             if getattr(store, "read_only", False):
                 return bundled
             store.replace_rows("activation_profiles", {"checkpoint_sha256": sha}, bundled)
             got = query.activation_profile(store, sha)
     return got if got.height else None
+
+
+def _from_bundle(store, sha: str) -> str | None:
+    """The stored profile's source when it was copied from a bundled file (not made by ``workbench profile``)."""
+    got = store.sql("SELECT any_value(source) AS s FROM activation_profiles WHERE checkpoint_sha256 = ?", [sha])
+    src = got["s"][0] if got.height else None
+    return src if src and BUNDLE_SOURCE in src else None
 
 
 def expert_behind(indices: torch.Tensor, odd: torch.Tensor) -> int | None:
@@ -629,6 +639,7 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
 
 
 BUNDLED = Path(__file__).resolve().parents[2] / "data" / "demo" / "activations.parquet"
+BUNDLE_SOURCE = "prompts of data/prompts/calibration.jsonl, first"  # scripts/build_activation_profile.py's
 
 
 # detection over a whole run (workbench.analysis.anomalies.detect with the recording's model)

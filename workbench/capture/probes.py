@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from workbench.capture.adapters.base import Adapter, Route
+from workbench.capture.experts import expert_internals
 from workbench.capture.rows import add_received, attention_rows, kv_rows, kv_token_cols, steps_rows, token_frame
 from workbench.data.rows import Rows
 from workbench.data.signals import SIGNALS
@@ -351,6 +352,61 @@ class KVProbe(Probe):
         return self.kept_bytes
 
 
+class ExpertExtremesProbe(Probe):
+    """Per position x MoE layer, the chosen experts' largest output norm and largest activation inside them
+    (``workbench.capture.experts.expert_internals``: the experts run again on their input rows, the ``expert_in``
+    seam, for the choice the ``routed`` seam names). Computed when a step has finished; a layer whose experts the
+    workbench cannot run exactly has no ``expert_in`` and records nothing."""
+
+    def __init__(self, adapter: Adapter, run_id: str):
+        super().__init__(adapter, run_id)
+        self.x: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self.idx: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self.kept: list[dict[str, np.ndarray]] = []
+
+    def listeners(self) -> dict:
+        return {"routed": self.on_route, "expert_in": self.on_in}
+
+    def on_in(self, layer: int, x: torch.Tensor) -> None:
+        self.x[layer].append(x.detach().reshape(-1, x.size(-1)))
+
+    def on_route(self, layer: int, r: Route) -> None:
+        self.idx[layer].append(r.indices.detach())
+
+    def collect(self, s: StepInfo) -> dict:
+        xs, idxs = self.x, self.idx
+        self.x, self.idx = defaultdict(list), defaultdict(list)
+        for layer in sorted(xs):
+            if len(xs[layer]) != len(idxs.get(layer, ())):
+                continue
+            x, idx = torch.cat(xs[layer]), torch.cat([i.to(xs[layer][0].device) for i in idxs[layer]])
+            if x.size(0) != idx.size(0):
+                continue
+            try:
+                got = expert_internals(self.adapter.parts(layer).get("experts"), x, idx)
+            except Exception:  # noqa: BLE001 - an experts module we cannot run: nothing, never a wrong row
+                got = None
+            if got is None:
+                continue
+            norm, act = (t.nan_to_num(float("-inf")) for t in got)
+            ie, ia = norm.argmax(1), act.argmax(1)
+            rows = torch.arange(idx.size(0))
+            n = idx.size(0)
+            self.kept.append({"pos": np.arange(s.start_pos, s.start_pos + n, dtype=np.int32),
+                              "layer": np.full(n, layer, np.int32),
+                              "max_out_norm": norm[rows, ie].double().numpy(),
+                              "max_out_expert": idx.cpu()[rows, ie].numpy().astype(np.int32),
+                              "max_act": act[rows, ia].double().numpy(),
+                              "max_act_expert": idx.cpu()[rows, ia].numpy().astype(np.int32)})
+        return {}
+
+    def flush(self) -> dict:
+        if not self.kept:
+            return {}
+        kept, self.kept = self.kept, []
+        return {"expert_extremes": Rows(self.run_id, {k: np.concatenate([r[k] for r in kept]) for k in kept[0]})}
+
+
 class StepsProbe(Probe):
     def collect(self, s: StepInfo) -> dict:
         return {"steps": steps_rows(s.run_id, s.index, len(s.input_ids), s.wall_ms)}
@@ -359,5 +415,5 @@ class StepsProbe(Probe):
 
 PROBE_CLASSES: dict[str, type[Probe]] = {"tokens": TokensProbe, "kv": KVProbe, "attention": AttentionProbe,
                                   "routing": RoutingProbe, "resid_norm": ResidNormProbe, "head_norm": HeadNormProbe,
-                                  "steps": StepsProbe}
+                                  "expert_extremes": ExpertExtremesProbe, "steps": StepsProbe}
 assert set(PROBE_CLASSES) == set(SIGNALS), "every declared signal has its probe class here, and nothing else"

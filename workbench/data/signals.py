@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 # The adapter seams (workbench.capture.adapters.base documents what each hands over), declared once: a
 # signal listens to some of them, interventions edit through the rest.
-SEAMS = ("attn_probs", "attn_stats", "head_out", "route", "routed", "shared_out", "resid_post")
+SEAMS = ("attn_probs", "attn_stats", "head_out", "route", "routed", "shared_out", "resid_post", "expert_in")
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,15 @@ REGISTRY: tuple[Signal, ...] = (
         _c("norm", "DOUBLE", "L2 norm of the head's output (its slice of the attention output projection's input)",
            "tol")), "pos, layer, head", "per position x layer x head"),), ("head_out",),
         "attention-head output norm"),
+    Signal("expert_extremes", (Table("expert_extremes", (
+        POS, LAYER,
+        _c("max_out_norm", "DOUBLE", "largest L2 norm of a chosen expert's own output (before its gate weight)", "tol"),
+        _c("max_out_expert", "INTEGER", "the chosen expert that produced it", "exact"),
+        _c("max_act", "DOUBLE", "largest |activation| inside a chosen expert: its down projection's input", "tol"),
+        _c("max_act_expert", "INTEGER", "the chosen expert that produced it", "exact")), "pos, layer",
+        "per position x MoE layer: the chosen experts' extremes (massive activations, arXiv 2507.23279); "
+        "not recorded for experts modules the workbench cannot run exactly (the run's notes say so)"),),
+        ("routed", "expert_in"), "expert extremes (super experts)"),
     Signal("steps", (Table("steps", (
         _c("step", "INTEGER"), _c("kind", "VARCHAR", "prefill | decode"), _c("n_tokens", "INTEGER"),
         _c("wall_ms", "DOUBLE")), "step", "one row per generation step"),), (), "step timing"),

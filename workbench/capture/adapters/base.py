@@ -32,6 +32,8 @@ replacement where noted, which is how ablations and faults intervene):
 - ``routed(layer, Route)``: observation of what the experts finally receive (after every edit).
 - ``shared_out(layer, out [N, D]) -> out | None``: the shared experts' output (batch-major rows).
 - ``resid_post(layer, h [B, T, D])``: the residual stream after the block.
+- ``expert_in(layer, x [B, T, D])``: what one MoE layer's routed experts receive (their rows are ``routed``'s rows,
+  batch-major); adapters hand it over only where that is exactly the experts' input.
 
 Dimension letters: B batch, T tokens, S cached keys, H heads, d head dim, N = B*T routed rows,
 E routed experts, K experts per token.

@@ -48,6 +48,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
+from workbench.capture.experts import supported as experts_supported
 from workbench.capture.preflight import check_config, check_no_remote_code
 from workbench.model import state_sha256
 from workbench.model.generate import check_prompt, decode, decode_batch
@@ -497,6 +498,11 @@ class HFAdapter(Adapter):
             notes.append(f"layers {extra}: the router ({type(self.moe[i][1]).__name__}) scores "
                          f"{self.moe[i][3].n_experts - n_real} class(es) beyond its {n_real} experts (a skip expert): "
                          "a token sent there is recorded as the experts receive it, expert 0 with weight 0")
+        no_super = [i for i, (_, _, ex, _) in self.moe.items() if not experts_supported(ex)]
+        if no_super:
+            kinds = sorted({type(self.moe[i][2]).__name__ for i in no_super})
+            notes.append(f"layers {no_super}: expert_extremes (super experts) is not recorded ({', '.join(kinds)}: experts the "
+                         "workbench cannot run again exactly)")
         if inexact:
             kinds = sorted({type(self.moe[i][1]).__name__ for i in inexact})
             notes.append(f"layers {inexact}: the router's rule ({', '.join(kinds)}) is not modelled; the routing "
@@ -900,6 +906,8 @@ class HFAdapter(Adapter):
                     x = first_output(out)
                     fn(i, x.flatten(2) if x.ndim == 4 else x)  # parallel residual streams [B, T, n, D]: all of them
             return [l.register_forward_hook(lambda m, a, o, i=i: on_layer(m, a, o, i)) for i, l in enumerate(self.layers)]
+        if seam == "expert_in":
+            return self._attach_expert_in(fn)
         if seam == "shared_out":
             handles = []
             for i, (block, _, _, _) in self.moe.items():
@@ -913,6 +921,35 @@ class HFAdapter(Adapter):
                 handles.append(shared.register_forward_hook(on_shared))
             return handles
         raise KeyError(seam)
+
+    def _attach_expert_in(self, fn: Listener) -> list:
+        """``expert_in``: fused experts' own input (their forward's first argument, [N, D]), shaped as the MoE
+        block's input [B, T, D]; only for experts ``workbench.capture.experts`` computes exactly, and (one module
+        per expert) only where the block hands its own input to them."""
+        handles = []
+        for i, (block, _, experts, _) in self.moe.items():
+            if not experts_supported(experts):
+                continue
+            shape: dict = {}
+
+            def on_block(_m, args, kwargs, i=i, shape=shape):
+                h = args[0] if args else kwargs.get("hidden_states")
+                if isinstance(h, torch.Tensor) and h.ndim == 3:
+                    shape["s"] = h.shape
+                    if shape.get("whole") and self._first_pass(i):
+                        fn(i, h)
+            shape["whole"] = isinstance(experts, nn.ModuleList)
+            handles.append(block.register_forward_pre_hook(on_block, with_kwargs=True))
+            if shape["whole"]:
+                continue
+
+            def on_experts(_m, args, kwargs, i=i, shape=shape):
+                x = args[0] if args else kwargs.get("hidden_states")
+                s = shape.pop("s", None)
+                if isinstance(x, torch.Tensor) and s is not None and x.numel() == s.numel() and self._first_pass(i):
+                    fn(i, x.reshape(s))
+            handles.append(experts.register_forward_pre_hook(on_experts, with_kwargs=True))
+        return handles
 
     def _attach_routing(self) -> list:
         handles = []

@@ -223,6 +223,9 @@ class NativeAdapter(Adapter):
             return [_hook(l.attn.hook_z, lambda _m, _a, _kw, z, i=i: fn(i, z)) for i, l in enumerate(layers)]
         if seam == "resid_post":
             return [_hook(l.hook_resid_post, lambda _m, _a, _kw, h, i=i: fn(i, h)) for i, l in enumerate(layers)]
+        if seam == "expert_in":  # MoE.forward runs its experts on its input's rows
+            return [layers[i].ffn.register_forward_pre_hook(lambda _m, a, i=i: fn(i, a[0]))
+                    for i in self.summary.moe_layers]
         if seam == "shared_out":
             return [_hook(layers[i].ffn.shared_experts.hook_out, lambda _m, _a, _kw, o, i=i: fn(i, o))
                     for i in self.summary.moe_layers]

@@ -1,0 +1,120 @@
+"""Super experts (issue #28 point 4): the ``expert_extremes`` signal equals a direct computation of every chosen
+expert on our model and on a tiny Mixtral (fused transformers-5 experts), the atlas flags experts whose
+activations dwarf the clean extreme, and ``Run.super_experts()`` measures the attention sink's dependence."""
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import tiny_model
+
+import workbench
+from workbench.model import MoE
+
+PROMPT = [5, 17, 101, 3, 3, 250, 42, 9, 77, 18, 200, 64]
+NEW = 5
+
+
+def _reference_native(model, ids: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Per MoE layer: (max output norm, its expert, max |down-projection input|, its expert) per position, from
+    one full forward: each chosen expert computed by hand, w2(silu(w1 x) * w3 x)."""
+    seen: dict[int, tuple] = {}
+    hooks = []
+    for i, layer in enumerate(model.layers):
+        if isinstance(layer.ffn, MoE):
+            def grab(m, a, i=i):
+                x = a[0].reshape(-1, a[0].size(-1))
+                seen[i] = (x, m.gate(x)[1])
+            hooks.append(layer.ffn.register_forward_pre_hook(grab))
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    out = {}
+    torch.set_grad_enabled(False)
+    for i, (x, idx) in seen.items():
+        experts = model.layers[i].ffn.experts
+        norm, act = torch.zeros(idx.shape), torch.zeros(idx.shape)
+        for t in range(idx.size(0)):
+            for k in range(idx.size(1)):
+                e = experts[int(idx[t, k])]
+                h = F.silu(e.w1.weight @ x[t]) * (e.w3.weight @ x[t])
+                norm[t, k], act[t, k] = (e.w2.weight @ h).norm(), h.abs().max()
+        a, b = norm.argmax(1), act.argmax(1)
+        r = torch.arange(idx.size(0))
+        out[i] = (norm[r, a].numpy(), idx[r, a].numpy(), act[r, b].numpy(), idx[r, b].numpy())
+    torch.set_grad_enabled(True)
+    return out
+
+
+def _check(table: pl.DataFrame, ref: dict, n_pos: int) -> None:
+    assert sorted(table["layer"].unique().to_list()) == sorted(ref)
+    for layer, (norm, ne, act, ae) in ref.items():
+        got = table.filter(pl.col("layer") == layer).sort("pos")
+        assert got["pos"].to_list() == list(range(n_pos))
+        np.testing.assert_allclose(got["max_out_norm"].to_numpy(), norm[:n_pos], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(got["max_act"].to_numpy(), act[:n_pos], rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(got["max_out_expert"].to_numpy(), ne[:n_pos])
+        np.testing.assert_array_equal(got["max_act_expert"].to_numpy(), ae[:n_pos])
+
+
+@pytest.fixture(scope="module")
+def native_run(tmp_path_factory):
+    model = tiny_model()
+    run = workbench.record(PROMPT, model=model, max_new_tokens=NEW, db=tmp_path_factory.mktemp("db") / "w.duckdb",
+                           detect=False)
+    return model, run
+
+
+def test_native_signal_equals_a_direct_computation(native_run):
+    model, run = native_run
+    ids = run.tokens().sort("pos")["token_id"].to_list()
+    table = run.expert_extremes()
+    _check(table, _reference_native(model, ids), len(ids) - 1)  # every fed position (the last is never fed)
+    assert (table["max_act"] > 0).all() and (table["max_out_norm"] > 0).all()
+
+
+def test_mixtral_fused_experts_signal_equals_a_direct_computation(tmp_path):
+    pytest.importorskip("transformers")
+    from workbench.capture.adapters import adapter_for
+    from workbench.capture.tiny import tiny_family
+
+    hf = tiny_family("mixtral")
+    adapter = adapter_for(hf)
+    run = workbench.record(PROMPT, model=adapter, max_new_tokens=NEW, db=tmp_path / "w.duckdb", detect=False)
+    ids = run.tokens().sort("pos")["token_id"].to_list()
+    # the reference: every MoE layer's experts module, its input and choice captured in one full forward, each
+    # chosen expert computed by hand from the fused weights (the eager formula), checked against the module
+    seen: dict[int, tuple] = {}
+    hooks = []
+    for i, (_, _, ex, _) in adapter.moe.items():
+        def grab(m, a, kw, out, i=i):
+            seen[i] = (a[0], a[1], a[2], out)
+        hooks.append(ex.register_forward_hook(grab, with_kwargs=True))
+    with torch.no_grad():
+        hf(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    ref = {}
+    torch.set_grad_enabled(False)
+    for i, (x, idx, w, out) in seen.items():
+        ex = adapter.moe[i][2]
+        assert type(ex).__name__ == "MixtralExperts" and ex.gate_up_proj.ndim == 3  # the fused layout
+        norm, act, total = torch.zeros(idx.shape), torch.zeros(idx.shape), torch.zeros_like(x)
+        for t in range(idx.size(0)):
+            for k in range(idx.size(1)):
+                e = int(idx[t, k])
+                gate, up = (ex.gate_up_proj[e] @ x[t]).chunk(2)
+                h = ex.act_fn(gate) * up
+                y = ex.down_proj[e] @ h
+                total[t] += w[t, k] * y
+                norm[t, k], act[t, k] = y.norm(), h.abs().max()
+        torch.testing.assert_close(total, out, rtol=1e-4, atol=1e-5)  # the hand computation is the module's
+        a, b = norm.argmax(1), act.argmax(1)
+        r = torch.arange(idx.size(0))
+        ref[i] = (norm[r, a].detach().numpy(), idx[r, a].numpy(), act[r, b].detach().numpy(), idx[r, b].numpy())
+    torch.set_grad_enabled(True)
+    _check(run.expert_extremes(), ref, len(ids) - 1)
+    assert not any("expert_extremes" in n for n in run.model_summary.notes)
