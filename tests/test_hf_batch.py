@@ -37,13 +37,14 @@ def folders(tmp_path_factory):
     return {f: str(make_folder(f, root / f)) for f in FAMILIES}
 
 
-def assert_same_signals(a: Store, run_a: str, b: Store, run_b: str) -> None:
+def assert_same_signals(a: Store, run_a: str, b: Store, run_b: str, dense: bool = False) -> None:
     """Every signal table of two runs: the same rows (keys), equal exact columns, tolerance columns within ``TOL``
-    (the tables' own replay classification, workbench.data.signals); logprobs within 1e-5."""
+    (the tables' own replay classification, workbench.data.signals); logprobs within 1e-5. Every table has rows
+    (``dense``: the attention table; the expert tables of a dense model have none)."""
     for name, table in TABLES.items():
         q = f"SELECT * EXCLUDE (run_id) FROM {name} WHERE run_id = ? ORDER BY {table.order}"
         x, y = a.sql(q, [run_a]), b.sql(q, [run_b])
-        assert x.height == y.height > 0, name
+        assert x.height == y.height and (x.height > 0 or dense and name != "attention"), name
         for c in table.names("key") + table.names("exact"):
             assert x[c].to_list() == y[c].to_list(), (name, c)
         for c in table.names("tol"):
@@ -135,3 +136,23 @@ def test_a_family_that_cannot_be_batched_exactly_records_one_at_a_time(monkeypat
                                     store=Store(tmp_path / "w.duckdb"), batch_id="b1", adapter=adapter,
                                     tokenizer=None, label="llama4", settings=RecordSettings(max_new_tokens=2))
     assert [r["status"] for r in rows] == ["complete", "complete"]
+
+
+def test_a_window_kept_on_the_config_is_the_probes_window(tmp_path):
+    """Mistral keeps its sliding window on the config only (not on the attention module): the attention probe gets
+    it, so a prompt past the window has the same attention rows prefilled (single) and fed one per forward (a
+    longer row of a batch)."""
+    torch.manual_seed(0)
+    adapter = adapter_for(tiny_family("mistral"))
+    window = adapter.module.config.sliding_window
+    assert window == 8 and getattr(adapter.attn[0], "sliding_window", None) is None
+    assert adapter._windows == [window] * adapter.summary.n_layers and adapter.supports_batch
+    prompts = [[5, 17, 42], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12, 13]]
+    db = Store(tmp_path / "w.duckdb")
+    run_ids = [new_run_id() for _ in prompts]
+    errors = record_batch(prompts, [RecordSettings(max_new_tokens=3)] * 2, model=adapter, db=db, run_ids=run_ids,
+                          run_fields=[None] * 2)
+    assert errors == [None, None]
+    for p, run_id in zip(prompts, run_ids):
+        one = workbench.record(p, model=adapter, db=db, detect=False, max_new_tokens=3)
+        assert_same_signals(db, one.run_id, db, run_id, dense=True)
