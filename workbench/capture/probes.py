@@ -355,14 +355,16 @@ class KVProbe(Probe):
 class ExpertExtremesProbe(Probe):
     """Per position x MoE layer, the chosen experts' largest output norm and largest activation inside them
     (``workbench.capture.experts.expert_internals``: the experts run again on their input rows, the ``expert_in``
-    seam, for the choice the ``routed`` seam names). Computed when a step has finished; a layer whose experts the
-    workbench cannot run exactly has no ``expert_in`` and records nothing."""
+    seam, for the choice the ``routed`` seam names). The rows are kept and computed at the flush, all kept steps
+    of a layer in one call (per-expert calls dominate a decode step's cost); a layer whose experts the workbench
+    cannot run exactly has no ``expert_in`` and records nothing."""
 
     def __init__(self, adapter: Adapter, run_id: str):
         super().__init__(adapter, run_id)
         self.x: dict[int, list[torch.Tensor]] = defaultdict(list)
         self.idx: dict[int, list[torch.Tensor]] = defaultdict(list)
-        self.kept: list[dict[str, np.ndarray]] = []
+        self.kept: list[tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = []  # (start_pos, by layer)
+        self.kept_bytes = 0
 
     def listeners(self) -> dict:
         return {"routed": self.on_route, "expert_in": self.on_in}
@@ -376,12 +378,24 @@ class ExpertExtremesProbe(Probe):
     def collect(self, s: StepInfo) -> dict:
         xs, idxs = self.x, self.idx
         self.x, self.idx = defaultdict(list), defaultdict(list)
+        step = {}
         for layer in sorted(xs):
-            if len(xs[layer]) != len(idxs.get(layer, ())):
+            if len(xs[layer]) != len(idxs.get(layer, ())):  # a forward we cannot pair up: no rows, never wrong ones
                 continue
             x, idx = torch.cat(xs[layer]), torch.cat([i.to(xs[layer][0].device) for i in idxs[layer]])
-            if x.size(0) != idx.size(0):
-                continue
+            if x.size(0) == idx.size(0):
+                step[layer] = (x, idx)
+                self.kept_bytes += x.numel() * x.element_size()
+        if step:
+            self.kept.append((s.start_pos, step))
+        return {}
+
+    def flush(self) -> dict:
+        kept, self.kept, self.kept_bytes = self.kept, [], 0
+        cols: list[dict[str, np.ndarray]] = []
+        for layer in sorted({layer for _, step in kept for layer in step}):
+            steps = [(p0, step[layer]) for p0, step in kept if layer in step]
+            x, idx = torch.cat([xi for _, (xi, _) in steps]), torch.cat([ii for _, (_, ii) in steps])
             try:
                 got = expert_internals(self.adapter.parts(layer).get("experts"), x, idx)
             except Exception:  # noqa: BLE001 - an experts module we cannot run: nothing, never a wrong row
@@ -390,21 +404,20 @@ class ExpertExtremesProbe(Probe):
                 continue
             norm, act = (t.nan_to_num(float("-inf")) for t in got)
             ie, ia = norm.argmax(1), act.argmax(1)
-            rows = torch.arange(idx.size(0))
-            n = idx.size(0)
-            self.kept.append({"pos": np.arange(s.start_pos, s.start_pos + n, dtype=np.int32),
-                              "layer": np.full(n, layer, np.int32),
-                              "max_out_norm": norm[rows, ie].double().numpy(),
-                              "max_out_expert": idx.cpu()[rows, ie].numpy().astype(np.int32),
-                              "max_act": act[rows, ia].double().numpy(),
-                              "max_act_expert": idx.cpu()[rows, ia].numpy().astype(np.int32)})
-        return {}
-
-    def flush(self) -> dict:
-        if not self.kept:
+            rows, idx = torch.arange(idx.size(0)), idx.cpu()
+            cols.append({"pos": np.concatenate([np.arange(p0, p0 + xi.size(0), dtype=np.int32)
+                                                for p0, (xi, _) in steps]),
+                         "layer": np.full(idx.size(0), layer, np.int32),
+                         "max_out_norm": norm[rows, ie].double().numpy(),
+                         "max_out_expert": idx[rows, ie].numpy().astype(np.int32),
+                         "max_act": act[rows, ia].double().numpy(),
+                         "max_act_expert": idx[rows, ia].numpy().astype(np.int32)})
+        if not cols:
             return {}
-        kept, self.kept = self.kept, []
-        return {"expert_extremes": Rows(self.run_id, {k: np.concatenate([r[k] for r in kept]) for k in kept[0]})}
+        return {"expert_extremes": Rows(self.run_id, {k: np.concatenate([c[k] for c in cols]) for k in cols[0]})}
+
+    def pending_bytes(self) -> int:
+        return self.kept_bytes
 
 
 class StepsProbe(Probe):

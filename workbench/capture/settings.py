@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from workbench.data.signals import PROBES
+from workbench.data.signals import PROBES, UNHASHED_PROBES
 
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")  # None: the model's own dtype
 PER_PROMPT = ("max_new_tokens", "temperature", "seed")  # what one prompt of a set may override
@@ -112,7 +112,8 @@ class RecordSettings:
         """The settings a prompt set's default batch id hashes (``prompt_sets.batch_id_for``): the same keys and
         values as before ``RecordSettings`` existed, so an existing shard folder resumes under the same id."""
         return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "seed": self.seed, "dtype": self.dtype, "probes": sorted(self.probes), "topk": self.topk,
+                "seed": self.seed, "dtype": self.dtype,
+                "probes": sorted(p for p in self.probes if p not in UNHASHED_PROBES), "topk": self.topk,
                 "backend": self.backend}
 
 

@@ -499,11 +499,11 @@ class HFAdapter(Adapter):
             notes.append(f"layers {extra}: the router ({type(self.moe[i][1]).__name__}) scores "
                          f"{self.moe[i][3].n_experts - n_real} class(es) beyond its {n_real} experts (a skip expert): "
                          "a token sent there is recorded as the experts receive it, expert 0 with weight 0")
-        no_super = [i for i, (_, _, ex, _) in self.moe.items() if not experts_supported(ex)]
+        no_super = [i for i, (_, _, ex, _) in self.moe.items() if not self._super_ok(ex)]
         if no_super:
             kinds = sorted({type(self.moe[i][2]).__name__ for i in no_super})
-            notes.append(f"layers {no_super}: expert_extremes (super experts) is not recorded ({', '.join(kinds)}: experts the "
-                         "workbench cannot run again exactly)")
+            notes.append(f"layers {no_super}: expert_extremes (super experts) is not recorded ({', '.join(kinds)}: "
+                         "only fused transformers experts are run again exactly)")
         if inexact:
             kinds = sorted({type(self.moe[i][1]).__name__ for i in inexact})
             notes.append(f"layers {inexact}: the router's rule ({', '.join(kinds)}) is not modelled; the routing "
@@ -675,6 +675,17 @@ class HFAdapter(Adapter):
             seen = int(getattr(layer, "cumulative_length", n))  # a sliding-window layer keeps the newest n
             out.append((i, n, nbytes, values[0].transpose(0, 1).flatten(1), keys[0].transpose(0, 1).flatten(1),
                         seen - n))
+        return out
+
+    def kv_sizes(self) -> list[tuple[int, int, int]]:
+        """``kv_state``'s (layer, cached tokens, bytes of one row) without its tensors (every step of every row)."""
+        out = []
+        for i, layer in enumerate(getattr(self._cache, "layers", None) or []):
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if keys is None or values is None or keys.numel() == 0:
+                continue
+            nbytes = keys.numel() * keys.element_size() + values.numel() * values.element_size()
+            out.append((i, keys.size(-2), nbytes // keys.size(0)))
         return out
 
     # -- the KV what-if seam: eviction adds -inf to each layer's 4D attention mask (eager attention) --------
@@ -925,32 +936,31 @@ class HFAdapter(Adapter):
 
     def _attach_expert_in(self, fn: Listener) -> list:
         """``expert_in``: fused experts' own input (their forward's first argument, [N, D]), shaped as the MoE
-        block's input [B, T, D]; only for experts ``workbench.capture.experts`` computes exactly, and (one module
-        per expert) only where the block hands its own input to them."""
+        block's input [B, T, D]; only for fused experts ``workbench.capture.experts`` computes exactly (one module
+        per expert: what a family's block hands them is not known here, so nothing; the notes say so)."""
         handles = []
         for i, (block, _, experts, _) in self.moe.items():
-            if not experts_supported(experts):
+            if not self._super_ok(experts):
                 continue
             shape: dict = {}
 
-            def on_block(_m, args, kwargs, i=i, shape=shape):
+            def on_block(_m, args, kwargs, shape=shape):
                 h = args[0] if args else kwargs.get("hidden_states")
                 if isinstance(h, torch.Tensor) and h.ndim == 3:
                     shape["s"] = h.shape
-                    if shape.get("whole") and self._first_pass(i):
-                        fn(i, h)
-            shape["whole"] = isinstance(experts, nn.ModuleList)
-            handles.append(block.register_forward_pre_hook(on_block, with_kwargs=True))
-            if shape["whole"]:
-                continue
 
             def on_experts(_m, args, kwargs, i=i, shape=shape):
                 x = args[0] if args else kwargs.get("hidden_states")
                 s = shape.pop("s", None)
                 if isinstance(x, torch.Tensor) and s is not None and x.numel() == s.numel() and self._first_pass(i):
                     fn(i, x.reshape(s))
+            handles.append(block.register_forward_pre_hook(on_block, with_kwargs=True))
             handles.append(experts.register_forward_pre_hook(on_experts, with_kwargs=True))
         return handles
+
+    @staticmethod
+    def _super_ok(experts) -> bool:
+        return not isinstance(experts, nn.ModuleList) and experts_supported(experts)
 
     def _attach_routing(self) -> list:
         handles = []
