@@ -26,10 +26,10 @@ STEER_ACTIONS = ["ban", "boost"]
 
 def contrast_choices(app: AppContext, a: str | None, b: str | None):
     """Both pickers, read now: A keeps its batch (else the newest), B its own (else the next one after A)."""
-    pa = batch_choices(app, a)
-    ids = [c[1] for c in pa.choices]
-    b = b if b in ids and b != pa.value else next((i for i in ids if i != pa.value), None)
-    return pa, gr.Dropdown(choices=pa.choices, value=b)
+    ids = query.batches(app.store)["batch_id"].to_list()
+    a = a if a in ids else (ids[0] if ids else None)
+    b = b if b in ids and b != a else next((i for i in ids if i != a), None)
+    return batch_choices(app, a), batch_choices(app, b) if b else gr.Dropdown(choices=[], value=None)
 
 
 def _contrast(app: AppContext, batch_a: str, batch_b: str, generated_only: bool) -> pl.DataFrame:
