@@ -447,7 +447,7 @@ def test_ui_serves_a_shard_folder(env, shards):
         needle = "".join(text[1:3])
         with sync_playwright() as p:
             b = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
-            pg = b.new_page(viewport={"width": 1400, "height": 1600})
+            pg = b.new_page(viewport={"width": 1800, "height": 1600})  # every tab in the row, Search included
             pg.goto(url)
             pg.wait_for_function("(ids) => ids.every(i => (document.querySelector('#runs-table')?.innerText || '')"
                                  ".includes(i))", arg=run_ids, timeout=60_000)
