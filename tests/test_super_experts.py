@@ -78,8 +78,8 @@ def test_native_signal_equals_a_direct_computation(native_run):
 
 def test_mixtral_fused_experts_signal_equals_a_direct_computation(tmp_path):
     pytest.importorskip("transformers")
-    from workbench.capture.adapters import adapter_for
-    from workbench.capture.tiny import tiny_family
+    from workbench.capture.adapters import adapter_for  # optional: after the transformers check
+    from workbench.capture.tiny import tiny_family  # optional: after the transformers check
 
     hf = tiny_family("mixtral")
     adapter = adapter_for(hf)
@@ -118,3 +118,83 @@ def test_mixtral_fused_experts_signal_equals_a_direct_computation(tmp_path):
     torch.set_grad_enabled(True)
     _check(run.expert_extremes(), ref, len(ids) - 1)
     assert not any("expert_extremes" in n for n in run.model_summary.notes)
+
+
+def _planted(tmp_path_factory):
+    """The tiny model with one super expert planted: the up projection of layer L's busiest expert times 100, so
+    every activation inside it (and its output) is 100 times what it was. Three layers: MoE layers 1 and 2, so a
+    layer after the planted one has attention whose sink can move."""
+    probe = tiny_model(n_layers=3)
+    db = tmp_path_factory.mktemp("plant") / "w.duckdb"
+    first = workbench.record(PROMPT, model=probe, max_new_tokens=NEW, db=db, detect=False)
+    rt = first.routing()
+    layer = int(rt["layer"].min())
+    busiest = rt.filter(pl.col("layer") == layer)["expert"].value_counts().sort(["count", "expert"],
+                                                                                 descending=[True, False])
+    e = int(busiest["expert"][0])
+    model = tiny_model(n_layers=3)
+    with torch.no_grad():
+        model.layers[layer].ffn.experts[e].w3.weight.mul_(100.0)
+    run = workbench.record(PROMPT, model=model, max_new_tokens=NEW, db=db, detect=False)
+    return first, run, layer, e
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    return _planted(tmp_path_factory)
+
+
+def test_the_atlas_flags_a_planted_super_expert_and_nothing_in_a_clean_model(planted):
+    from workbench.apps.tabs.atlas import card_html  # optional: gradio, the Atlas tab's card
+    from workbench.analysis import atlas as A  # lazy: beside the tab's import
+
+    clean, run, layer, e = planted
+    for r in (clean, run):  # max_act per expert is the signal's own maximum where the expert was the largest
+        flags = A.super_experts(r.store, [r.run_id])
+        direct = (r.expert_extremes().group_by("layer", pl.col("max_act_expert").alias("expert"))
+                  .agg(pl.col("max_act").max().alias("want")))
+        both = flags.join(direct, on=["layer", "expert"])
+        assert both.height == flags.height == direct.height
+        np.testing.assert_allclose(both["max_act"].to_numpy(), both["want"].to_numpy())
+        med = flags.group_by("layer").agg(pl.col("max_act").median().alias("m"))
+        both = flags.join(med, on="layer")
+        assert both["super"].to_list() == (both["max_act"] > 10 * both["m"]).to_list()
+    assert not A.super_experts(clean.store, [clean.run_id])["super"].any()  # random weights: no super expert
+    flagged = A.super_experts(run.store, [run.run_id]).filter(pl.col("super") & (pl.col("layer") == layer))
+    assert flagged.select("layer", "expert").rows() == [(layer, e)]
+    at = A.atlas(run.store, run_ids=[run.run_id])
+    assert at.columns == A.COLUMNS and at["super"].dtype == pl.Boolean
+    row = at.filter((pl.col("layer") == layer) & (pl.col("expert") == e)).row(0, named=True)
+    assert row["super"] and row["max_act"] > 0
+    assert "Super expert" in card_html(row)
+    assert not A.atlas(clean.store, run_ids=[clean.run_id])["super"].any()
+
+
+def test_sink_change_when_a_super_expert_is_banned(planted):
+    _, run, layer, e = planted
+    n_runs = run.store.sql("SELECT count(*) AS n FROM runs")["n"][0]
+    got = run.super_experts()
+    assert got.select("layer", "expert").rows() == [(layer, e)] and got["super"].to_list() == [True]
+    change = got["sink_change"][0]
+    assert np.isfinite(change) and change != 0  # banning a 100x expert moves every later layer's attention
+    other = next(x for x in range(run.model_summary.n_routed_experts) if x != e)
+    both = run.super_experts(experts=[(layer, other), (layer, e)])
+    assert both["expert"].to_list() == [other, e] and both["super"].to_list() == [False, True]
+    assert np.isfinite(both["sink_change"].to_numpy()).all()
+    assert both["sink_change"][1] == pytest.approx(change)  # the same ban measured again: the same number
+    assert run.store.sql("SELECT count(*) AS n FROM runs")["n"][0] == n_runs  # scratch runs stay out of the store
+
+
+def test_demo_model_has_no_super_expert_and_the_sink_change_is_computed(tmp_path):
+    from workbench.analysis import atlas as A  # lazy: only this test
+    from workbench.model import load_checkpoint, load_tokenizer  # lazy: only this test
+
+    run = workbench.record("def fibonacci(n):\n    if n < 2:\n        return n\n", model=load_checkpoint(),
+                           tokenizer=load_tokenizer(), max_new_tokens=8, db=tmp_path / "w.duckdb", detect=False)
+    flags = A.super_experts(run.store, [run.run_id])
+    assert flags.height and not flags["super"].any()  # the trained demo: no expert 10x its layer's median
+    assert run.super_experts().height == 0
+    first = int(flags["layer"].min())
+    top = flags.filter(pl.col("layer") == first).sort("max_act", descending=True).row(0, named=True)
+    got = run.super_experts(experts=[(top["layer"], top["expert"])])
+    assert np.isfinite(got["sink_change"][0]) and got["max_act"][0] == top["max_act"]

@@ -7,8 +7,10 @@ it was recorded with, so root cause runs on that same model.
 """
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +20,7 @@ from workbench.analysis import anomalies
 from workbench.analysis import placement as expert_placement
 from workbench.analysis.anomalies import detect
 from workbench.analysis.atlas import atlas as expert_atlas
+from workbench.analysis.atlas import super_experts as super_expert_flags
 from workbench.analysis import contrast as _contrast
 from workbench.analysis.codeview import code_view, run_compile_check, token_classes
 from workbench.analysis.diff import diff_runs
@@ -187,6 +190,54 @@ class Run:
         model = kw.pop("model", None)
         return record(list(ids), model=self.adapter() if model is None else model, db=self.store, settings=settings,
                       parent_run_id=self.run_id, interventions=interventions, **kw)
+
+    def super_experts(self, experts=None) -> pl.DataFrame:
+        """Super experts of this run (arXiv 2507.23279) and whether the attention sink depends on them: the run's
+        flagged experts (``workbench.analysis.atlas.super_experts`` over its ``expert_extremes`` rows: largest
+        activation over 10x the layer's median over experts), or the ``(layer, expert)`` pairs given. Columns
+        layer, expert, max_act, clean_extreme, super, and ``sink_change``: the change in attention weight on
+        position 0, averaged over the heads of the layers after the expert's and the prompt's positions 1..,
+        when the expert is banned (``ban_expert``) against the same prompt without a ban (both prefilled, in a
+        scratch database: the run's store gets no child runs). Needs the run's model; computed on demand."""
+        flags = super_expert_flags(self.store, [self.run_id])
+        if experts is None:
+            pairs = [(r["layer"], r["expert"]) for r in flags.filter(pl.col("super")).iter_rows(named=True)]
+        else:
+            pairs = [(int(lay), int(e)) for lay, e in experts]
+        change = self._sink_changes(pairs) if pairs else []
+        out = pl.DataFrame({"layer": [p[0] for p in pairs], "expert": [p[1] for p in pairs], "sink_change": change},
+                           schema={"layer": pl.Int32, "expert": pl.Int32, "sink_change": pl.Float64})
+        return (out.join(flags.select("layer", "expert", "max_act", "clean_extreme", "super"),
+                         on=["layer", "expert"], how="left")
+                .with_columns(pl.col("super").fill_null(False))
+                .select("layer", "expert", "max_act", "clean_extreme", "super", "sink_change"))
+
+    def _sink_changes(self, pairs: list[tuple[int, int]]) -> list[float | None]:
+        ids = json.loads(self.info["params"] or "{}").get("prompt_ids")
+        if not ids:
+            raise ValueError(f"run {self.run_id} has no recorded prompt_ids in its params; it cannot be re-run")
+        settings = dataclasses.replace(RecordSettings.of_run(self.info), max_new_tokens=1, probes=("attention",))
+        tok = self._tokenizer if self._tokenizer is not None else self.tokenizer()
+        with tempfile.TemporaryDirectory(prefix="workbench_sink_") as tmp:
+            scratch = Store(Path(tmp) / "sink.duckdb")
+
+            def sink(interventions) -> pl.DataFrame:
+                r = record(list(ids), model=self.adapter(), tokenizer=tok, db=scratch, settings=settings,
+                           detect=False, interventions=interventions)
+                return (r.attention().filter((pl.col("pos") >= 1) & (pl.col("pos") < len(ids)))
+                        .select("layer", "head", "pos", "sink_weight"))
+            try:
+                base = sink(None)
+                change = []
+                for layer, e in pairs:
+                    got = sink([_interventions.ban_expert(layer, e)]).join(base, on=["layer", "head", "pos"],
+                                                                           suffix="_base")
+                    got = got.filter(pl.col("layer") > layer)
+                    change.append(float((got["sink_weight"] - got["sink_weight_base"]).mean())
+                                  if got.height else None)
+            finally:
+                scratch.close()
+        return change
 
     def report(self, out: str | Path | None = None, format: str = "html") -> Path | str:
         return write_report(self, out, format)

@@ -32,7 +32,8 @@ def grid_figure(df: pl.DataFrame, batch_id: str | None) -> go.Figure:
     experts = sorted(set(df["expert"].to_list()))
     cell = {(r["layer"], r["expert"]): r for r in df.iter_rows(named=True)}
     z = [[cell[(lay, e)]["load_share"] if (lay, e) in cell else None for e in experts] for lay in layers]
-    text = [[plotly_text(cell[(lay, e)]["label"]) if (lay, e) in cell else "" for e in experts] for lay in layers]
+    text = [[plotly_text(cell[(lay, e)]["label"]) + ("<br>⚠ super expert" if cell[(lay, e)].get("super") else "")
+             if (lay, e) in cell else "" for e in experts] for lay in layers]
     fig = go.Figure(go.Heatmap(z=z, x=[str(e) for e in experts], y=[f"layer {lay}" for lay in layers], text=text,
                                colorscale="Viridis", colorbar={"title": "load share"},
                                hovertemplate="%{y}, expert %{x}<br>load share %{z:.1%}<br>%{text}<extra></extra>"))
@@ -51,6 +52,19 @@ def _bars(names: list, shares: list, prefix: str = "") -> str:
                    f"{s:.0%}</div>" for n, s in zip(names, shares))
 
 
+def _super(row: dict) -> str:
+    """The super-expert line of a card: the flag (``workbench.analysis.atlas``: its largest activation over 10x
+    the layer's clean extreme) or the largest activation; nothing for runs recorded without ``expert_extremes``."""
+    act = row.get("max_act")
+    if act is None:
+        return ""
+    if row.get("super"):
+        return (f"<p class='atlas-super'><b>⚠ Super expert</b>: largest activation inside it {act:.3g}, over "
+                "10x the layer's clean extreme (massive activations that attention sinks may depend on: "
+                "<code>Run.super_experts()</code> measures it)</p>")
+    return f"<p class='atlas-act'>largest activation inside it {act:.3g} (not a super expert)</p>"
+
+
 def card_html(row: dict | None) -> str:
     """One expert's card as HTML: every stored string escaped."""
     if row is None:
@@ -58,7 +72,8 @@ def card_html(row: dict | None) -> str:
     head = (f"<h3>layer {int(row['layer'])}, expert {int(row['expert'])}: {row['load_share']:.1%} of the layer's "
             f"routed slots</h3><p class='atlas-label'><b>{_e(row['label'])}</b></p>"
             f"<p>{int(row['slots'])} slots in {int(row['runs'])} runs"
-            + (f", mean gate weight {row['mean_weight']:.3f}" if row["mean_weight"] is not None else "") + "</p>")
+            + (f", mean gate weight {row['mean_weight']:.3f}" if row["mean_weight"] is not None else "") + "</p>"
+            + _super(row))
     if not row["slots"]:
         return CARD_CSS + f"<div class='atlas-card'>{head}</div>"
     ctx = "".join(f"<div class='ctx'>{_e(c['before'])}<mark>{_e(c['token'])}</mark>{_e(c['after'])}</div>"

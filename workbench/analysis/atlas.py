@@ -20,6 +20,14 @@ Per MoE layer x routed expert, from the runs' ``routing`` and ``tokens`` rows:
 
 Experts of the model that no token chose have a row with ``slots`` 0 and the label ``never routed``.
 
+Super experts (arXiv 2507.23279; issue 28): ``max_act`` is the largest activation inside the expert (an element of
+its down projection's input, the ``expert_extremes`` signal) over the scope, among the positions where it was the
+largest of the chosen experts' (what the signal keeps); ``super`` is True when it exceeds the layer's clean extreme
+by an order of magnitude (``SUPER_FACTOR``). The baseline profiles (``workbench.analysis.baseline``) do not
+profile this signal, so the clean extreme is the scope's own: the median over the layer's experts of their
+``max_act``. Runs recorded without the signal give ``max_act`` null and ``super`` False. These two columns are
+computed on every call from the signal's rows (one aggregation), not stored with the rest.
+
 ``atlas(store, run_ids=..., batch_id=...)`` computes it once per scope and stores it in the ``atlas`` table
 (docs/schema.md); a later call reads it back while the scope's runs are the same (``fingerprint``). A read-only
 store (a folder of Parquet shards) gets it computed and not stored.
@@ -45,8 +53,11 @@ LABEL_TOKENS = 3
 KEY_MIN = 2  # times a text must be routed to the expert to be one of its key tokens
 TEXT_CLASSES = ("word", "number", "punctuation", "whitespace")
 NEVER = "never routed"
-#: the columns ``atlas()`` returns (the table's, less scope, fingerprint and created_at)
-COLUMNS = [c for c in columns("atlas") if c not in ("scope", "fingerprint", "created_at")]
+SUPER_FACTOR = 10.0  # an expert is "super" when its largest activation is this many times the clean extreme
+#: the columns stored in the ``atlas`` table (the table's, less scope, fingerprint and created_at)
+STORED_COLUMNS = [c for c in columns("atlas") if c not in ("scope", "fingerprint", "created_at")]
+#: the columns ``atlas()`` returns: the stored ones and the super-expert flag beside them
+COLUMNS = STORED_COLUMNS + ["max_act", "super"]
 
 
 def fingerprint(run_ids: list[str]) -> str:
@@ -255,7 +266,7 @@ def compute(store: Store, run_ids: list[str]) -> pl.DataFrame:
                      "co_shares": row["co_shares"] or [],
                      "label": make_label(kt, tc, cs) if row["slots"] else NEVER,
                      "contexts": json.dumps(contexts.get((row["layer"], row["expert"]), []), ensure_ascii=False)})
-    return pl.DataFrame(rows, schema=SCHEMA).select(COLUMNS)
+    return pl.DataFrame(rows, schema=SCHEMA).select(STORED_COLUMNS)
 
 
 SCHEMA = {"layer": pl.Int32, "expert": pl.Int32, "slots": pl.Int64, "load_share": pl.Float64, "runs": pl.Int32,
@@ -269,8 +280,8 @@ SCHEMA = {"layer": pl.Int32, "expert": pl.Int32, "slots": pl.Int64, "load_share"
 # -- stored ----------------------------------------------------------------------------------------
 
 def stored(store: Store, scope: str) -> tuple[pl.DataFrame, str | None]:
-    """The stored atlas of a scope (``COLUMNS``) and the fingerprint it was computed from (None: none stored)."""
-    df = store.sql(f"SELECT fingerprint, {', '.join(COLUMNS)} FROM atlas WHERE scope = ? ORDER BY layer, expert",
+    """The stored atlas of a scope (``STORED_COLUMNS``) and the fingerprint it was computed from (None: none stored)."""
+    df = store.sql(f"SELECT fingerprint, {', '.join(STORED_COLUMNS)} FROM atlas WHERE scope = ? ORDER BY layer, expert",
                    [scope])
     if not df.height:
         return df.drop("fingerprint"), None
@@ -301,13 +312,40 @@ def atlas(store: Store, run_ids: list[str] | None = None, *, batch_id: str | Non
     if not recompute:
         df, was = stored(store, scope)
         if was == fp:
-            return df
+            return with_super(df, super_experts(store, run_ids))
     df = compute(store, run_ids)
     if not getattr(store, "read_only", False):
         now = datetime.now(timezone.utc).replace(tzinfo=None)
         store.replace_rows("atlas", {"scope": scope}, df.with_columns(
             pl.lit(scope).alias("scope"), pl.lit(fp).alias("fingerprint"), pl.lit(now).alias("created_at")))
-    return df
+    return with_super(df, super_experts(store, run_ids))
+
+
+def super_experts(store: Store, run_ids: list[str], factor: float = SUPER_FACTOR) -> pl.DataFrame:
+    """Per MoE layer x expert that was some position's largest (``expert_extremes``): ``max_act`` (its largest
+    activation over the runs), ``run_id`` and ``pos`` where, ``clean_extreme`` (the layer's median of ``max_act``
+    over its experts) and ``super`` (``max_act > factor * clean_extreme``). Empty when no run has the signal."""
+    schema = {"layer": pl.Int32, "expert": pl.Int32, "max_act": pl.Float64, "run_id": pl.String, "pos": pl.Int32,
+              "clean_extreme": pl.Float64, "super": pl.Boolean}
+    try:
+        df = store.sql("SELECT run_id, pos, layer, max_act_expert AS expert, max_act FROM expert_extremes "
+                       "WHERE run_id IN (SELECT unnest($ids::VARCHAR[]))", {"ids": list(run_ids)})
+    except Exception:  # noqa: BLE001 - a store (Parquet shards) from before the signal: no flags
+        return pl.DataFrame(schema=schema)
+    df = df.filter(pl.col("max_act").is_finite())
+    if not df.height:
+        return pl.DataFrame(schema=schema)
+    top = (df.sort(["layer", "expert", "max_act", "run_id", "pos"], descending=[False, False, True, False, False])
+           .group_by("layer", "expert", maintain_order=True).first()
+           .with_columns(pl.col("max_act").median().over("layer").alias("clean_extreme")))
+    return (top.with_columns((pl.col("max_act") > factor * pl.col("clean_extreme")).alias("super"))
+            .select([pl.col(c).cast(t) for c, t in schema.items()]))
+
+
+def with_super(df: pl.DataFrame, flags: pl.DataFrame) -> pl.DataFrame:
+    """The atlas rows with ``max_act`` and ``super`` (False where the expert has no ``expert_extremes`` rows)."""
+    return (df.join(flags.select("layer", "expert", "max_act", "super"), on=["layer", "expert"], how="left")
+            .with_columns(pl.col("super").fill_null(False)).select(COLUMNS))
 
 
 def card(row: dict) -> dict:
@@ -323,7 +361,8 @@ def cards_text(df: pl.DataFrame, width: int = 100) -> str:
     for row in df.iter_rows(named=True):
         c = card(row)
         lines.append(f"layer {c['layer']} expert {c['expert']}: {c['load_share']:.1%} of the layer's slots "
-                     f"({c['slots']} slots, {c['runs']} runs) - {c['label']}")
+                     f"({c['slots']} slots, {c['runs']} runs) - {c['label']}"
+                     + (f" - SUPER EXPERT (largest activation {c['max_act']:.3g})" if c.get("super") else ""))
         if not c["slots"]:
             continue
         lines.append("  classes: " + ", ".join(f"{k} {v:.0%}" for k, v in zip(c["top_classes"], c["class_shares"])))
