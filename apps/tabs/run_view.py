@@ -346,7 +346,8 @@ def build(session: Page) -> None:
     rc_ref.change(partial(reference_note, app), [state, pick, rc_ref], ref_msg, **LAST)
     rc_btn.click(partial(explain, app), [state, pick, pos, rc_steps, rc_ref], [rc_msg, attr_plot, comp_plot, rc_table],
                  api_name="explain")
-    scan_btn.click(partial(patch_scan, app), [state, pick, pos, rc_ref], [scan_msg, scan_plot], api_name="patch_scan")
+    scan_btn.click(partial(patch_scan, app), [state, pick, pos, rc_ref], [scan_msg, scan_plot], api_name="patch_scan"
+                   ).then(partial(token_views, app), [state, pick, pos], tok_outputs, **LAST)  # its stored ranking
     lens_btn.click(partial(logit_lens, app), [state, pick], [lens_msg, lens_plot], api_name="logit_lens")
     iv_btn.click(partial(intervene, app), [state, pick, iv_action, iv_layer, iv_expert, iv_head, iv_value, iv_specs],
                  [iv_msg, iv_changed, iv_plot], api_name="intervene")

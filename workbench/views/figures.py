@@ -847,7 +847,7 @@ def patch_scan_figure(frame: pl.DataFrame, title: str | None = None) -> go.Figur
                                hovertemplate="%{customdata}<extra></extra>"))
     _layout(fig, html.escape(title or "Patch scan: what restores the token (fraction of the gap to the reference "
                                       "closed by patching each part)"),
-            height=max(280, 30 * len(ylab) + 180), xaxis={"title": "part", "type": "category", "tickangle": -45},
+            height=max(380, 36 * len(ylab) + 260), xaxis={"title": "part", "type": "category", "tickangle": -45},
             yaxis={"title": "", "autorange": "reversed", "type": "category"})
     return fig
 
