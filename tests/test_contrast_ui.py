@@ -231,3 +231,51 @@ def test_browser_contrast_tab_picks_two_batches_and_shows_the_ranking(env):
             b.close()
     finally:
         app.close()
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(shutil.which(CHROMIUM) is None and not Path(CHROMIUM).exists(), reason="no Debian chromium")
+def test_browser_patch_scan_against_the_picked_reference(tmp_path):
+    """The Run view's patch scan in Chromium: a run of a tiny Mixtral folder against another prompt of as many
+    tokens on it (the app loads the model from the folder): the heat map, and the stored ranking beside it."""
+    pytest.importorskip("transformers")
+    from playwright.sync_api import sync_playwright
+
+    from workbench.apps.app import build_app
+    from workbench.capture.tiny import make_folder
+
+    folder = make_folder("mixtral", tmp_path / "model")
+    kw = {"model": folder, "max_new_tokens": 2, "detect": False}
+    a = workbench.record("def add(a, b):\n    return", db=tmp_path / "wb.duckdb", **kw)
+    ref = workbench.record("def sub(a, b):\n    return", db=a.store, **kw)
+    app = build_app(a.store)
+    port = free_port()
+    app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        with sync_playwright() as p:
+            b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+            pg = b.new_page(viewport={"width": 1400, "height": 2400})
+            pg.goto(f"http://127.0.0.1:{port}/")
+            pg.wait_for_selector("#runs-table", timeout=30_000)
+            pg.locator("#runs-table").get_by_text(a.run_id, exact=True).locator("visible=true").first.click()
+            pg.wait_for_function(f"() => (document.querySelector('#run-head')?.innerText || '').includes('{a.run_id}')",
+                                 timeout=30_000)
+            pg.locator("#reference-picker input").click()
+            pg.get_by_role("option").filter(has_text=ref.run_id).first.click()
+            pg.locator("#patch-scan-button").click()
+            pg.wait_for_function("() => (document.querySelector('#patch-scan-msg')?.innerText || '')"
+                                 ".includes('parts patched')", timeout=120_000)
+            assert ref.run_id in pg.locator("#patch-scan-msg").inner_text()
+            pg.wait_for_function("() => { const p = document.querySelector('#patch-scan-plot .js-plotly-plot'); "
+                                 "return p && p.data && p.data.length === 1; }", timeout=30_000)
+            x = pg.evaluate("() => document.querySelector('#patch-scan-plot .js-plotly-plot').data[0].x")
+            assert x[:3] == ["attn_block", "mlp_block / dense_mlp", "resid"] and "router" in x
+            pos = a.info["n_prompt_tokens"]  # the position a pick opens on
+            stored = query.attributions(a.store, a.run_id, pos)
+            assert set(stored["method"].to_list()) == {"patching"}
+            pg.wait_for_function("() => (document.querySelector('#rc-msg')?.innerText || '').includes('(patching)')",
+                                 timeout=30_000)
+            assert f"{stored.height} ranked causes" in pg.locator("#rc-msg").inner_text()
+            b.close()
+    finally:
+        app.close()
