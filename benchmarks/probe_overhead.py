@@ -9,7 +9,8 @@ process CPU time (all threads, the writer thread included; robust on a machine s
 jobs, the headline) and wall time (what a user waits; noisy when the machine is busy). A recorded run
 is the whole ``workbench.record`` call: model hashing, the runs row, every step's reductions, and
 waiting for the writer thread to commit the last step, then the anomaly detectors over the finished run
-(``detect=True``, the default; "detectors off" is the same recording with ``detect=False``). With ``--write`` the table goes into
+(``detect=True``, the default; "detectors off" is the same recording with ``detect=False``; "all probes but
+expert_extremes" leaves out the super-expert signal, whose probe runs the chosen experts again). With ``--write`` the table goes into
 benchmarks/RESULTS.md under "## Probe overhead".
 """
 from __future__ import annotations
@@ -36,7 +37,11 @@ PROMPT = '''def fibonacci(n):
     if n < 2:
         return n
 '''
-CONFIGS = {"all probes": PROBES, "all probes, detectors off": PROBES, **{f"{p} only": (p,) for p in PROBES}}
+# the super-expert signal runs the chosen experts again: its cost, as "all probes" with and without it
+WITHOUT = "expert_extremes"
+CONFIGS = {"all probes": PROBES, "all probes, detectors off": PROBES,
+           f"all probes but {WITHOUT}": tuple(p for p in PROBES if p != WITHOUT),
+           **{f"{p} only": (p,) for p in PROBES}}
 
 
 def load_demo() -> tuple[Transformer, str]:
