@@ -198,3 +198,39 @@ def test_demo_model_has_no_super_expert_and_the_sink_change_is_computed(tmp_path
     top = flags.filter(pl.col("layer") == first).sort("max_act", descending=True).row(0, named=True)
     got = run.super_experts(experts=[(top["layer"], top["expert"])])
     assert np.isfinite(got["sink_change"][0]) and got["max_act"][0] == top["max_act"]
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe", "olmoe", "deepseek_v3", "gemma4_text"])
+def test_fused_experts_run_again_add_up_to_the_modules_output(family):
+    """For fused experts of other layouts (gpt-oss: transposed, biases, its own clamped gate; shared experts beside
+    them; Gemma 4), each chosen expert run again (``workbench.capture.experts``), weighted and summed, is what the
+    experts module returned in the model's own forward: the per-expert numbers the signal reduces are the model's."""
+    pytest.importorskip("transformers")
+    from workbench.capture.adapters import adapter_for  # optional: after the transformers check
+    from workbench.capture.experts import _fused_expert  # lazy: beside the optional imports
+    from workbench.capture.tiny import tiny_family  # optional: after the transformers check
+
+    hf = tiny_family(family)
+    adapter = adapter_for(hf)
+    seen: dict[int, tuple] = {}
+
+    def grab(m, args, kw, out, i):
+        seen.setdefault(i, (m, [*args, *(kw[k] for k in ("hidden_states", "top_k_index", "top_k_weights")[len(args):]
+                                         if k in kw)], out))
+    hooks = [ex.register_forward_hook(lambda m, a, kw, o, i=i: grab(m, a, kw, o, i), with_kwargs=True)
+             for i, (_, _, ex, _) in adapter.moe.items()]
+    with torch.no_grad():
+        hf(torch.tensor([PROMPT]))
+    for h in hooks:
+        h.remove()
+    assert seen and not any("expert_extremes" in n for n in adapter.summary.notes)
+    with torch.no_grad():
+        for m, (x, idx, w, *_), out in seen.values():
+            x, idx, w = x.reshape(-1, x.size(-1)), idx.reshape(-1, idx.size(-1)), w.reshape(-1, w.size(-1))
+            total = torch.zeros(x.shape)
+            for e in idx.unique().tolist():
+                if 0 <= e < m.down_proj.size(0):
+                    r, k = torch.where(idx == e)
+                    total.index_add_(0, r, (_fused_expert(m, e, x[r])[0] * w[r, k, None]).float())
+            o = (out[0] if isinstance(out, tuple) else out).reshape(total.shape).float()
+            assert float((o - total).norm() / o.norm()) < 1e-4

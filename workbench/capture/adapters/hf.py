@@ -503,7 +503,7 @@ class HFAdapter(Adapter):
         if no_super:
             kinds = sorted({type(self.moe[i][2]).__name__ for i in no_super})
             notes.append(f"layers {no_super}: expert_extremes (super experts) is not recorded ({', '.join(kinds)}: "
-                         "only fused transformers experts are run again exactly)")
+                         "only experts with transformers' standard fused layout are run again exactly)")
         if inexact:
             kinds = sorted({type(self.moe[i][1]).__name__ for i in inexact})
             notes.append(f"layers {inexact}: the router's rule ({', '.join(kinds)}) is not modelled; the routing "
