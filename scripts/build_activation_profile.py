@@ -34,12 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--db", default=None, help="scratch database for the calibration runs (default: a temp file)")
     ap.add_argument("--out", default=str(ROOT / "data" / "demo" / "activations.parquet"))
+    ap.add_argument("--batch-id", default=None, help="profile this batch of --db's runs instead of recording")
     args = ap.parse_args(argv)
     db = args.db or str(Path(tempfile.mkdtemp()) / "calibration.duckdb")
     store = Store(db)
     model = load_adapter(ROOT / "data" / "demo")
-    res = record_many(load_prompts(PROMPTS), model=model, db=store, max_new_tokens=32, progress=True)
-    runs = query.batch_runs(store, res.batch_id).filter(pl.col("status") == "complete")["run_id"].to_list()
+    if args.batch_id:  # calibration runs recorded before (e.g. by another version of the recorder)
+        batch_id = args.batch_id
+    else:
+        batch_id = record_many(load_prompts(PROMPTS), model=model, db=store, max_new_tokens=32, progress=True).batch_id
+    runs = query.batch_runs(store, batch_id).filter(pl.col("status") == "complete")["run_id"].to_list()
     toks = [query.table(store, "tokens", r, "pos", cols=["token_id"])["token_id"].to_list()[:ACTIVATION_TOKENS]
             for r in runs]
     sha = query.run_row(store, runs[0])["checkpoint_sha256"]

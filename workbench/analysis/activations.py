@@ -23,6 +23,8 @@ layer added to the residual stream (``resid``: stream after minus stream before;
 the router's logit for each expert (``router`` with ``expert``), and per head two scalars of its attention
 pattern, scored as that head: the mean log distance to the keys it reads and the weight on the previous token
 (``head`` rows with signal ``pos_distance`` / ``prev_weight``: a rotation of the wrong frequency moves them).
+These one-number components are judged by the context's mean z of the value itself (``_scalar``), not by the
+log of its size, which runs off to minus infinity where the value reaches zero.
 Each routed expert's own weighted contribution at the positions that chose it (``expert``, signal ``out``: the
 experts are run again on the block's input, one module per expert or the fused module once per slot, and the
 cells are kept only where the contributions add up to the block's output on every calibration prompt), how
@@ -300,11 +302,26 @@ def _rate_z(y: torch.Tensor, r: dict) -> float | None:
     return (float(y.mean()) - p) / math.sqrt(p * (1 - p) * (1 / n + rho * (1 - 1 / n)))
 
 
+def _scalar(kind: str, signal: str) -> bool:
+    """One number per position (a router logit, a head's reach or weight on the previous token): judged by its
+    own z, since the log of its size runs off to minus infinity where it reaches zero."""
+    return (kind == "router" and signal == "logit") or signal in ("pos_distance", "prev_weight")
+
+
+def _value_z(y: torch.Tensor, r: dict) -> torch.Tensor:
+    """Per position, the z of a one-number component (a router logit) against its clean mean and spread."""
+    mu, sd = _cell_tensors(r)
+    return ((y - mu) / sd)[:, 0]
+
+
 def _run_z(y: torch.Tensor, r: dict) -> tuple[float, float] | None:
     """A context's (mean z of the log norm, mean z of the deviation) for one component (an expert: over the
     positions that chose it; a ``chosen`` indicator: its rate, twice), or None where no position has it."""
     if r["signal"] == "chosen":
         z = _rate_z(y, r)
+        return None if z is None else (z, z)
+    if _scalar(r["kind"], r["signal"]):  # one number (that may reach or cross zero): its own z, not log |x|
+        z = float(_value_z(y, r).mean()) if y.numel() else None
         return None if z is None else (z, z)
     y = _chosen_rows(y)
     if y.size(0) == 0:
@@ -563,6 +580,12 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
                 run_l = (_rate_z(y[1:], r) - r["run_norm_mean"][b]) / r["run_norm_std"][b]
                 if abs(run_l) > BEYOND * r["run_dev_mean"][b]:  # routing varies with content: beyond all clean text
                     zs[k] = (abs(run_l), run_l)
+                continue
+            if _scalar(k[0], k[4]):  # the context's mean z, against clean contexts of this length
+                run_l = (float(_value_z(y[1:], r).mean()) - r["run_norm_mean"][b]) / r["run_norm_std"][b]
+                zs[k] = (abs(run_l), run_l)
+                if k[4] in ("pos_distance", "prev_weight"):
+                    positional.setdefault(k[1], []).append(run_l)
                 continue
             seen = ~torch.isnan(y[1:, 0])  # an expert's rows: the positions that chose it; others: every one
             if not seen.any():
