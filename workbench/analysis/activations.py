@@ -64,7 +64,7 @@ from scipy.stats import norm
 
 from workbench.analysis.patching import _Taps
 from workbench.capture.adapters import Adapter, Route, adapter_for
-from workbench.capture.adapters.base import first_output
+from workbench.capture.experts import expert_outputs
 from workbench.data import query
 
 Key = tuple  # (kind, layer, head, expert, signal)
@@ -196,30 +196,15 @@ def capture(a: Adapter, ids: list[int]) -> tuple[dict[Key, torch.Tensor], dict[i
 
 def expert_slots(a: Adapter, layer: int, x: torch.Tensor, indices: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor | None:
-    """Each position's weighted contribution from each of its chosen experts, [T, K, D], by running the layer's
-    routed experts on the MoE block's input ``x`` [T, D] again: one module per expert (ours, older families) or
-    the fused experts module called as transformers 5 calls it, ``experts(x, top_k_index, top_k_weights)``, once
-    per slot with the other slots' weights at zero. None where the experts cannot be called so."""
+    """Each position's weighted contribution from each of its chosen experts, [T, K, D]: the layer's routed
+    experts run again on the MoE block's input ``x`` [T, D] (``workbench.capture.experts``: one module per
+    expert, or fused transformers-5 experts), times the weight each received. None where the experts module is
+    not one that runs exactly."""
     ex = a.parts(layer).get("experts")
     if ex is None or x is None:
         return None
-    x = x.to(next(ex.parameters()).dtype)
-    idx, w = indices.to(x.device), weights.to(x.device, x.dtype)
-    out = torch.zeros(*idx.shape, x.size(-1), dtype=torch.float32)
-    try:
-        if isinstance(ex, torch.nn.ModuleList):
-            for e in idx.unique().tolist():
-                rows, slot = torch.where(idx == e)
-                y = first_output(ex[e](x[rows]))
-                out[rows.cpu(), slot.cpu()] = (y * w[rows, slot, None]).float().cpu()
-        else:
-            for k in range(idx.size(1)):
-                mask = torch.zeros_like(w)
-                mask[:, k] = 1
-                out[:, k] = first_output(ex(x, idx, w * mask)).float().cpu()
-    except Exception:  # a call convention we do not know: no per-expert rows (never a wrong one)
-        return None
-    return out
+    out = expert_outputs(ex, x, indices)
+    return None if out is None else torch.nan_to_num(out) * weights.float().cpu()[..., None]
 
 
 def _expert_rows(a: Adapter, layer: int, x, route, block, shared) -> dict[Key, torch.Tensor]:

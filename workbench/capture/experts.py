@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["expert_internals", "supported"]
+__all__ = ["expert_internals", "expert_outputs", "supported"]
 
 
 def _down(module: nn.Module) -> nn.Module | None:
@@ -71,6 +71,20 @@ def expert_internals(experts: nn.Module, x: torch.Tensor, indices: torch.Tensor
     largest |activation| of its down projection's input), both [N, K] float32 on the CPU, from the experts'
     input rows ``x`` [N, D]. Slots naming no real expert (a skip expert) are NaN. None when the experts module
     is not one ``supported`` knows."""
+    got = _each(experts, x, indices, keep=False)
+    return None if got is None else (got[0], got[1])
+
+
+@torch.no_grad()
+def expert_outputs(experts: nn.Module, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor | None:
+    """Per (row, slot) of ``indices`` [N, K]: the chosen expert's output before its gate weight, [N, K, D]
+    float32 on the CPU (NaN for a slot naming no real expert); None when the module is not ``supported``."""
+    got = _each(experts, x, indices, keep=True)
+    return None if got is None else got[2]
+
+
+def _each(experts: nn.Module, x: torch.Tensor, indices: torch.Tensor, keep: bool):
+    """(output norms [N, K], largest down-projection inputs [N, K], outputs [N, K, D] or None)."""
     if not supported(experts):
         return None
     n_e = len(experts) if isinstance(experts, nn.ModuleList) else experts.down_proj.size(0)
@@ -79,6 +93,7 @@ def expert_internals(experts: nn.Module, x: torch.Tensor, indices: torch.Tensor
     idx = indices.to(p.device)
     norm = torch.full(idx.shape, float("nan"), device=p.device)
     act = torch.full(idx.shape, float("nan"), device=p.device)
+    outs = torch.full((*idx.shape, x.size(-1)), float("nan"), device=p.device) if keep else None
     for e in idx.unique().tolist():
         if not 0 <= e < n_e:
             continue
@@ -96,4 +111,6 @@ def expert_internals(experts: nn.Module, x: torch.Tensor, indices: torch.Tensor
             y, a = _fused_expert(experts, e, x[rows])
         norm[rows, slot] = y.float().norm(dim=-1)
         act[rows, slot] = a.float().abs().amax(dim=-1)
-    return norm.cpu(), act.cpu()
+        if keep:
+            outs[rows, slot] = y.float()
+    return norm.cpu(), act.cpu(), None if outs is None else outs.cpu()
