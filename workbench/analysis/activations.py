@@ -238,23 +238,14 @@ def _moments(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y.mean(0), y.std(0).clamp_min(1e-6) if y.size(0) > 1 else torch.ones(y.size(1))
 
 
-_TENSORS: dict[int, tuple[list, torch.Tensor, torch.Tensor]] = {}  # id(cell's mean list) -> (it, mean, std)
-
-
 def _cell_tensors(r: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """A cell's mean and std as tensors, converted once per list (a profile is judged many times over)."""
-    got = _TENSORS.get(id(r["mean"]))
-    if got is None or got[0] is not r["mean"]:
-        if len(_TENSORS) > 4096:
-            _TENSORS.clear()
-        got = (r["mean"], torch.as_tensor(r["mean"]), torch.as_tensor(r["std"]).clamp_min(1e-6))
-        _TENSORS[id(r["mean"])] = got
-    return got[1], got[2]
+    """A cell's per-dimension mean and std as tensors (``build`` converts each cell once and passes them)."""
+    return torch.as_tensor(r["mean"]), torch.as_tensor(r["std"]).clamp_min(1e-6)
 
 
-def _zs(y: torch.Tensor, r: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def _zs(y: torch.Tensor, r: dict, ms: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position: the z of the log norm and of the log deviation, against the component's cell ``r``."""
-    mu, sd = _cell_tensors(r)
+    mu, sd = ms if ms is not None else _cell_tensors(r)
     zl = (y.norm(dim=-1).clamp_min(1e-30).log() - r["log_norm_mean"]) / r["log_norm_std"]
     zd = ((((y - mu) / sd) ** 2).mean(-1).clamp_min(1e-30).log() - r["dev_mean"]) / r["dev_std"]
     return zl, zd
@@ -293,25 +284,25 @@ def _scalar(kind: str, signal: str) -> bool:
     return (kind == "router" and signal == "logit") or signal in ("pos_distance", "prev_weight")
 
 
-def _value_z(y: torch.Tensor, r: dict) -> torch.Tensor:
+def _value_z(y: torch.Tensor, r: dict, ms: tuple | None = None) -> torch.Tensor:
     """Per position, the z of a one-number component (a router logit) against its clean mean and spread."""
-    mu, sd = _cell_tensors(r)
+    mu, sd = ms if ms is not None else _cell_tensors(r)
     return ((y - mu) / sd)[:, 0]
 
 
-def _run_z(y: torch.Tensor, r: dict) -> tuple[float, float] | None:
+def _run_z(y: torch.Tensor, r: dict, ms: tuple | None = None) -> tuple[float, float] | None:
     """A context's (mean z of the log norm, mean z of the deviation) for one component (an expert: over the
     positions that chose it; a ``chosen`` indicator: its rate, twice), or None where no position has it."""
     if r["signal"] == "chosen":
         z = _rate_z(y, r)
         return None if z is None else (z, z)
     if _scalar(r["kind"], r["signal"]):  # one number (that may reach or cross zero): its own z, not log |x|
-        z = float(_value_z(y, r).mean()) if y.numel() else None
+        z = float(_value_z(y, r, ms).mean()) if y.numel() else None
         return None if z is None else (z, z)
     y = _chosen_rows(y)
     if y.size(0) == 0:
         return None
-    zl, zd = _zs(y, r)
+    zl, zd = _zs(y, r, ms)
     return float(zl.mean()), float(zd.mean())
 
 
@@ -385,6 +376,7 @@ def build(a: Adapter, prompts: list[list[int]], seed: int = 0) -> pl.DataFrame:
                     "log_norm_std": max(float(ln.std()), 1e-3), "dev_mean": float(dev.mean()),
                     "dev_std": max(float(dev.std()), 1e-3)}
     rng = np.random.default_rng(seed)
+    tens = {k: _cell_tensors(r) for k, r in cells.items()}  # each cell's mean and std, converted once
     runs: dict[tuple, list[tuple[float, float]]] = {}  # (key, bucket) -> per prefix (mean z log norm, deviation)
     for got, ids in zip(captured, prompts):
         for b, lo in enumerate(RUN_BUCKETS):
@@ -395,7 +387,7 @@ def build(a: Adapter, prompts: list[list[int]], seed: int = 0) -> pl.DataFrame:
             n = min(max(n, lo), hi)
             for k, y in got.items():
                 if k in cells:
-                    got_z = _run_z(y[1:n], cells[k])
+                    got_z = _run_z(y[1:n], cells[k], tens[k])
                     if got_z is not None:
                         runs.setdefault((k, b), []).append(got_z)
     for k, r in cells.items():
@@ -423,7 +415,8 @@ def build(a: Adapter, prompts: list[list[int]], seed: int = 0) -> pl.DataFrame:
                         "run_norm_std": [], "run_dev_mean": [], "run_dev_std": []}
     emb = cells.get(("embed", None, None, None, "out"))
     if emb is not None:  # a token's row is what it is: the largest |z| any calibration token reached
-        emb["run_dev_mean"] = [max(float(_zs(g[("embed", None, None, None, "out")][1:], emb)[0].abs().max())
+        emb["run_dev_mean"] = [max(float(_zs(g[("embed", None, None, None, "out")][1:], emb,
+                                             tens[("embed", None, None, None, "out")])[0].abs().max())
                                    for g in captured)]
     out_rows = _row_spread(captured, prompts, cells.get(("unembed", None, None, None, "logit")), rng)
     check = {"kind": "router_check", "layer": None, "head": None, "expert": None, "signal": "disagree",
