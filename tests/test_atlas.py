@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 from collections import Counter, defaultdict
@@ -16,7 +15,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import polars as pl
 import pytest
-from helpers import free_port, tiny_model
+from helpers import XSS, chromium_page, needs_chromium, served, tiny_model, wait_plot, wait_text
 from markupsafe import escape as _escape
 
 import workbench
@@ -28,7 +27,6 @@ from workbench.data.export import export_parquet
 from workbench.data.store import Store, TraceStore
 from workbench.model import load_tokenizer
 
-XSS = "<img src=x onerror=alert(1)>"
 E, K = 6, 2  # experts, top-k
 SUMMARY = json.dumps({"family": "hand", "backend": "native", "n_layers": 3, "n_heads": 1, "n_kv_heads": 1,
                       "vocab_size": 100, "max_seq_len": 64, "moe_layers": [1, 2], "n_routed_experts": E, "top_k": K})
@@ -252,11 +250,6 @@ def test_tab_callbacks_show_an_escaped_card(store):
 
 # -- a recorded batch: the report and the browser -----------------------------------------------------
 
-CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run"]
-
-
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     """A batch of three prompts on a tiny model, its atlas computed, a hostile token in its stored contexts."""
@@ -295,43 +288,27 @@ def test_report_shows_the_atlas_card_of_an_expert_a_finding_names(recorded, tmp_
     assert "Expert atlas" not in Path(run.report(tmp_path / "r2.html")).read_text()
 
 
-@pytest.mark.browser
-@pytest.mark.skipif(shutil.which(CHROMIUM) is None and not Path(CHROMIUM).exists(), reason="no Debian chromium")
+@needs_chromium
 def test_browser_atlas_tab_picks_a_batch_and_shows_a_card(recorded):
-    from playwright.sync_api import sync_playwright
-
     from workbench.apps.app import build_app
 
     recorded.atlas()
     recorded.store.execute("UPDATE atlas SET contexts = replace(contexts, '\"token\": \"', '\"token\": \"' || ?) "
                            "WHERE contexts NOT LIKE '%onerror%'", [XSS])
-    app = build_app(recorded.store)
-    port = free_port()
-    app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    try:
-        with sync_playwright() as p:
-            b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-            pg = b.new_page(viewport={"width": 1400, "height": 1600})
-            pg.add_init_script("window.__alerts = []; window.alert = (m) => window.__alerts.push(String(m));")
-            pg.goto(f"http://127.0.0.1:{port}/")
-            pg.get_by_role("tab", name="Atlas").click()
-            pg.wait_for_function("() => (document.querySelector('#atlas-msg')?.innerText || '')"
-                                 ".includes('Atlas of batch')", timeout=30_000)
-            pg.wait_for_function("() => { const p = document.querySelector('#atlas-grid .js-plotly-plot'); "
-                                 "return p && p.data && p.data.length > 0; }", timeout=30_000)
-            z = pg.evaluate("() => document.querySelector('#atlas-grid .js-plotly-plot').data[0].z")
-            assert len(z) == len(recorded.run(recorded.run_ids[0]).model_summary.moe_layers)
-            card = pg.locator("#atlas-card")
-            card.locator("mark").first.wait_for(timeout=30_000)
-            assert "Top contexts" in card.inner_text() and XSS in card.inner_text()  # shown as text
-            assert pg.locator("#atlas-card img").count() == 0
-            # another expert of the layer: its card
-            other = 0 if ", expert 0:" not in card.inner_text() else 1
-            pg.locator("#atlas-expert input").click()
-            pg.get_by_role("option").nth(other).click()
-            pg.wait_for_function(f"() => (document.querySelector('#atlas-card')?.innerText || '')"
-                                 f".includes(', expert {other}:')", timeout=30_000)
-            assert pg.evaluate("() => window.__alerts.length") == 0
-            b.close()
-    finally:
-        app.close()
+    with served(build_app(recorded.store)) as url, chromium_page() as pg:
+        pg.goto(url)
+        pg.get_by_role("tab", name="Atlas").click()
+        wait_text(pg, "#atlas-msg", "Atlas of batch")
+        wait_plot(pg, "atlas-grid")
+        z = pg.evaluate("() => document.querySelector('#atlas-grid .js-plotly-plot').data[0].z")
+        assert len(z) == len(recorded.run(recorded.run_ids[0]).model_summary.moe_layers)
+        card = pg.locator("#atlas-card")
+        card.locator("mark").first.wait_for(timeout=30_000)
+        assert "Top contexts" in card.inner_text() and XSS in card.inner_text()  # shown as text
+        assert pg.locator("#atlas-card img").count() == 0
+        # another expert of the layer: its card
+        other = 0 if ", expert 0:" not in card.inner_text() else 1
+        pg.locator("#atlas-expert input").click()
+        pg.get_by_role("option").nth(other).click()
+        wait_text(pg, "#atlas-card", f", expert {other}:")
+        assert pg.evaluate("() => window.__alerts.length") == 0

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import polars as pl  # noqa: E402
 import pytest  # noqa: E402
-from helpers import free_port, tiny_model  # noqa: E402
+from helpers import XSS, chromium_page, needs_chromium, open_tab, served, tiny_model, wait_plot, wait_text  # noqa: E402,E501
 
 import workbench  # noqa: E402
 from workbench.analysis.contrast import steer_targets  # noqa: E402
@@ -25,10 +23,6 @@ from workbench.views.figures import PATCH_PARTS, patch_scan_figure  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-XSS = "<img src=x onerror=alert(1)>"
-CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 
 def quiet(*_a, **_k):  # stands in for gr.Progress outside a server
@@ -178,69 +172,37 @@ def test_steer_set_a_records_child_runs_under_the_top_experts_banned(env):
 
 # -- the Contrast tab in a browser ----------------------------------------------------------------------------
 
-def open_tab(pg, name: str) -> None:
-    """Click the tab ``name``: in the tab row, or in Gradio's "More tabs" menu where the row has no room for it
-    (at 1400 px the last tabs are there)."""
-    tab = pg.get_by_role("tab", name=name)
-    if tab.count() and tab.first.is_visible():
-        tab.first.click()
-        return
-    pg.get_by_label("More tabs").click()
-    pg.locator(".overflow-dropdown button", has_text=name).first.click()
-
-
-@pytest.mark.browser
-@pytest.mark.skipif(shutil.which(CHROMIUM) is None and not Path(CHROMIUM).exists(), reason="no Debian chromium")
+@needs_chromium
 def test_browser_contrast_tab_picks_two_batches_and_shows_the_ranking(env):
-    from playwright.sync_api import sync_playwright
-
     from workbench.apps.app import build_app
 
     A, B = env["A"], env["B"]
     want = workbench.Workbench(env["store"]).expert_contrast(B, A)  # picked the other way round below
-    app = build_app(env["store"])
-    port = free_port()
-    app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    try:
-        with sync_playwright() as p:
-            b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-            pg = b.new_page(viewport={"width": 1400, "height": 1600})
-            pg.add_init_script("window.__alerts = []; window.alert = (m) => window.__alerts.push(String(m));")
-            pg.goto(f"http://127.0.0.1:{port}/")
-            open_tab(pg, "Contrast")
-            pg.wait_for_function("() => (document.querySelector('#contrast-msg')?.innerText || '')"
-                                 ".includes('Expert contrast of batch')", timeout=30_000)
-            for picker, batch in (("#contrast-a", B), ("#contrast-b", A)):
-                pg.locator(f"{picker} input").click()
-                pg.get_by_role("option").filter(has_text=batch[:6]).first.click()
-            pg.wait_for_function(f"() => (document.querySelector('#contrast-msg')?.innerText || '')"
-                                 f".includes('against {A} (B')", timeout=30_000)
-            top = want.row(0, named=True)
-            lead = f"Largest: layer {top['layer']} expert {top['expert']} ({top['diff']:+.3f}"
-            pg.wait_for_function(f"() => (document.querySelector('#contrast-msg')?.innerText || '').includes({lead!r})",
-                                 timeout=30_000)
-            msg = pg.locator("#contrast-msg").inner_text()
-            assert XSS in msg  # B's id as text
-            shown = pg.locator("#contrast-table").inner_text()
-            assert all(c in shown for c in contrast.RANK_COLUMNS)
-            assert str(round(top["diff"], 4)) in shown
-            pg.wait_for_function("() => { const p = document.querySelector('#contrast-plot .js-plotly-plot'); "
-                                 "return p && p.data && p.data.length === 1; }", timeout=30_000)
-            assert pg.locator("#contrast-msg img").count() == 0
-            assert pg.evaluate("() => window.__alerts.length") == 0
-            b.close()
-    finally:
-        app.close()
+    with served(build_app(env["store"])) as url, chromium_page() as pg:
+        pg.goto(url)
+        open_tab(pg, "Contrast")
+        wait_text(pg, "#contrast-msg", "Expert contrast of batch")
+        for picker, batch in (("#contrast-a", B), ("#contrast-b", A)):
+            pg.locator(f"{picker} input").click()
+            pg.get_by_role("option").filter(has_text=batch[:6]).first.click()
+        wait_text(pg, "#contrast-msg", f"against {A} (B")
+        top = want.row(0, named=True)
+        wait_text(pg, "#contrast-msg", f"Largest: layer {top['layer']} expert {top['expert']} ({top['diff']:+.3f}")
+        msg = pg.locator("#contrast-msg").inner_text()
+        assert XSS in msg  # B's id as text
+        shown = pg.locator("#contrast-table").inner_text()
+        assert all(c in shown for c in contrast.RANK_COLUMNS)
+        assert str(round(top["diff"], 4)) in shown
+        wait_plot(pg, "contrast-plot", traces=1)
+        assert pg.locator("#contrast-msg img").count() == 0
+        assert pg.evaluate("() => window.__alerts.length") == 0
 
 
-@pytest.mark.browser
-@pytest.mark.skipif(shutil.which(CHROMIUM) is None and not Path(CHROMIUM).exists(), reason="no Debian chromium")
+@needs_chromium
 def test_browser_patch_scan_against_the_picked_reference(tmp_path):
     """The Run view's patch scan in Chromium: a run of a tiny Mixtral folder against another prompt of as many
     tokens on it (the app loads the model from the folder): the heat map, and the stored ranking beside it."""
     pytest.importorskip("transformers")
-    from playwright.sync_api import sync_playwright
-
     from workbench.apps.app import build_app
     from workbench.capture.tiny import make_folder
 
@@ -248,34 +210,21 @@ def test_browser_patch_scan_against_the_picked_reference(tmp_path):
     kw = {"model": folder, "max_new_tokens": 2, "detect": False}
     a = workbench.record("def add(a, b):\n    return", db=tmp_path / "wb.duckdb", **kw)
     ref = workbench.record("def sub(a, b):\n    return", db=a.store, **kw)
-    app = build_app(a.store)
-    port = free_port()
-    app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    try:
-        with sync_playwright() as p:
-            b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-            pg = b.new_page(viewport={"width": 1400, "height": 2400})
-            pg.goto(f"http://127.0.0.1:{port}/")
-            pg.wait_for_selector("#runs-table", timeout=30_000)
-            pg.locator("#runs-table").get_by_text(a.run_id, exact=True).locator("visible=true").first.click()
-            pg.wait_for_function(f"() => (document.querySelector('#run-head')?.innerText || '').includes('{a.run_id}')",
-                                 timeout=30_000)
-            pg.locator("#reference-picker input").click()
-            pg.get_by_role("option").filter(has_text=ref.run_id).first.click()
-            pg.locator("#patch-scan-button").click()
-            pg.wait_for_function("() => (document.querySelector('#patch-scan-msg')?.innerText || '')"
-                                 ".includes('parts patched')", timeout=120_000)
-            assert ref.run_id in pg.locator("#patch-scan-msg").inner_text()
-            pg.wait_for_function("() => { const p = document.querySelector('#patch-scan-plot .js-plotly-plot'); "
-                                 "return p && p.data && p.data.length === 1; }", timeout=30_000)
-            x = pg.evaluate("() => document.querySelector('#patch-scan-plot .js-plotly-plot').data[0].x")
-            assert x[:3] == ["attn_block", "mlp_block / dense_mlp", "resid"] and "router" in x
-            pos = a.info["n_prompt_tokens"]  # the position a pick opens on
-            stored = query.attributions(a.store, a.run_id, pos)
-            assert set(stored["method"].to_list()) == {"patching"}
-            pg.wait_for_function("() => (document.querySelector('#rc-msg')?.innerText || '').includes('(patching)')",
-                                 timeout=30_000)
-            assert f"{stored.height} ranked causes" in pg.locator("#rc-msg").inner_text()
-            b.close()
-    finally:
-        app.close()
+    with served(build_app(a.store)) as url, chromium_page(height=2400) as pg:
+        pg.goto(url)
+        pg.wait_for_selector("#runs-table", timeout=30_000)
+        pg.locator("#runs-table").get_by_text(a.run_id, exact=True).locator("visible=true").first.click()
+        wait_text(pg, "#run-head", a.run_id)
+        pg.locator("#reference-picker input").click()
+        pg.get_by_role("option").filter(has_text=ref.run_id).first.click()
+        pg.locator("#patch-scan-button").click()
+        wait_text(pg, "#patch-scan-msg", "parts patched", timeout=120_000)
+        assert ref.run_id in pg.locator("#patch-scan-msg").inner_text()
+        wait_plot(pg, "patch-scan-plot", traces=1)
+        x = pg.evaluate("() => document.querySelector('#patch-scan-plot .js-plotly-plot').data[0].x")
+        assert x[:3] == ["attn_block", "mlp_block / dense_mlp", "resid"] and "router" in x
+        pos = a.info["n_prompt_tokens"]  # the position a pick opens on
+        stored = query.attributions(a.store, a.run_id, pos)
+        assert set(stored["method"].to_list()) == {"patching"}
+        wait_text(pg, "#rc-msg", "(patching)")
+        assert f"{stored.height} ranked causes" in pg.locator("#rc-msg").inner_text()

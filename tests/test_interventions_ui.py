@@ -2,25 +2,17 @@
 from __future__ import annotations
 
 import os
-import shutil
-from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import polars as pl  # noqa: E402
 import pytest  # noqa: E402
-from helpers import free_port  # noqa: E402
+from helpers import BROWSER_MARKS, chromium_page, served  # noqa: E402
 
 import workbench  # noqa: E402
 from workbench.data import query  # noqa: E402
 
-CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run"]
-
-pytestmark = [pytest.mark.browser,
-              pytest.mark.skipif(shutil.which(CHROMIUM) is None and not Path(CHROMIUM).exists(),
-                                 reason=f"Debian chromium not installed at {CHROMIUM} (apt-get install chromium)")]
+pytestmark = BROWSER_MARKS
 
 
 @pytest.fixture(scope="module")
@@ -33,22 +25,14 @@ def server(tmp_path_factory):
     folder = make_folder("mixtral", root / "model")
     run = workbench.record("def add(a, b):\n    return", model=folder, max_new_tokens=8, db=root / "wb.duckdb",
                            detect=False)
-    app = build_app(run.store)
-    port = free_port()
-    app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    yield f"http://127.0.0.1:{port}/", run
-    app.close()
+    with served(build_app(run.store)) as url:
+        yield url, run
 
 
 @pytest.fixture()
 def page():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        pg = b.new_page(viewport={"width": 1400, "height": 2400})
+    with chromium_page(height=2400) as pg:
         yield pg
-        b.close()
 
 
 def test_the_interventions_panel_records_a_child_run(server, page):
