@@ -5,8 +5,9 @@ recorded with, else its checkpoint), recomputed with a full forward pass without
 model goes through its adapter's seams (workbench/adapters), so the same code explains our
 ``Transformer`` and every ``transformers`` family the adapters cover.
 
-- Source tokens: captum ``LayerIntegratedGradients`` over the input embedding from a baseline of
-  ``<|endoftext|>`` tokens (id 0), Gauss-Legendre quadrature, with captum's convergence delta
+- Source tokens: layer Integrated Gradients over the input embedding's output (the sums of captum's
+  ``LayerIntegratedGradients``, computed here in batched forward-backward passes) from a baseline of
+  ``<|endoftext|>`` tokens (id 0), Gauss-Legendre quadrature, with the convergence delta
   (``sum(attr) - (f(x) - f(baseline))``) stored beside every token score.
   MoE caveat: top-k routing is piecewise constant along the integration path, so plain IG ("plain")
   integrates a discontinuous function and its completeness breaks, whatever the number of steps.
@@ -16,8 +17,9 @@ model goes through its adapter's seams (workbench/adapters), so the same code ex
   function is smooth: completeness holds to quadrature accuracy. At the real input the frozen and the
   real model agree exactly, so f(x) is the real target. "auto" = frozen for MoE models, plain for
   dense ones.
-- Components: captum ``FeatureAblation`` over a mask with one entry per attention head, routed expert
-  and shared-expert block; each perturbation is one row of a batched forward. A head is ablated by
+- Components: ablation (the sums of captum's ``FeatureAblation``) over a mask with one entry per attention head,
+  routed expert and shared-expert block; each perturbation is one row of a batched forward, which joins the
+  batch at its own layer (the layers before it run once, for the unablated row). A head is ablated by
   zeroing its output (its slice of the attention output projection's input, the ``head_out`` seam),
   the shared experts likewise (``shared_out``). A routed expert is ablated the MoE way: removed from
   the router's choice (its selection score set to -inf before the biased, group-limited top-k, by the
@@ -89,7 +91,6 @@ from typing import Callable, Iterator
 import numpy as np
 import polars as pl
 import torch
-from captum.attr import FeatureAblation, LayerIntegratedGradients
 
 from workbench.analysis import activations
 from workbench.analysis.baseline import bucket_of, load_profile, resid_growth
@@ -112,6 +113,32 @@ def target_fn(adapter: Adapter, target_id: int) -> Callable[[torch.Tensor], torc
         logits = adapter.forward(ids)[:, -1].float()  # [B, V]
         return torch.log_softmax(logits, dim=-1)[:, target_id]
     return f
+
+
+Progress = Callable[[str, int, int], None]  # (phase, done, total): root_cause's progress reports
+
+
+@contextlib.contextmanager
+def last_position_only(model) -> Iterator[None]:
+    """Within the block, the output projection runs on the last position only (logits [B, 1, V]): the target is
+    read there, and the other positions' logits are a third of a small model's forward. Nothing upstream of the
+    projection changes, so ``target_fn``'s value is the same (to fp32 rounding)."""
+    adapter = adapter_for(model)
+    head = adapter.unembedding()
+    if head is adapter.embedding():  # one module both ways: its input would be the token ids too
+        yield
+        return
+
+    def last(_m, args, kwargs):
+        if args and isinstance(args[0], torch.Tensor) and args[0].ndim == 3:
+            return (args[0][:, -1:], *args[1:]), kwargs
+        return None
+
+    handle = head.register_forward_pre_hook(last, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def real_routing(model, ids: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -145,15 +172,28 @@ def frozen_routing(model, indices: dict[int, torch.Tensor]) -> Iterator[None]:
         yield
 
 
+def gauss_legendre(steps: int) -> tuple[list[float], list[float]]:
+    """(alphas in (0, 1), step sizes summing to 1): the Gauss-Legendre points of captum's "gausslegendre"."""
+    x, w = np.polynomial.legendre.leggauss(steps)
+    return (0.5 * (1 + x)).tolist(), (0.5 * w).tolist()
+
+
 def integrated_gradients(model, ids: torch.Tensor, target_id: int, *, steps: int = 32,
                          mode: str = "frozen", batch_size: int | None = 16,
-                         baseline_token: int = 0) -> tuple[np.ndarray, float, float]:
+                         baseline_token: int = 0, progress: Progress | None = None) -> tuple[np.ndarray, float, float]:
     """IG of the target over the input embedding for each input token (a module or an adapter).
+
+    Layer IG over the embedding's output (what captum's ``LayerIntegratedGradients`` with ``method="gausslegendre"``
+    computes, the same sums): the output is replaced by ``b + alpha (x - b)`` at each Gauss-Legendre point, a
+    batch of points per forward and backward (``batch_size`` points, all when None); the attribution is
+    ``(x - b) * sum_i w_i grad_i``, the convergence delta ``sum(attr) - (f(x) - f(baseline))``. Cost: the
+    routing forward (frozen), one forward of the input and baseline together, and ``steps / batch_size``
+    forward-backward passes; the output projection runs on the last position only.
 
     Args:
         ids: [1, T] input tokens (the target token follows them).
         mode: "frozen" (routing-frozen) or "plain".
-    Returns: (attribution per token [T], captum's convergence delta, f(x) - f(baseline)).
+    Returns: (attribution per token [T], convergence delta, f(x) - f(baseline)).
     """
 
     if mode not in ("frozen", "plain"):
@@ -162,13 +202,37 @@ def integrated_gradients(model, ids: torch.Tensor, target_id: int, *, steps: int
     f = target_fn(adapter, target_id)
     base = torch.full_like(ids, baseline_token)
     frozen = adapter.routing_of(ids) if mode == "frozen" else {}
-    with adapter.analysis(), frozen_routing(adapter, frozen):
-        lig = LayerIntegratedGradients(f, adapter.embedding())
-        attr, delta = lig.attribute(ids, baselines=base, n_steps=steps, method="gausslegendre",
-                                    internal_batch_size=batch_size, return_convergence_delta=True)
+    alphas, sizes = gauss_legendre(steps)
+    chunk = steps if batch_size is None else max(1, batch_size)
+    emb = adapter.embedding()
+    state: dict = {"out": None}
+
+    def swap(_m, _args, _out):  # the embedding's output: this batch's interpolated rows
+        return state["out"]
+
+    with adapter.analysis(), frozen_routing(adapter, frozen), last_position_only(adapter):
         with torch.no_grad():
-            gap = float(f(ids)[0] - f(base)[0])
-    return attr.sum(-1)[0].detach().double().numpy(), float(delta.reshape(-1)[0]), gap
+            x_emb, b_emb = emb(ids), emb(base)  # [1, T, D]
+            ends = f(torch.cat([ids, base]))  # f(x), f(baseline)
+        total = torch.zeros_like(x_emb)
+        handle = emb.register_forward_hook(swap)
+        try:
+            for k in range(0, steps, chunk):
+                a = alphas[k:k + chunk]
+                scaled = torch.cat([b_emb + al * (x_emb - b_emb) for al in a], dim=0).requires_grad_()
+                state["out"] = scaled
+                (grad,) = torch.autograd.grad(f(ids.expand(len(a), -1)).sum(), scaled)
+                w = torch.tensor(sizes[k:k + chunk]).float().to(grad.device).view(-1, *([1] * (grad.ndim - 1)))
+                total = total + (grad * w).sum(0, keepdim=True)
+                state["out"] = None
+                if progress is not None:
+                    progress("integrated gradients", min(k + chunk, steps), steps)
+        finally:
+            handle.remove()
+        attr = (total * (x_emb - b_emb)).detach()
+    gap = ends[0] - ends[1]
+    delta = attr.sum() - gap
+    return attr.sum(-1)[0].double().cpu().numpy(), float(delta), float(gap)
 
 
 def components(model) -> list[tuple[str, int, int | None, int | None]]:
@@ -176,9 +240,14 @@ def components(model) -> list[tuple[str, int, int | None, int | None]]:
     return adapter_for(model).components()
 
 
-def component_ablation(model, ids: torch.Tensor, target_id: int,
-                       batch_size: int = 16) -> tuple[list[tuple], np.ndarray]:
-    """Effect on the target of removing each component, f(x) - f(x without it), via captum FeatureAblation.
+def component_ablation(model, ids: torch.Tensor, target_id: int, batch_size: int = 16,
+                       progress: Progress | None = None) -> tuple[list[tuple], np.ndarray]:
+    """Effect on the target of removing each component, f(x) - f(x without it).
+
+    Each forward holds one row of the unablated input (row 0, f(x)) and up to ``batch_size - 1`` components, one
+    row each, in layer order; a component's row joins the batch at its own layer's block as a copy of row 0 (the
+    layers before it are the same for every row, so they run once), and the output projection reads the last
+    position only. Same sums as captum's ``FeatureAblation`` over a one-per-component mask, a fraction of the rows.
 
     Returns: (components, effects [C] in nats).
     """
@@ -187,17 +256,21 @@ def component_ablation(model, ids: torch.Tensor, target_id: int,
     comps = adapter.components()
     col = {c: k for k, c in enumerate(comps)}
     seq = ids.size(1)
-    state: dict = {"mask": None}
+    state: dict = {"mask": None, "layers": set()}
     s = adapter.summary
 
     def rows_of(n: int, device) -> torch.Tensor:  # batch row of each routed row (batch-major)
         return torch.arange(n, device=device) // seq
 
-    def heads(layer: int, z: torch.Tensor) -> torch.Tensor:  # z: [B, T, H, d]
+    def heads(layer: int, z: torch.Tensor) -> torch.Tensor | None:  # z: [B, T, H, d], B: the rows at this layer
+        if layer not in state["layers"]:
+            return None
         cols = [col[("head", layer, h, None)] for h in range(z.size(2))]
-        return z * state["mask"][:, cols].to(z)[:, None, :, None]
+        return z * state["mask"][: z.size(0), cols].to(z)[:, None, :, None]
 
     def route(layer: int, r: Route) -> None:
+        if layer not in state["layers"]:
+            return
         mask = state["mask"]
         rows = rows_of(r.indices.size(0), mask.device)
         keep = mask[:, [col[("expert", layer, None, j)] for j in range(s.n_routed_experts)]][rows] > 0.5  # [N, E]
@@ -207,21 +280,49 @@ def component_ablation(model, ids: torch.Tensor, target_id: int,
         if rc is not None and (mask[:, rc] < 0.5).any():
             r.unbias(mask[rows, rc])  # 0: this row's router loses its selection bias
 
-    def shared(layer: int, out: torch.Tensor) -> torch.Tensor:  # out: [B*T, D]
+    def shared(layer: int, out: torch.Tensor) -> torch.Tensor | None:  # out: [B*T, D]
+        if layer not in state["layers"]:
+            return None
         rows = rows_of(out.size(0), state["mask"].device)
         return out * state["mask"][rows, col[("shared_expert", layer, None, None)]].to(out)[:, None]
 
-    seams = {"head_out": heads, "route": route, "shared_out": shared}
+    blocks = [adapter.parts(i)["block"] for i in range(s.n_layers)]
+
+    def join(layer: int):  # the rows of this layer's components enter here, copies of row 0
+        def hook(_m, args, kwargs):
+            n = state["joins"].get(layer, 0)
+            if not n:
+                return None
+            h = args[0] if args else kwargs["hidden_states"]
+            h = torch.cat([h, h[:1].expand(n, *h.shape[1:])], dim=0)
+            return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
+        return hook
+
     f = target_fn(adapter, target_id)
-
-    def forward(mask: torch.Tensor) -> torch.Tensor:  # mask [B, C] -> [B]
-        state["mask"] = mask
-        return f(ids.expand(mask.size(0), -1))
-
-    ones = torch.ones(1, len(comps))
-    with adapter.analysis(), torch.no_grad(), adapter.seams(seams):
-        attr = FeatureAblation(forward).attribute(ones, baselines=0.0, perturbations_per_eval=max(1, batch_size))
-    return comps, attr[0].double().numpy()
+    per = max(1, batch_size - 1)
+    effects = np.zeros(len(comps))
+    # first of the blocks' pre-hooks: a fault's or an intervention's own sees the joined rows
+    handles = [b.register_forward_pre_hook(join(i), with_kwargs=True, prepend=True) for i, b in enumerate(blocks)]
+    try:
+        with adapter.analysis(), torch.no_grad(), adapter.seams({"head_out": heads, "route": route, "shared_out": shared}), \
+                last_position_only(adapter):
+            for k in range(0, len(comps), per):
+                chunk = comps[k:k + per]
+                mask = torch.ones(1 + len(chunk), len(comps), device=ids.device)
+                for n, c in enumerate(chunk):
+                    mask[1 + n, col[c]] = 0.0
+                joins: dict[int, int] = {}
+                for c in chunk:
+                    joins[c[1]] = joins.get(c[1], 0) + 1
+                state.update(mask=mask, layers=set(joins), joins=joins)
+                out = f(ids).double().cpu().numpy()  # [1 + len(chunk)]
+                effects[k:k + len(chunk)] = out[0] - out[1:]
+                if progress is not None:
+                    progress("ablation", k + len(chunk), len(comps))
+    finally:
+        for h in handles:
+            h.remove()
+    return comps, effects
 
 
 def rank_causes(token_scores: np.ndarray, token_method: str, delta: float, comps: list[tuple],
