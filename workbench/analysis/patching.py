@@ -35,12 +35,12 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
-from workbench.capture.adapters import Adapter, Route
+from workbench.capture.adapters import Adapter, Route, adapter_for
 from workbench.capture.adapters.base import first_output, replace_first_output
 
 Key = tuple  # (kind, layer, head, expert, source_pos)
@@ -175,6 +175,29 @@ class _Taps:
                 h.remove()
 
 
+@contextlib.contextmanager
+def last_position_only(model) -> Iterator[None]:
+    """Within the block, the output projection runs on the last position only (logits [B, 1, V]): the target is
+    read there, and the other positions' logits are a third of a small model's forward. Nothing upstream of the
+    projection changes, so ``target_fn``'s value is the same (to fp32 rounding)."""
+    adapter = adapter_for(model)
+    head = adapter.unembedding()
+    if head is adapter.embedding():  # one module both ways: its input would be the token ids too
+        yield
+        return
+
+    def last(_m, args, kwargs):
+        if args and isinstance(args[0], torch.Tensor) and args[0].ndim == 3:
+            return (args[0][:, -1:], *args[1:]), kwargs
+        return None
+
+    handle = head.register_forward_pre_hook(last, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def _expert_slot(j: int, own_i: torch.Tensor, own_w: torch.Tensor, src_i: torch.Tensor, src_w: torch.Tensor):
     """Routing [T, K] that is this forward's except for expert ``j``'s part, which is the source's: where both
     choose j, its weight is the source's; where only this forward does, j gives its slot to an expert only the
@@ -236,9 +259,11 @@ def _swapped(dst: Adapter, src: Adapter, layer: int, expert: int) -> Iterator[No
 class _Side:
     """One direction's forward: ``dst`` runs on its ids and takes sites from the other side's capture."""
 
-    def __init__(self, a: Adapter, ids: torch.Tensor, target: int, stats: PatchStats):
+    def __init__(self, a: Adapter, ids: torch.Tensor, target: int, stats: PatchStats,
+                 tick: Callable[[], None] | None = None):
         self.a, self.ids, self.target, self.stats = a, ids.to(a.device), target, stats
         self.taps = _Taps(a)
+        self.tick = tick or (lambda: None)  # after each forward (progress)
 
     def capture(self) -> float:
         self.taps.capture = True
@@ -249,6 +274,7 @@ class _Side:
         finally:
             self.taps.capture = False
         self.stats.forwards += 1
+        self.tick()
         return f
 
     def batched(self, sites: list[Key], src: "_Side", batch_size: int) -> np.ndarray:
@@ -266,6 +292,7 @@ class _Side:
                 out.append(_logprob(self.a, self.ids.expand(len(chunk), -1), self.target).double().cpu().numpy())
                 self.stats.forwards += 1
                 self.stats.rows += len(chunk)
+                self.tick()
         self.taps.rows = {}
         return np.concatenate(out) if out else np.zeros(0)
 
@@ -283,6 +310,7 @@ class _Side:
             self.taps.rows, self.taps.expert = {}, None
         self.stats.forwards += 1
         self.stats.rows += 1
+        self.tick()
         return f
 
 
@@ -314,12 +342,16 @@ def level_two(a: Adapter, layer: int) -> tuple[list[Key], list[Key]]:
 
 
 def patch_causes(model: Adapter, ids: torch.Tensor, target: int, reference: Adapter, ref_ids: torch.Tensor, *,
-                 batch_size: int = 16, top_layers: int = 2) -> tuple[list[Key], np.ndarray, np.ndarray, float, PatchStats]:
+                 batch_size: int = 16, top_layers: int = 2,
+                 progress: Callable[[str, int, int], None] | None = None
+                 ) -> tuple[list[Key], np.ndarray, np.ndarray, float, PatchStats]:
     """Activation patching of every component kind, layers first, then inside the ``top_layers`` best layers.
 
     Args:
         ids, ref_ids: [1, T] input tokens of the run and of the reference (the same length).
         target: the token whose logprob after the last position is explained.
+        progress: called as ``progress("patching", forwards done, forwards planned)`` after each forward (the plan
+            grows once the layers to descend into are known).
     Returns: (sites (kind, layer, head, expert, source_pos), score [S] in nats (mean of restoring and breaking),
         restored [S] (the restoring fraction of the gap; NaN when the gap is below 1e-6 nats), the gap
         f(ref) - f(run), PatchStats).
@@ -329,8 +361,15 @@ def patch_causes(model: Adapter, ids: torch.Tensor, target: int, reference: Adap
                          f"{ref_ids.size(1)}")
     t0 = time.perf_counter()
     stats = PatchStats()
-    run, ref = _Side(model, ids, target, stats), _Side(reference, ref_ids, target, stats)
-    with model.analysis(), reference.analysis(), torch.no_grad():
+    plan = [2 + 2 * -(-len(level_one(model, ids.size(1))) // max(1, batch_size))]
+
+    def tick() -> None:
+        if progress is not None:
+            progress("patching", stats.forwards, max(plan[0], stats.forwards))
+
+    run, ref = _Side(model, ids, target, stats, tick), _Side(reference, ref_ids, target, stats, tick)
+    with model.analysis(), reference.analysis(), torch.no_grad(), last_position_only(model), \
+            last_position_only(reference):
         f_run, f_ref = run.capture(), ref.capture()
         gap = f_ref - f_run
         sign = 1.0 if gap >= 0 else -1.0
@@ -363,6 +402,7 @@ def patch_causes(model: Adapter, ids: torch.Tensor, target: int, reference: Adap
             b, s = level_two(model, layer)
             more_b += b
             more_s += [k for k in s if k[0] != "expert" or _routed_somewhere(run, ref, k[1], k[3])]
+        plan[0] = stats.forwards + 2 * (-(-len(more_b) // max(1, batch_size)) + len(more_s))
         fix2, brk2 = score(more_b, more_s)
     sites += more_b + more_s
     fix, brk = np.concatenate([fix, fix2]), np.concatenate([brk, brk2])

@@ -94,7 +94,7 @@ import torch
 
 from workbench.analysis import activations
 from workbench.analysis.baseline import bucket_of, load_profile, resid_growth
-from workbench.analysis.patching import patch_causes
+from workbench.analysis.patching import last_position_only, patch_causes
 from workbench.capture.adapters import Adapter, Route, adapter_for, load_adapter
 from workbench.capture.resolve import load_for_run
 from workbench.data import query
@@ -116,29 +116,6 @@ def target_fn(adapter: Adapter, target_id: int) -> Callable[[torch.Tensor], torc
 
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total): root_cause's progress reports
-
-
-@contextlib.contextmanager
-def last_position_only(model) -> Iterator[None]:
-    """Within the block, the output projection runs on the last position only (logits [B, 1, V]): the target is
-    read there, and the other positions' logits are a third of a small model's forward. Nothing upstream of the
-    projection changes, so ``target_fn``'s value is the same (to fp32 rounding)."""
-    adapter = adapter_for(model)
-    head = adapter.unembedding()
-    if head is adapter.embedding():  # one module both ways: its input would be the token ids too
-        yield
-        return
-
-    def last(_m, args, kwargs):
-        if args and isinstance(args[0], torch.Tensor) and args[0].ndim == 3:
-            return (args[0][:, -1:], *args[1:]), kwargs
-        return None
-
-    handle = head.register_forward_pre_hook(last, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def real_routing(model, ids: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -548,22 +525,21 @@ def profile_evidence(store, run_id: str, pos: int, profile: pl.DataFrame,
         got = query.signal(store, table, run_id)  # empty for a run recorded without that probe
         return got.filter(pl.col("pos") < pos) if got.height else got
 
-    hn, (hp, hv) = read("head_norm"), norm_cells("head_norm", "norm")
-    if only_routing:
-        hn = hn.clear()
+    def read_all(table: str) -> pl.DataFrame:  # only_routing: the tables it would discard are not read
+        return pl.DataFrame() if only_routing else read(table)
+
+    hn, (hp, hv) = read_all("head_norm"), norm_cells("head_norm", "norm")
     if hn.height and hp.height:
         z = hn.join(hp.drop("expert", "bucket"), on=["layer", "head"]).group_by("layer", "head").agg(
             ((hv - pl.col("mean")) / pl.col("std")).mean().alias("z")).sort("layer", "head")
         out += _heads_and_block(z)
-    at, ap = read("attention"), cells("norm_entropy")
+    at, ap = read_all("attention"), cells("norm_entropy")
     if at.height and ap.height and not only_routing:  # collapsed (too low) or flattened (too high) attention
         at = at.filter(pl.col("norm_entropy").is_not_null()).with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"))
         z = at.join(ap.drop("expert"), on=["layer", "head", "bucket"]).group_by("layer", "head").agg(
             ((pl.col("norm_entropy") - pl.col("mean")) / pl.col("std")).mean().alias("z")).sort("layer", "head")
         out += _heads_and_block(z)
-    rn, gp = read("resid_norm"), cells("log_resid_growth")
-    if only_routing:
-        rn = rn.clear()
+    rn, gp = read_all("resid_norm"), cells("log_resid_growth")
     if rn.height and gp.height:  # each block's log change of the norm: the token's own scale cancels
         g = resid_growth(rn.with_columns(bucket_of(pl.col("pos") + 1).alias("bucket")))
         z = g.join(gp.drop("head", "expert"), on=["layer", "bucket"]).group_by("layer").agg(
@@ -579,7 +555,7 @@ def profile_evidence(store, run_id: str, pos: int, profile: pl.DataFrame,
             for layer, zl in z.iter_rows():  # the jump from the block before: where the stream went off
                 out.append((("resid", layer, None, None, None), float(_surprise(np.array(zl - prev)))))
                 prev = zl
-    kv, (kp, kv_v) = read("kv_tokens"), norm_cells("latent_norm", "latent_norm")
+    kv, (kp, kv_v) = read_all("kv_tokens"), norm_cells("latent_norm", "latent_norm")
     if kv.height and kp.height and not only_routing:
         kv = kv.filter(pl.col("step") == pl.col("step").min())  # the prefill's cache: the prompt's tokens
         z = kv.join(kp.drop("head", "expert", "bucket"), on="layer").group_by("layer").agg(
@@ -656,9 +632,19 @@ def interleave(df: pl.DataFrame, evidence: list[tuple[tuple, float]]) -> pl.Data
     return frame.with_columns(pl.arange(1, frame.height + 1, dtype=pl.Int32).alias("rank")).select(COLUMNS)
 
 
+ROW_TOKENS = 4096  # batch_size=None: forward rows so that rows x context tokens stay near this, 16 rows at least
+
+
+def rows_per_forward(n_tokens: int, batch_size: int | None) -> int:
+    """``batch_size``, or where None as many rows as ``ROW_TOKENS`` context tokens (16 at least): on a short
+    context one forward of many rows costs little more than one of 16 (a small model's forward is mostly
+    per-call work), on a long one it stays 16."""
+    return batch_size if batch_size is not None else max(16, ROW_TOKENS // max(1, n_tokens))
+
+
 def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, mode: str = "auto",
-               batch_size: int = 16, baseline_token: int = 0, save: bool = True, reference=None,
-               method: str | None = None, top_layers: int = 2) -> pl.DataFrame:
+               batch_size: int | None = None, baseline_token: int = 0, save: bool = True, reference=None,
+               method: str | None = None, top_layers: int = 2, progress: Progress | None = None) -> pl.DataFrame:
     """Ranked causes of the token at ``pos`` of run ``run_id``: source tokens, layers, heads, experts, routers, ...
 
     Args:
@@ -666,7 +652,8 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
         pos: position of the explained token, 1 <= pos < number of tokens.
         steps: IG integration steps (Gauss-Legendre points).
         mode: "auto" (frozen for MoE, plain for dense), "frozen" or "plain".
-        batch_size: forward rows per IG / ablation / patching batch.
+        batch_size: forward rows per IG / ablation / patching batch; None: ``rows_per_forward`` (as many rows as
+            4096 context tokens, 16 at least).
         baseline_token: token id of the IG baseline sequence.
         save: replace the run's ``attributions`` rows for this position with the result.
         reference: a known-good run id, module, adapter or checkpoint folder of the same architecture (a run
@@ -675,6 +662,7 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
             "attribution_diff" (this model's IG and ablation minus the reference's, see the module doc);
             without one, "ablation" (the default: IG over source tokens, ablation of components).
         top_layers: patching: how many of the best-scoring layers to descend into (heads, experts, norms, ...).
+        progress: called as ``progress(phase, done, total)`` as the work goes (``workbench explain``'s bar).
     Returns: columns target_pos, kind (token|head|expert|shared_expert|router, and with patching resid,
         attn_block, mlp_block, dense_mlp, attn_norm, mlp_norm, kv_latent, rotary, embed, unembed), layer, head,
         expert, source_pos, score (nats of the target logprob), restored (patching: the fraction of the gap to
@@ -689,7 +677,7 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
                                                    "takes no reference (use patching or attribution_diff)"))
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if steps < 1 or batch_size < 1:
+    if steps < 1 or (batch_size is not None and batch_size < 1):
         raise ValueError(f"steps and batch_size must be >= 1 (got steps={steps}, batch_size={batch_size})")
     info = query.run_row(store, run_id)
     ids_all = query.table(store, "tokens", run_id, "pos", cols=["token_id"])["token_id"].to_list()
@@ -702,6 +690,7 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
     vocab = model.summary.vocab_size
     if not 0 <= baseline_token < vocab:
         raise ValueError(f"baseline_token {baseline_token} is outside the vocabulary of {vocab}")
+    batch_size = rows_per_forward(pos, batch_size)
     ids = torch.tensor([ids_all[:pos]], device=model.device)
     target = int(ids_all[pos])
     has_moe = bool(model.summary.moe_layers)
@@ -722,14 +711,14 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
                              f"a reference of at least {pos} tokens")
         ref_ids = torch.tensor([ref_tokens[:pos] if ref_tokens is not None else ids_all[:pos]], device=ref.device)
         sites, pscores, restored, gap, _ = patch_causes(model, ids, target, ref, ref_ids, batch_size=batch_size,
-                                                        top_layers=top_layers)
+                                                        top_layers=top_layers, progress=progress)
         df = rank_patching(sites, pscores, restored, pos, gap)
         if save:
             _save(store, run_id, pos, df)
         return df
     scores, delta, _ = integrated_gradients(model, ids, target, steps=steps, mode=ig_mode, batch_size=batch_size,
-                                            baseline_token=baseline_token)
-    comps, effects = component_ablation(model, ids, target, batch_size=batch_size)
+                                            baseline_token=baseline_token, progress=progress)
+    comps, effects = component_ablation(model, ids, target, batch_size=batch_size, progress=progress)
     token_method, suffix = METHOD[ig_mode], ""
     if ref is not None:
         ref_ids = ids.to(ref.device)
@@ -746,6 +735,8 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
         evidence = profile_evidence(store, run_id, pos, profile, only_routing=aprof is not None) \
             if profile is not None else []
         evidence += activations.evidence(model, ids_all[:pos], aprof)
+        if progress is not None:
+            progress("profile evidence", 1, 1)
         df = interleave(df, strongest(evidence + row_evidence(model, ids_all[:pos], target)))
     if save:
         _save(store, run_id, pos, df)
