@@ -2,14 +2,22 @@
 against the baseline profile; with --reference, every component kind by activation patching).
 
 ``--model FOLDER`` and ``--tokenizer PATH`` (read with ``getattr``: declared in workbench/cli.py) replace the
-run's recorded model folder (its weights must hash to the recorded ones) and tokenizer."""
+run's recorded model folder (its weights must hash to the recorded ones) and tokenizer.
+
+Progress (loading the model, then each phase's forwards: IG points, ablated components, the evidence, patching)
+goes to stderr as a bar while stderr is a terminal; piped or redirected, or with ``--quiet`` where the parser
+declares it, nothing is drawn."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import sys
+from typing import Iterator
 
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from workbench.analysis.rootcause import ig_check
@@ -29,7 +37,13 @@ def main(args) -> int:
         run = Run(run.store, run.run_id, model=load_for_run(run.info, model) if model is not None else None,
                   tokenizer=run_tokenizer(run.info, model, tok))
     kw = {"method": args.method} if getattr(args, "method", None) else {}
-    df = run.root_cause(args.pos, steps=args.steps, mode=args.mode, reference=args.reference, **kw)
+    with _progress(_stderr_tty() and not getattr(args, "quiet", False)) as report:
+        if report is not None:
+            report("loading the model", 0, None)
+            run.adapter()  # loads (and hash-checks) the model once; root_cause reuses it
+            report("loading the model", 1, 1)
+        df = run.root_cause(args.pos, steps=args.steps, mode=args.mode, reference=args.reference,
+                            progress=report, **kw)
     tokens = run.tokens()
     texts = dict(zip(tokens["pos"].to_list(), tokens["text"].to_list()))
     target = tokens.filter(tokens["pos"] == args.pos).row(0, named=True)
@@ -71,6 +85,29 @@ def main(args) -> int:
     if warning:
         con.print(escape(f"warning: {warning}"), style="bold yellow")
     return 0
+
+
+def _stderr_tty() -> bool:
+    return sys.stderr.isatty()
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool) -> Iterator:
+    """``report(phase, done, total)`` drawing one bar per phase on stderr (removed when done), or None."""
+    if not enabled:
+        yield None
+        return
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=Console(stderr=True, force_terminal=True), transient=True)
+    tasks: dict[str, int] = {}
+
+    def report(phase: str, done: int, total: int | None) -> None:
+        if phase not in tasks:
+            tasks[phase] = bar.add_task(phase, total=total)
+        bar.update(tasks[phase], completed=done, total=total)
+
+    with bar:
+        yield report
 
 
 WHAT = {"router": "router", "shared_expert": "shared experts", "attn_block": "attention block",
