@@ -69,6 +69,12 @@ class Probe:
     def flush(self) -> dict[str, Rows | list]:
         return {}
 
+    @classmethod
+    def flush_many(cls, probes: list["Probe"]) -> list[dict[str, Rows | list]]:
+        """``flush()`` of several probes of this class (the rows of one batched generation), in order; a class
+        whose reduction costs per call overrides it with one reduction across all of them."""
+        return [p.flush() for p in probes]
+
     def pending_bytes(self) -> int:
         """Bytes of tensors kept for the next flush (the recorder flushes early when they grow)."""
         return 0
@@ -391,13 +397,25 @@ class ExpertExtremesProbe(Probe):
         return {}
 
     def flush(self) -> dict:
-        kept, self.kept, self.kept_bytes = self.kept, [], 0
-        cols: list[dict[str, np.ndarray]] = []
-        for layer in sorted({layer for _, step in kept for layer in step}):
-            steps = [(p0, step[layer]) for p0, step in kept if layer in step]
-            x, idx = torch.cat([xi for _, (xi, _) in steps]), torch.cat([ii for _, (_, ii) in steps])
+        return self.flush_many([self])[0]
+
+    @classmethod
+    def flush_many(cls, probes: list["ExpertExtremesProbe"]) -> list[dict]:
+        """Every probe's kept rows of a layer through the experts in one ``expert_internals`` call (per-expert
+        calls dominate: the rows of a batched generation share them), the results split back per probe."""
+        kept = []
+        for p in probes:
+            kept.append(p.kept)
+            p.kept, p.kept_bytes = [], 0
+        cols: list[list[dict[str, np.ndarray]]] = [[] for _ in probes]
+        for layer in sorted({layer for k in kept for _, step in k for layer in step}):
+            parts = [(j, [(p0, step[layer]) for p0, step in k if layer in step]) for j, k in enumerate(kept)]
+            parts = [(j, steps) for j, steps in parts if steps]
+            xs = [xi for _, steps in parts for _, (xi, _) in steps]
+            x = torch.cat([xi.to(xs[0].device) for xi in xs])
+            idx = torch.cat([ii.to(xs[0].device) for _, steps in parts for _, (_, ii) in steps])
             try:
-                got = expert_internals(self.adapter.parts(layer).get("experts"), x, idx)
+                got = expert_internals(probes[parts[0][0]].adapter.parts(layer).get("experts"), x, idx)
             except Exception:  # noqa: BLE001 - an experts module we cannot run: nothing, never a wrong row
                 got = None
             if got is None:
@@ -405,16 +423,20 @@ class ExpertExtremesProbe(Probe):
             norm, act = (t.nan_to_num(float("-inf")) for t in got)
             ie, ia = norm.argmax(1), act.argmax(1)
             rows, idx = torch.arange(idx.size(0)), idx.cpu()
-            cols.append({"pos": np.concatenate([np.arange(p0, p0 + xi.size(0), dtype=np.int32)
-                                                for p0, (xi, _) in steps]),
-                         "layer": np.full(idx.size(0), layer, np.int32),
-                         "max_out_norm": norm[rows, ie].double().numpy(),
-                         "max_out_expert": idx[rows, ie].numpy().astype(np.int32),
-                         "max_act": act[rows, ia].double().numpy(),
-                         "max_act_expert": idx[rows, ia].numpy().astype(np.int32)})
-        if not cols:
-            return {}
-        return {"expert_extremes": Rows(self.run_id, {k: np.concatenate([c[k] for c in cols]) for k in cols[0]})}
+            every = {"max_out_norm": norm[rows, ie].double().numpy(),
+                     "max_out_expert": idx[rows, ie].numpy().astype(np.int32),
+                     "max_act": act[rows, ia].double().numpy(),
+                     "max_act_expert": idx[rows, ia].numpy().astype(np.int32)}
+            off = 0
+            for j, steps in parts:
+                n = sum(xi.size(0) for _, (xi, _) in steps)
+                cols[j].append({"pos": np.concatenate([np.arange(p0, p0 + xi.size(0), dtype=np.int32)
+                                                       for p0, (xi, _) in steps]),
+                                "layer": np.full(n, layer, np.int32),
+                                **{k: v[off:off + n] for k, v in every.items()}})
+                off += n
+        return [{"expert_extremes": Rows(p.run_id, {k: np.concatenate([c[k] for c in cs]) for k in cs[0]})}
+                if cs else {} for p, cs in zip(probes, cols)]
 
     def pending_bytes(self) -> int:
         return self.kept_bytes

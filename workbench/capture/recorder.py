@@ -79,6 +79,15 @@ class Recorder:
     def flush(self) -> dict:
         return merge_batches([p.flush() for p in self.probes])
 
+    @staticmethod
+    def flush_many(recs: list["Recorder"]) -> list[dict]:
+        """``flush()`` of several recorders of the same probes (the rows of one batched generation): each probe
+        class reduces its probes of every row together (``Probe.flush_many``); one batch per recorder."""
+        if not recs:
+            return []
+        per_probe = [type(ps[0]).flush_many(list(ps)) for ps in zip(*(r.probes for r in recs))]
+        return [merge_batches(list(got)) for got in zip(*per_probe)]
+
     def pending_bytes(self) -> int:
         return sum(p.pending_bytes() for p in self.probes)
 
@@ -217,24 +226,37 @@ class _Recording:
 
     def step(self, step, wall_ms: float) -> bool:
         """Collect one finished generation step; True when it was the run's last."""
-        new_pos = step.start_pos + len(step.input_ids)
-        new_text = self.tokenizer.decode([step.next_token])
-        final = new_pos + 1 >= self.end or step.next_token == self.eos
-        rec = self.rec
-        self.pending.append(rec.collect(StepInfo(self.run_id, step.index, step.start_pos, step.input_ids, step.logits,
-                                                 step.next_token, new_text, self.texts, final, wall_ms, self.topk)))
-        # a live consumer (on_token) may read the store, or block, before the next step: it gets every
-        # step handed to the writer before it is told of the step
-        if (self.on_token is not None or final or step.index == 0 or len(self.pending) >= FLUSH_STEPS
-                or rec.pending_bytes() > FLUSH_BYTES or time.monotonic() - self.last_flush > self.flush_seconds):
-            self.writer.put(merge_batches(self.pending + [rec.flush()]))  # whole steps, one put
-            self.pending, self.last_flush = [], time.monotonic()
-        self.n_tokens = new_pos + 1
+        final, new_text = self.collect(step, wall_ms)
+        if self.due(step, final):
+            self.writer.put(merge_batches(self.pending + [self.rec.flush()]))  # whole steps, one put
+            self.flushed()
         if self.on_token:
-            self.on_token(new_pos, new_text)
+            self.on_token(self.n_tokens - 1, new_text)
         if self.bar:
             self.bar.update(1)
         return final
+
+    def collect(self, step, wall_ms: float) -> tuple[bool, str]:
+        """The probes' rows of one finished step kept (not yet flushed); (whether it was the last, its new text)."""
+        new_pos = step.start_pos + len(step.input_ids)
+        new_text = self.tokenizer.decode([step.next_token])
+        final = new_pos + 1 >= self.end or step.next_token == self.eos
+        self.pending.append(self.rec.collect(StepInfo(self.run_id, step.index, step.start_pos, step.input_ids,
+                                                      step.logits, step.next_token, new_text, self.texts, final,
+                                                      wall_ms, self.topk)))
+        self.n_tokens = new_pos + 1
+        return final, new_text
+
+    def due(self, step, final: bool) -> bool:
+        """Whether the steps collected so far are reduced and handed to the writer now: a live consumer
+        (on_token) may read the store, or block, before the next step, so it gets every step handed to the
+        writer before it is told of it; else the prefill, the last step, and every FLUSH_STEPS steps, FLUSH_BYTES
+        kept or ``flush_seconds``."""
+        return (self.on_token is not None or final or step.index == 0 or len(self.pending) >= FLUSH_STEPS
+                or self.rec.pending_bytes() > FLUSH_BYTES or time.monotonic() - self.last_flush > self.flush_seconds)
+
+    def flushed(self) -> None:
+        self.pending, self.last_flush = [], time.monotonic()
 
     def flush_kept(self) -> None:
         """Hand the steps collected before an interruption to the writer (they are kept)."""
@@ -477,13 +499,24 @@ def record_batch(prompts: list, settings: list[RecordSettings], *, model=None, t
             for bstep in adapter.stream_batch([ids[b] for b in live], [s.max_new_tokens for s in rows],
                                               [s.temperature for s in rows], [s.top_p for s in rows],
                                               [s.seed for s in rows], eos):
+                stepped, due, final = [], False, []
                 for r, step in enumerate(bstep.steps):
                     if step is None:
                         continue
                     now = time.perf_counter()
-                    if runs[r].step(step, (now - t0[r]) * 1e3):
-                        listening[r] = None  # the row is still fed until the batch ends: nothing more of it is kept
-                        open_runs.discard(r)
-                        runs[r].finish(store, "complete", None)
+                    last, _ = runs[r].collect(step, (now - t0[r]) * 1e3)
+                    stepped.append(r)
+                    due = runs[r].due(step, last) or due
+                    if last:
+                        final.append(r)
                     t0[r] = now
+                if due:  # every stepped row at once: each probe class reduces all rows' kept steps together
+                    got = Recorder.flush_many([runs[r].rec for r in stepped])
+                    writer.put(merge_batches([p for r in stepped for p in runs[r].pending] + got))
+                    for r in stepped:
+                        runs[r].flushed()
+                for r in final:
+                    listening[r] = None  # the row is still fed until the batch ends: nothing more of it is kept
+                    open_runs.discard(r)
+                    runs[r].finish(store, "complete", None)
     return errors
