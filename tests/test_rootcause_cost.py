@@ -156,3 +156,22 @@ def test_explain_draws_progress_on_a_terminal_only(tiny, tmp_path, capsys, monke
     assert json.loads(got.out.strip().splitlines()[-1])["pos"] == 6  # stdout stays the JSON alone
     for phase in ("loading the model", "integrated gradients", "ablation"):
         assert phase in got.err
+
+
+def test_patching_batches_the_experts_of_its_own_module_on_another_prompt(tiny):
+    from copy import deepcopy
+
+    from workbench.analysis.patching import patch_causes
+
+    a = adapter_for(tiny)
+    other = IDS.clone()
+    other[0, 4], other[0, -1] = 201, 6  # the same model on an edited prompt: a known-good run
+    twin = adapter_for(deepcopy(tiny))  # the same weights in another module: each expert a forward of its own
+    sites, score, restored, gap, stats = patch_causes(a, IDS, 7, a, other, batch_size=8)
+    t_sites, t_score, t_restored, t_gap, t_stats = patch_causes(a, IDS, 7, twin, other, batch_size=8)
+    experts = [k for k in t_sites if k[0] == "expert"]
+    assert sites == t_sites and experts and abs(gap) > 1e-3
+    np.testing.assert_allclose(score, t_score, atol=1e-5)
+    np.testing.assert_allclose(restored, t_restored, atol=1e-5)
+    assert np.abs(score[[n for n, k in enumerate(sites) if k[0] == "expert"]]).max() > 0  # experts that matter
+    assert stats.forwards <= t_stats.forwards - 2 * len(experts) + 2  # their forwards batched, both directions

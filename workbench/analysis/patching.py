@@ -25,7 +25,9 @@ of L - 1 (what block L itself changed), and a layer-wide fault stands out at its
 
 Cost: the two capture forwards, then (levels 1 and 2) one batched forward per ``batch_size`` patched
 components in each direction; the rotary part and each expert of a descended layer need a forward of
-their own (a weight swap or a table is not per batch row). ``PatchStats`` counts them.
+their own (a weight swap or a table is not per batch row), except an expert where the reference is the run's
+own module on another prompt (its part of the routing alone: batched). Every forward reads the output
+projection at the last position only. ``PatchStats`` counts them.
 
 Every model goes through its adapter (``parts``, ``rotary``, and the ``head_out``, ``route`` and
 ``routed`` seams), so this works on our ``Transformer`` and the ``transformers`` families alike.
@@ -139,6 +141,17 @@ class _Taps:
             rows, idx, w = _expert_slot(self.expert[1], *self.cache[("route", layer)], src_i, src_w)
             if rows.any():
                 r.force(rows, idx, w)
+        # batch rows that take one expert's part of the routing (the same module on both sides: no weights to swap;
+        # upstream of its layer every row is this forward's own, so its routing there is the captured one)
+        for k, rs in self.rows.items():
+            if k[0] != "expert" or k[1] != layer:
+                continue
+            rows, idx, w = _expert_slot(k[3], *self.cache[("route", layer)], src_i, src_w)
+            if rows.any():
+                mask = torch.zeros(n, dtype=torch.bool, device=r.indices.device)
+                for b in rs:
+                    mask[b * t:(b + 1) * t] = rows.to(mask.device)
+                r.force(mask, idx.repeat(self.batch, 1), w.repeat(self.batch, 1))
 
     def _rotary(self, layer: int):
         def fn(rot, _start):
@@ -374,11 +387,14 @@ def patch_causes(model: Adapter, ids: torch.Tensor, target: int, reference: Adap
         gap = f_ref - f_run
         sign = 1.0 if gap >= 0 else -1.0
 
+        def patched(dst: _Side, src: _Side, sites_b: list[Key], sites_s: list[Key]) -> np.ndarray:
+            # an expert's part is a routing edit alone when both sides are one module: batched with the rest
+            along = [k for k in sites_s if k[0] == "expert" and dst.a.module is src.a.module]
+            got = dict(zip(sites_b + along, dst.batched(sites_b + along, src, batch_size)))
+            return np.array([got[k] if k in got else dst.single(k, src) for k in sites_b + sites_s])
+
         def score(sites_b: list[Key], sites_s: list[Key]) -> tuple[np.ndarray, np.ndarray]:
-            fixed = np.concatenate([run.batched(sites_b, ref, batch_size),
-                                    np.array([run.single(k, ref) for k in sites_s])])
-            broken = np.concatenate([ref.batched(sites_b, run, batch_size),
-                                     np.array([ref.single(k, run) for k in sites_s])])
+            fixed, broken = patched(run, ref, sites_b, sites_s), patched(ref, run, sites_b, sites_s)
             return (fixed - f_run) * sign, (f_ref - broken) * sign
 
         sites = level_one(model, ids.size(1))
@@ -402,7 +418,8 @@ def patch_causes(model: Adapter, ids: torch.Tensor, target: int, reference: Adap
             b, s = level_two(model, layer)
             more_b += b
             more_s += [k for k in s if k[0] != "expert" or _routed_somewhere(run, ref, k[1], k[3])]
-        plan[0] = stats.forwards + 2 * (-(-len(more_b) // max(1, batch_size)) + len(more_s))
+        along = [k for k in more_s if k[0] == "expert" and model.module is reference.module]
+        plan[0] = stats.forwards + 2 * (-(-len(more_b + along) // max(1, batch_size)) + len(more_s) - len(along))
         fix2, brk2 = score(more_b, more_s)
     sites += more_b + more_s
     fix, brk = np.concatenate([fix, fix2]), np.concatenate([brk, brk2])
