@@ -254,72 +254,106 @@ class MLA(nn.Module):
         return seqlen > 1 and c * (nope + v) < seqlen * (2 * c - nope - v)
 
     def _attend_naive(self, q, k, v, start_pos: int) -> torch.Tensor:
-        """Scaled-dot-product attention over per-head keys [B, S, H, nope+R] and values [B, S, H, v]."""
-        seqlen, keys = q.size(1), k.size(1)
-        if seqlen > self.attn_chunk:  # the math kernel holds [B, H, Tc, S] scores: in blocks of query rows
-            c = self.attn_chunk
-            return torch.cat([self._attend_naive(q[:, t0:t0 + c], k, v, start_pos + t0) for t0 in range(0, seqlen, c)], 1)
+        """Scaled-dot-product attention over per-head keys [B, S, H, nope+R] and values [B, S, H, v].
+
+        CPU SDPA takes its flash kernel only when q, k and v share one head dim, and its math kernel (all
+        [B, H, T, S] scores at once) otherwise: the narrower of k and v is padded with zeros, which changes
+        neither the scores nor the output's own columns, and the output is sliced back."""
+        seqlen, keys, dv = q.size(1), k.size(1), v.size(-1)
+        q, k, v = _same_head_dim(q, k, v)
         causal = start_pos == 0 and seqlen == keys
-        mask = None if causal else causal_mask(seqlen, keys, start_pos, q.device)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                           is_causal=causal, scale=self.softmax_scale)
-        return o.transpose(1, 2)
+        if causal:  # the flash kernel masks by itself in O(T) memory: the whole sequence at once
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                               scale=self.softmax_scale)
+            return o.transpose(1, 2)[..., :dv]
+        outs = []  # a block after cached keys needs a [T, S] mask: in blocks of query rows
+        for t0 in range(0, seqlen, self.attn_chunk):
+            t1 = min(t0 + self.attn_chunk, seqlen)
+            kend = min(keys, start_pos + t1)  # keys past the block's last row are masked anyway
+            mask = causal_mask(t1 - t0, kend, start_pos + t0, q.device)
+            o = F.scaled_dot_product_attention(q[:, t0:t1].transpose(1, 2), k[:, :kend].transpose(1, 2),
+                                               v[:, :kend].transpose(1, 2), attn_mask=mask, scale=self.softmax_scale)
+            outs.append(o.transpose(1, 2)[..., :dv])
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
     def _attend_naive_stats(self, q, k, v, start_pos: int) -> torch.Tensor:
-        """``_attend_naive`` with the softmax written out in blocks of query rows and reduced on the way to what
-        ``hook_attn_stats`` hands over (see ``_attend_stats``): one matmul gives p @ [V, K], so the output and
-        the entropy's sum(p * s) = scale * q . (p @ K) come together."""
+        """``_attend_naive`` with the softmax written out and reduced on the way to what ``hook_attn_stats`` hands
+        over (see ``_attend_stats``), once per block of ``attn_chunk`` query rows. Inside a block the rows go in
+        tiles of ``TILE`` query rows x heads, each against the keys up to its last row only (the causal triangle,
+        as the flash kernel of the plain path skips masked keys): d = s - max, e = exp(d), l = sum e; entropy
+        log l - sum(e * d) / l, max weight 1 / l, sink weight e_0 / l, the output (e @ V) / l, and the attention
+        each key received one matrix-vector product per tile. Masked scores are a large finite negative, so
+        that e * d is 0 there, not nan."""
         bsz, seqlen, h, dv = q.size(0), q.size(1), self.n_heads, self.v_head_dim
-        keys = k.size(1)
+        keys, scale = k.size(1), self.softmax_scale
         kh = k.transpose(1, 2).flatten(0, 1).float()  # [B*H, S, nope+R]
-        vk = torch.cat([v.transpose(1, 2).flatten(0, 1).float(), kh], -1)  # [B*H, S, v+nope+R]
+        vh = v.transpose(1, 2).flatten(0, 1)  # [B*H, S, v]
+        vf = vh.float()
+        grad = torch.is_grad_enabled()
         outs = []
         for t0 in range(0, seqlen, self.attn_chunk):
             t1 = min(t0 + self.attn_chunk, seqlen)
             tc = t1 - t0
-            qh = q[:, t0:t1].transpose(1, 2).flatten(0, 1).float()  # [B*H, Tc, nope+R]
-            s = torch.bmm(qh, kh.transpose(1, 2)).mul_(self.softmax_scale)  # [B*H, Tc, S]
-            if tc > 1 or start_pos + t0 + 1 < keys:
-                s.add_(causal_mask(tc, keys, start_pos + t0, q.device))
-            m = s.amax(-1, keepdim=True)
-            if torch.is_grad_enabled():  # autograd keeps the scores: no in-place overwrite
-                e = (s - m).exp()
+            stats, out = [], []
+            received = q.new_zeros(bsz * h, 1, keys, dtype=torch.float32)
+            rows = max(16, min(tc, TILE // (bsz * h)))
+            for r0 in range(t0, t1, rows):
+                r1 = min(r0 + rows, t1)
+                kend = min(keys, start_pos + r1)  # the tile's last row sees keys 0 .. start_pos + r1 - 1
+                qh = q[:, r0:r1].transpose(1, 2).flatten(0, 1).float()  # [B*H, Tr, nope+R]
+                s = torch.bmm(qh, kh[:, :kend].transpose(1, 2))  # [B*H, Tr, S']
+                s = s * scale if grad else s.mul_(scale)
+                lo = min(kend, start_pos + r0)  # keys before lo are seen by every row of the tile
+                if lo < kend:
+                    m_ = causal_mask(r1 - r0, kend - lo, start_pos + r0 - lo, q.device).clamp_(min=MASKED)
+                    if grad:  # autograd keeps the scores: no in-place overwrite
+                        s = torch.cat([s[..., :lo], s[..., lo:] + m_], -1)
+                    else:
+                        s[..., lo:].add_(m_)
+                m = s.amax(-1, keepdim=True)
+                d = s - m if grad else s.sub_(m)
+                e = d.exp()
                 inv = e.sum(-1, keepdim=True).reciprocal()
-                pvk = torch.bmm(e, vk) * inv
-            else:  # in place: no second [B*H, Tc, S] block
-                e = s.sub_(m).exp_()
-                inv = e.sum(-1, keepdim=True).reciprocal_()
-                pvk = torch.bmm(e, vk).mul_(inv)  # [B*H, Tc, v+nope+R]: p @ V, then p @ K
-            entropy = (m - inv.log()).squeeze(-1) - self.softmax_scale * (qh * pvk[..., dv:]).sum(-1)
-            stats = torch.stack([entropy.clamp(min=0.0), inv.squeeze(-1), e[..., 0] * inv.squeeze(-1)], -1)
-            received = torch.bmm(inv.transpose(1, 2), e).view(bsz, h, keys).sum(1)
-            self.hook_attn_stats(stats.view(bsz, h, tc, 3).transpose(1, 2), q_start=start_pos + t0, received=received)
-            if v.dtype == torch.float32:
-                out = pvk[..., :dv]
-            else:  # a half-precision model: probabilities in fp32, p @ V in the model's dtype (as the plain path)
-                out = torch.bmm((e * inv).to(v.dtype), v.transpose(1, 2).flatten(0, 1)).float()
+                i1 = inv.squeeze(-1)
+                entropy = -i1.log() - torch.linalg.vecdot(e, d) * i1
+                stats.append(torch.stack([entropy.clamp(min=0.0), i1, e[..., 0] * i1], -1))
+                received[..., :kend].baddbmm_(inv.detach().transpose(1, 2), e.detach())
+                if v.dtype == torch.float32:
+                    o = torch.bmm(e, vf[:, :kend])
+                    out.append(o * inv if grad else o.mul_(inv))
+                else:  # a half-precision model: probabilities in fp32, p @ V in the model's dtype (as the plain path)
+                    out.append(torch.bmm((e * inv).to(v.dtype), vh[:, :kend]).float())
+            stats = stats[0] if len(stats) == 1 else torch.cat(stats, 1)
+            self.hook_attn_stats(stats.view(bsz, h, tc, 3).transpose(1, 2), q_start=start_pos + t0,
+                                 received=received.view(bsz, h, keys).sum(1))
+            out = out[0] if len(out) == 1 else torch.cat(out, 1)
             outs.append(out.reshape(bsz, h, tc, dv).transpose(1, 2).type_as(q))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
     def _attend_fused(self, q_abs, q_pe, kv, k_pe, start_pos: int) -> torch.Tensor:
         """Scaled-dot-product attention as MQA in latent space: one shared key/value per token."""
-        seqlen, keys = q_abs.size(1), kv.size(1)
-        if seqlen > self.attn_chunk:
-            # q/k and v head dims differ, so CPU SDPA takes the math kernel and holds [B, H, T, S] scores:
-            # a long prefill goes in blocks of query rows instead (O(chunk x S), like the observed path)
-            c = self.attn_chunk
-            return torch.cat([self._attend_fused(q_abs[:, t0:t0 + c], q_pe[:, t0:t0 + c], kv, k_pe, start_pos + t0)
-                              for t0 in range(0, seqlen, c)], 1)
+        seqlen, keys, c = q_abs.size(1), kv.size(1), kv.size(-1)
+        if seqlen == 1 and q_abs.dtype == torch.float32:
+            # a decode step: the scores of all heads as one [B, H, C] @ [B, C, S] matmul (plus the rope part),
+            # a softmax and one matmul for the output; SDPA's setup costs several times that at this size
+            s = torch.baddbmm(torch.bmm(q_pe.flatten(1, 2), k_pe.mT), q_abs.flatten(1, 2), kv.mT,
+                              beta=self.softmax_scale, alpha=self.softmax_scale)  # [B, H, S]
+            return torch.bmm(s.softmax(-1), kv).view(q_abs.size(0), 1, self.n_heads, c)
+        if seqlen > self.attn_chunk:  # a [T, S] mask in blocks of query rows
+            ch = self.attn_chunk
+            return torch.cat([self._attend_fused(q_abs[:, t0:t0 + ch], q_pe[:, t0:t0 + ch], kv, k_pe, start_pos + t0)
+                              for t0 in range(0, seqlen, ch)], 1)
         q = torch.cat([q_abs, q_pe], -1).transpose(1, 2)  # [B, H, T, C+R]
         k = torch.cat([kv, k_pe], -1).unsqueeze(1).expand(-1, self.n_heads, -1, -1)  # [B, H, S, C+R]
-        v = kv.unsqueeze(1).expand(-1, self.n_heads, -1, -1)  # [B, H, S, C]
+        # the value padded to the key's head dim (zeros): CPU SDPA's flash kernel instead of its math kernel
+        v = F.pad(kv, (0, k.size(-1) - c)).unsqueeze(1).expand(-1, self.n_heads, -1, -1)  # [B, H, S, C+R]
         # a whole-sequence prefill lets the kernel mask by itself: no [T, S] mask, O(T) extra memory
         causal = seqlen > 1 and start_pos == 0 and seqlen == keys
         mask = None
         if seqlen > 1 and not causal:
             mask = causal_mask(seqlen, keys, start_pos, q.device)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale)
-        return o.transpose(1, 2)
+        return o[..., :c].transpose(1, 2)
 
     def _attend_observed(self, q_abs, q_pe, kv, k_pe, start_pos: int) -> torch.Tensor:
         """Explicit softmax in blocks of query rows, so a probe sees probabilities in O(chunk x S)."""
@@ -376,6 +410,22 @@ def causal_mask(seqlen: int, keys: int, start_pos: int, device) -> torch.Tensor:
     q_pos = torch.arange(start_pos, start_pos + seqlen, device=device)[:, None]
     k_pos = torch.arange(keys, device=device)[None, :]
     return torch.zeros(seqlen, keys, device=device).masked_fill(k_pos > q_pos, float("-inf"))
+
+
+def _same_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """q, k [.., qk] and v [.., v] zero-padded to one head dim (CPU SDPA's flash kernel needs it)."""
+    dq, dv = q.size(-1), v.size(-1)
+    if dv < dq:
+        v = F.pad(v, (0, dq - dv))
+    elif dq < dv:
+        q, k = F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq))
+    return q, k, v
+
+
+# query rows x heads (x batch rows) per tile of the reduced attention: 64 rows of 16 heads, whatever the keys
+# (measured on one core: 64-row tiles of the triangle at 512-4096 keys beat 32, 128 and 256 rows)
+TILE = 1024
+MASKED = -1e30  # a masked score in the reduced attention: exp gives 0, and 0 * (it - max) stays 0
 
 
 class MLP(nn.Module):
