@@ -95,8 +95,11 @@ class Recorder:
 # Decode steps are reduced together: at most this many steps, this long, or these many kept bytes apart
 # (the prefill, the last step, and every step of a recording with an ``on_token`` consumer are flushed at
 # once). The writer commits every 0.5 s anyway, so this holds back little the store would already have had.
-FLUSH_STEPS, FLUSH_SECONDS, FLUSH_BYTES = 32, 0.2, 32 << 20
-BATCH_FLUSH_SECONDS = 1.0
+FLUSH_STEPS, FLUSH_SECONDS, FLUSH_BYTES = 64, 0.5, 32 << 20
+BATCH_FLUSH_SECONDS = 2.0
+# the writer's transaction window (``Writer.interval``): a commit costs tens of ms of CPU whatever its size, so a
+# recording nobody watches step by step (no ``on_token``) commits less often; a crash loses at most this long
+WRITE_SECONDS, LIVE_WRITE_SECONDS, BATCH_WRITE_SECONDS = 1.0, 0.5, 2.0
 
 
 def eos_of(tokenizer, adapter: Adapter) -> int | None:
@@ -195,8 +198,14 @@ def _insert_run(store: Store, run_id: str, adapter: Adapter, source: dict, promp
                 params: dict, seed: int, parent_run_id: str | None, run_fields: dict | None) -> None:
     """The run's first ``runs`` row (status ``running``), with the neutral model summary and ``source``
     (``_open``'s provenance: model, checkpoint_sha256, tokenizer, weights_sha256)."""
+    store.append({"runs": _run_row(run_id, adapter, source, prompt, ids, tokenizer, params, seed, parent_run_id,
+                                   run_fields)})
+
+
+def _run_row(run_id: str, adapter: Adapter, source: dict, prompt, ids: list[int], tokenizer, params: dict, seed: int,
+             parent_run_id: str | None, run_fields: dict | None) -> pl.DataFrame:
     summary = adapter.summary
-    store.append({"runs": pl.DataFrame({
+    return pl.DataFrame({
         "run_id": [run_id], "created_at": [datetime.now(timezone.utc).replace(tzinfo=None)], "status": ["running"],
         "config": [_config_json(adapter)], **{k: [v] for k, v in source.items()},
         "dtype": [str(adapter.dtype).removeprefix("torch.")], "device": [str(adapter.device)],
@@ -204,7 +213,7 @@ def _insert_run(store: Store, run_id: str, adapter: Adapter, source: dict, promp
         "seed": [seed], "parent_run_id": [parent_run_id], "n_prompt_tokens": [len(ids)], "n_tokens": [len(ids)],
         "pid": [os.getpid()], "summary": [json.dumps(summary.to_dict())],
         "notes": ["; ".join(summary.notes) or None], **{k: [v] for k, v in (run_fields or {}).items()},
-    })})
+    })
 
 
 class _Recording:
@@ -254,6 +263,11 @@ class _Recording:
         kept or ``flush_seconds``."""
         return (self.on_token is not None or final or step.index == 0 or len(self.pending) >= FLUSH_STEPS
                 or self.rec.pending_bytes() > FLUSH_BYTES or time.monotonic() - self.last_flush > self.flush_seconds)
+
+    def due_batched(self) -> bool:
+        """``due`` for a row of a batched generation (no live consumer; its prefill waits for the next flush)."""
+        return (len(self.pending) >= FLUSH_STEPS or self.rec.pending_bytes() > FLUSH_BYTES
+                or time.monotonic() - self.last_flush > self.flush_seconds)
 
     def flushed(self) -> None:
         self.pending, self.last_flush = [], time.monotonic()
@@ -324,7 +338,7 @@ def record_run(prompt: str | list[int], settings: RecordSettings | None = None, 
                 settings.params(ids, adapter.summary.backend), settings.seed, parent_run_id, run_fields)
     if ivs:
         store.append({"interventions": pl.DataFrame(intervention_rows(run_id, ivs), schema=_INTERVENTION_TYPES)})
-    run.writer = writer = Writer(store)
+    run.writer = writer = Writer(store, interval=WRITE_SECONDS if on_token is None else LIVE_WRITE_SECONDS)
     try:
         # the interventions' hooks come first: the probes see what the model computed under them
         with _finishing(lambda: [run], store, writer), intervening(adapter, ivs), adapter.seams(run.rec.listeners()):
@@ -480,19 +494,21 @@ def record_batch(prompts: list, settings: list[RecordSettings], *, model=None, t
     if not live:
         return errors
     eos = eos_of(tokenizer, adapter)
-    # each row's reductions are its own calls: a batch flushes its rows less often by time (the steps rule holds)
+    # a batch flushes its rows less often by time (the steps rule holds)
     runs = [_Recording(run_ids[b], _RowView(adapter, r), probes, ids[b], tokenizer, settings[b].max_new_tokens, eos,
                        first.topk, flush_seconds=BATCH_FLUSH_SECONDS) for r, b in enumerate(live)]
-    writer = Writer(store)
+    writer = Writer(store, interval=BATCH_WRITE_SECONDS)
     for run in runs:
         run.writer = writer
     listening: list[dict | None] = [r.rec.listeners() for r in runs]
     open_runs: set[int] = set()  # rows with a run row and no final status yet
     with _finishing(lambda: [runs[r] for r in sorted(open_runs)], store, writer):
-        for r, b in enumerate(live):
-            _insert_run(store, run_ids[b], adapter, source, prompts[b], ids[b], tokenizer,
-                        settings[b].params(ids[b], adapter.summary.backend), settings[b].seed, None, run_fields[b])
-            open_runs.add(r)
+        # every row's run row in one transaction
+        store.append({"runs": pl.concat([_run_row(run_ids[b], adapter, source, prompts[b], ids[b], tokenizer,
+                                                  settings[b].params(ids[b], adapter.summary.backend),
+                                                  settings[b].seed, None, run_fields[b]) for b in live],
+                                        how="diagonal_relaxed")})
+        open_runs.update(range(len(live)))
         with adapter.seams(fan_out(listening)):
             t0 = [time.perf_counter()] * len(runs)
             rows = [settings[b] for b in live]
@@ -506,14 +522,17 @@ def record_batch(prompts: list, settings: list[RecordSettings], *, model=None, t
                     now = time.perf_counter()
                     last, _ = runs[r].collect(step, (now - t0[r]) * 1e3)
                     stepped.append(r)
-                    due = runs[r].due(step, last) or due
+                    due = due or runs[r].due_batched()
                     if last:
                         final.append(r)
                     t0[r] = now
-                if due:  # every stepped row at once: each probe class reduces all rows' kept steps together
-                    got = Recorder.flush_many([runs[r].rec for r in stepped])
-                    writer.put(merge_batches([p for r in stepped for p in runs[r].pending] + got))
-                    for r in stepped:
+                # every stepped row at once (each probe class reduces all rows' kept steps together) when one is
+                # due by steps, bytes or time; else the rows that ended (their steps are written before they finish)
+                flush = stepped if due else final
+                if flush:
+                    got = Recorder.flush_many([runs[r].rec for r in flush])
+                    writer.put(merge_batches([p for r in flush for p in runs[r].pending] + got))
+                    for r in flush:
                         runs[r].flushed()
                 for r in final:
                     listening[r] = None  # the row is still fed until the batch ends: nothing more of it is kept
