@@ -469,10 +469,11 @@ def _grouped_internals(experts, x: torch.Tensor, indices: torch.Tensor
     key = tuple((w.data_ptr(), w._version) for t in ws for w in t)
     cached = experts.__dict__.get("_workbench_stacked")  # on the module: it goes when the model goes
     if cached is None or cached[0] != key:
-        cached = (key, tuple(torch.stack([t[j] for t in ws]) for j in range(3)))  # [E, I, D] x2, [E, D, I]
+        # transposed and contiguous, as bmm reads them: [E, D, I] x2, [E, I, D]
+        cached = (key, tuple(torch.stack([t[j] for t in ws]).mT.contiguous() for j in range(3)))
         experts.__dict__["_workbench_stacked"] = cached
     w1, w3, w2 = cached[1]
-    e_n, inter, d = w1.shape
+    e_n, d, inter = w1.shape
     flat = indices.reshape(-1).to(w1.device)
     valid = (flat >= 0) & (flat < e_n)
     pairs = valid.nonzero().squeeze(1)  # (row, slot) pairs naming a real expert, row-major
@@ -487,8 +488,8 @@ def _grouped_internals(experts, x: torch.Tensor, indices: torch.Tensor
     xg = x.new_zeros(e_n, n_max, d, dtype=w1.dtype)
     xg[ex, rank] = x[pairs // k].to(w1.device, w1.dtype)
     with torch.no_grad():
-        h = torch.nn.functional.silu(torch.bmm(xg, w1.mT)) * torch.bmm(xg, w3.mT)  # [E, n_max, I]
-        y = torch.bmm(h, w2.mT)  # [E, n_max, D]
+        h = torch.nn.functional.silu(torch.bmm(xg, w1)) * torch.bmm(xg, w3)  # [E, n_max, I]
+        y = torch.bmm(h, w2)  # [E, n_max, D]
         norm = torch.full((n * k,), float("nan"), device=w1.device)
         act = torch.full((n * k,), float("nan"), device=w1.device)
         norm[pairs] = y[ex, rank].float().norm(dim=-1)
