@@ -210,6 +210,10 @@ class MLA(nn.Module):
         # [B, Tc, H, 3] entropy, max weight and weight on key 0 per query row and head of one block; kwargs
         # q_start and received [B, S] (the block's attention on each key, summed over its rows and heads)
         self.hook_attn_stats = HookPoint()
+        # a fused kernel for the stats prefill without gradients, set by whoever knows one for the device (the
+        # Triton forward of workbench.probes.triton_attention on CUDA): fn(q, k, v, scale, q_start) ->
+        # (output [B, T, H, v], stats [B, T, H, 3], received [B, S]); None: _attend_naive_stats
+        self.stats_kernel = None
         self.hook_z = HookPoint()  # [B, T, H, v] per-head output before wo
         self.hook_out = HookPoint()  # [B, T, D]
 
@@ -231,7 +235,10 @@ class MLA(nn.Module):
             v = torch.einsum("bsc,hdc->bshd", kv, wkv_b[:, -self.v_head_dim:])  # [B, S, H, v]
             q = torch.cat([q_nope, q_pe], -1)  # [B, T, H, nope+R]
             k = torch.cat([k_nope, k_pe[:, :, None].expand(-1, -1, self.n_heads, -1)], -1)  # [B, S, H, nope+R]
-            attend = self._attend_naive_stats if self.hook_attn_stats.active else self._attend_naive
+            attend = self._attend_naive
+            if self.hook_attn_stats.active:
+                kernel = self.stats_kernel is not None and not torch.is_grad_enabled()
+                attend = self._attend_kernel_stats if kernel else self._attend_naive_stats
             z = attend(q, k, v, start_pos)  # [B, T, H, v]
         else:
             q_abs = torch.einsum("bthd,hdc->bthc", q_nope, wkv_b[:, : self.qk_nope_head_dim])  # [B, T, H, C]
@@ -328,6 +335,20 @@ class MLA(nn.Module):
                                  received=received.view(bsz, h, keys).sum(1))
             out = out[0] if len(out) == 1 else torch.cat(out, 1)
             outs.append(out.reshape(bsz, h, tc, dv).transpose(1, 2).type_as(q))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+
+    def _attend_kernel_stats(self, q, k, v, start_pos: int) -> torch.Tensor:
+        """``_attend_naive_stats`` through ``stats_kernel``, one call per block of ``attn_chunk`` query rows."""
+        outs = []
+        for t0 in range(0, q.size(1), self.attn_chunk):
+            t1 = min(t0 + self.attn_chunk, q.size(1))
+            kend = min(k.size(1), start_pos + t1)
+            o, stats, received = self.stats_kernel(q[:, t0:t1], k[:, :kend], v[:, :kend], self.softmax_scale,
+                                                   start_pos + t0)
+            if kend < k.size(1):
+                received = F.pad(received, (0, k.size(1) - kend))
+            self.hook_attn_stats(stats, q_start=start_pos + t0, received=received)
+            outs.append(o)
         return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
     def _attend_fused(self, q_abs, q_pe, kv, k_pe, start_pos: int) -> torch.Tensor:

@@ -188,6 +188,50 @@ if triton is not None:
         tl.store(MAXW + stat, max_w, mask=row_ok)
         tl.store(SINK + stat, sink, mask=row_ok)
 
+    @triton.jit
+    def _received_kernel(Q, K, LSE, REC,
+                         stride_qb, stride_qh, stride_qt, stride_qd,
+                         stride_kb, stride_kh, stride_kn, stride_kd,
+                         H, T, S, GROUP, q_start, window, qk_scale,
+                         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DQK: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, PREC: tl.constexpr):
+        """REC[b, h, key] = sum over query rows of exp(s - lse): one program per block of BLOCK_N keys of one
+        head, query blocks streamed (only those that can see a key of the block), lse from the forward."""
+        start_n = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = (bh // H).to(tl.int64)
+        h = (bh % H).to(tl.int64)
+        hk = h // GROUP
+        offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_dk = tl.arange(0, BLOCK_DQK)
+        k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[None, :] * stride_kn + offs_dk[:, None] * stride_kd,
+                    mask=(offs_dk[:, None] < DQK) & (offs_n[None, :] < S), other=0.0)  # [D, BLOCK_N]
+        q_base = Q + b * stride_qb + h * stride_qh
+        lo = 0
+        if CAUSAL:  # rows before the block's first key see none of it
+            lo = (tl.maximum(start_n * BLOCK_N - q_start, 0) // BLOCK_M) * BLOCK_M
+        hi = T
+        if HAS_WINDOW:  # rows at or past the block's last key + window see none of it
+            hi = tl.minimum(T, tl.maximum(start_n * BLOCK_N + BLOCK_N - 1 + window - q_start, 0))
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        offs_m0 = tl.arange(0, BLOCK_M)
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + offs_m0
+            row_ok = offs_m < T
+            q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_dk[None, :] * stride_qd,
+                        mask=row_ok[:, None] & (offs_dk[None, :] < DQK), other=0.0)
+            lse = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
+            s = tl.dot(q, k, input_precision=PREC) * qk_scale - lse[:, None]  # log2 units
+            pos = q_start + offs_m
+            keep = row_ok[:, None] & (offs_n[None, :] < S)
+            if CAUSAL:
+                keep = keep & (offs_n[None, :] <= pos[:, None])
+            if HAS_WINDOW:
+                keep = keep & (offs_n[None, :] > pos[:, None] - window)
+            p = tl.where(keep, tl.math.exp2(tl.where(keep, s, 0.0)), 0.0)
+            acc += tl.sum(p, 0)
+        tl.store(REC + bh.to(tl.int64) * S + offs_n, acc, mask=offs_n < S)
+
 
 def available() -> bool:
     return triton is not None
@@ -263,6 +307,49 @@ def attention_with_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
         CAUSAL=bool(causal), HAS_WINDOW=window is not None, DQK=dqk, DV=dv, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_DQK=block_dqk, BLOCK_DV=block_dv, PREC=prec, num_warps=warps, num_stages=stages)
     return o, stats
+
+
+def received_attention(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float, q_start: int = 0,
+                       window: int | None = None, causal: bool = True, *, block_m: int | None = None,
+                       block_n: int | None = None) -> torch.Tensor:
+    """fp32 [B, H, S]: the attention each key received, summed over the query rows of each head: the column sums
+    of the softmax that ``attention_with_stats`` computed, from its ``lse`` (a second pass over the scores, as a
+    FlashAttention backward recomputes them)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    _check(q, k, k, window, causal)
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("received_attention needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
+    if not q.is_cuda and torch.bfloat16 in (q.dtype, k.dtype):  # the interpreter's bf16 tl.dot: see above
+        q, k = q.float(), k.float()
+    B, H, T, dqk = q.shape
+    hk, S = k.shape[1], k.shape[2]
+    rec = torch.zeros((B, H, S), dtype=torch.float32, device=q.device)
+    if T == 0 or B * H == 0:
+        return rec
+    block_dqk = max(16, triton.next_power_of_2(dqk))
+    bm, bn, warps, stages = _config(q.is_cuda, block_dqk, q.dtype == torch.float32)
+    bm, bn = block_m or bm, block_n or bn
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    grid = (triton.cdiv(S, bn), B * H)
+    _received_kernel[grid](
+        q, k, lse.contiguous(), rec, *q.stride(), *k.stride(),
+        H, T, S, H // hk, int(q_start), int(window or 0), float(scale) * math.log2(math.e),
+        CAUSAL=bool(causal), HAS_WINDOW=window is not None, DQK=dqk, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_DQK=block_dqk, PREC=prec, num_warps=warps, num_stages=stages)
+    return rec
+
+
+def mla_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_start: int = 0):
+    """What ``MLA.stats_kernel`` returns for one block of query rows, in the model's layout: q [B, T, H, Dqk],
+    k [B, S, H, Dqk], v [B, S, H, Dv] -> output [B, T, H, Dv], stats [B, T, H, 3] (entropy, max weight, sink
+    weight) and received [B, S] (attention on each key summed over the block's rows and heads). Causal, no
+    window; no autograd (the model calls it only without gradients)."""
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    o, st = attention_with_stats(qh, kh, vh, scale, q_start)
+    rec = received_attention(qh, kh, st["lse"], scale, q_start)
+    stats = torch.stack([st["entropy"], st["max_weight"], st["sink_weight"]], -1).transpose(1, 2)
+    return o.transpose(1, 2), stats, rec.sum(1)
 
 
 def visible(T: int, S: int, q_start: int = 0, window: int | None = None, causal: bool = True,
