@@ -1,6 +1,11 @@
 """What recording costs: recorded generation time over plain generation time, per probe and all together.
 
     python benchmarks/probe_overhead.py [--new-tokens 256] [--reps 5] [--write]
+    python benchmarks/probe_overhead.py --model peers [--only "all probes, detectors off"]   # the 89M folder
+
+``--model peers``: decode on benchmarks/peers.py's random 89M-parameter DeepseekV3 folder (made in a temporary
+folder, loaded natively; needs transformers), ``--model FOLDER``: a folder our loader reads; the table then goes
+under "## Probe overhead" too, as its own dated part only when written by hand (``--write`` writes the demo's).
 
 Same process, same model, same prompt, greedy. Each repetition runs plain ``generate`` and then every
 recorded configuration, so slow drifts of a shared machine hit all of them alike; each configuration's
@@ -51,6 +56,21 @@ def load_demo() -> tuple[Transformer, str]:
     return model, "demo preset with RANDOM weights (data/demo/model.safetensors not there yet)"
 
 
+def load_folder(spec: str, tmp: Path, context: int):
+    """(model, tokenizer, description) of ``--model``: 'peers' (benchmarks/peers.py's folder) or a folder."""
+    if spec == "peers":
+        from peers import CONFIG, make_folder  # optional: needs transformers (only --model peers does)
+        folder = make_folder(tmp / "peers", context)
+        what = (f"benchmarks/peers.py's random DeepseekV3 folder (hidden {CONFIG['hidden_size']}, "
+                f"{CONFIG['num_hidden_layers']} layers, {CONFIG['n_routed_experts']} routed experts top-"
+                f"{CONFIG['num_experts_per_tok']}), loaded natively")
+    else:
+        folder, what = Path(spec), spec
+    model = load_checkpoint(folder)
+    n = sum(p.numel() for p in model.parameters())
+    return model, load_tokenizer(folder / "tokenizer.json"), f"{what}, {n / 1e6:.0f}M parameters"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -58,15 +78,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: leave as is)")
     ap.add_argument("--only", nargs="*", default=None, help="configurations to run (default: all)")
     ap.add_argument("--write", action="store_true", help="write the table into benchmarks/RESULTS.md")
+    ap.add_argument("--model", help="'peers' (benchmarks/peers.py's 89M folder) or a model folder; default the demo")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, what = load_demo()
-    tok = load_tokenizer()
+    tmp = Path(tempfile.mkdtemp(prefix="probe_overhead_"))
+    if args.model:
+        model, tok, what = load_folder(args.model, tmp, 1024)
+        if args.write:
+            raise SystemExit("--write writes the demo model's table; paste another model's into RESULTS.md by hand")
+    else:
+        model, what = load_demo()
+        tok = load_tokenizer()
     ids = tok.encode(PROMPT).ids
     eos = tok.token_to_id("<|endoftext|>")
     configs = {k: v for k, v in CONFIGS.items() if args.only is None or k in args.only}
-    tmp = Path(tempfile.mkdtemp(prefix="probe_overhead_"))
     store = Store(tmp / "bench.duckdb")
 
     def timed(fn) -> tuple[float, float]:
@@ -107,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "## Probe overhead",
         "",
-        f"`python benchmarks/probe_overhead.py --new-tokens {args.new_tokens} --reps {args.reps}` "
+        f"`python benchmarks/probe_overhead.py --new-tokens {args.new_tokens} --reps {args.reps}"
+        f"{' --model ' + args.model if args.model else ''}` "
         f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
         "",
         f"Model: {what}; prompt {len(ids)} tokens, {n_new} new tokens (greedy), fp32, CPU "
