@@ -26,8 +26,7 @@ of L - 1 (what block L itself changed), and a layer-wide fault stands out at its
 Cost: the two capture forwards, then (levels 1 and 2) one batched forward per ``batch_size`` patched
 components in each direction; the rotary part and each expert of a descended layer need a forward of
 their own (a weight swap or a table is not per batch row), except an expert where the reference is the run's
-own module on another prompt (its part of the routing alone: batched). Every forward reads the output
-projection at the last position only. ``PatchStats`` counts them.
+own module on another prompt (its part of the routing alone: batched). ``PatchStats`` counts them.
 
 Every model goes through its adapter (``parts``, ``rotary``, and the ``head_out``, ``route`` and
 ``routed`` seams), so this works on our ``Transformer`` and the ``transformers`` families alike.
@@ -381,8 +380,10 @@ def patch_causes(model: Adapter, ids: torch.Tensor, target: int, reference: Adap
             progress("patching", stats.forwards, max(plan[0], stats.forwards))
 
     run, ref = _Side(model, ids, target, stats, tick), _Side(reference, ref_ids, target, stats, tick)
-    with model.analysis(), reference.analysis(), torch.no_grad(), last_position_only(model), \
-            last_position_only(reference):
+    # (the output projection stays on every position here: a layer row and its part that both give the reference's
+    # logprob back tie to the last bit, and the order of such ties is the forward's rounding; keeping it keeps
+    # the rankings root cause gave before)
+    with model.analysis(), reference.analysis(), torch.no_grad():
         f_run, f_ref = run.capture(), ref.capture()
         gap = f_ref - f_run
         sign = 1.0 if gap >= 0 else -1.0
