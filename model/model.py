@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -343,8 +344,15 @@ class MLA(nn.Module):
         for t0 in range(0, q.size(1), self.attn_chunk):
             t1 = min(t0 + self.attn_chunk, q.size(1))
             kend = min(k.size(1), start_pos + t1)
-            o, stats, received = self.stats_kernel(q[:, t0:t1], k[:, :kend], v[:, :kend], self.softmax_scale,
-                                                   start_pos + t0)
+            try:
+                o, stats, received = self.stats_kernel(q[:, t0:t1], k[:, :kend], v[:, :kend], self.softmax_scale,
+                                                       start_pos + t0)
+            except Exception as e:  # noqa: BLE001  a kernel that cannot run here: the tiles, before any block
+                if t0:
+                    raise
+                warnings.warn(f"attention stats kernel failed ({type(e).__name__}: {e}); using the unfused path")
+                self.stats_kernel = None
+                return self._attend_naive_stats(q, k, v, start_pos)
             if kend < k.size(1):
                 received = F.pad(received, (0, k.size(1) - kend))
             self.hook_attn_stats(stats, q_start=start_pos + t0, received=received)

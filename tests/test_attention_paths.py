@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import workbench.model.model as mm
+from helpers import tiny_model
 from workbench.model.model import MLA, ModelArgs
 
 
@@ -143,3 +144,41 @@ def test_reduced_stats_under_autograd_give_the_plain_paths_gradient(monkeypatch)
         grads.append((out.detach(), qq.grad, kk.grad, vv.grad))
     for x, y in zip(*grads):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+
+
+def test_a_stats_kernel_is_set_while_attached_and_one_that_fails_falls_back(monkeypatch):
+    """The native adapter sets ``MLA.stats_kernel`` (on CUDA: the Triton forward) only while a stats listener is
+    attached; on the CPU it sets none. A kernel that raises on the first block warns once and leaves the tiles
+    to compute the same statistics."""
+    from workbench.capture.adapters import adapter_for, native
+
+    model = tiny_model()
+    adapter = adapter_for(model)
+    x = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(5))
+    assert model.layers[0].attn.naive(40)
+
+    def collect():
+        seen = []
+        with torch.no_grad(), adapter.seams({"attn_stats": lambda i, st, rec, q0: seen.append((i, q0, st, rec))}):
+            kernels = [layer.attn.stats_kernel for layer in model.layers]
+            logits = model(x)
+        return logits, seen, kernels
+
+    ref_logits, ref, kernels = collect()
+    assert kernels == [None] * len(model.layers)  # a model on the CPU
+    calls = []
+
+    def broken(*args):
+        calls.append(args[-1])
+        raise RuntimeError("no device")
+    monkeypatch.setattr(native, "_stats_kernel", lambda module: broken)
+    with pytest.warns(UserWarning, match="stats kernel failed"):
+        logits, seen, kernels = collect()
+    assert kernels == [broken] * len(model.layers) and calls == [0] * len(model.layers)
+    assert all(layer.attn.stats_kernel is None for layer in model.layers)  # unset on exit (and after the failure)
+    torch.testing.assert_close(logits, ref_logits, atol=0, rtol=0)
+    assert len(seen) == len(ref) > 0
+    for (i, q0, st, rec), (i2, q2, st2, rec2) in zip(seen, ref):
+        assert (i, q0) == (i2, q2)
+        torch.testing.assert_close(st, st2, atol=0, rtol=0)
+        torch.testing.assert_close(rec, rec2, atol=0, rtol=0)

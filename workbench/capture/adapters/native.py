@@ -23,6 +23,25 @@ def _hook(module: nn.Module, fn) -> object:
     return module.register_forward_hook(fn, with_kwargs=True)
 
 
+class _KernelSet:
+    """``MLA.stats_kernel`` set while a stats listener is attached (``remove`` unsets it, as a hook handle)."""
+
+    def __init__(self, attn: nn.Module, kernel):
+        self.attn, attn.stats_kernel = attn, kernel
+
+    def remove(self) -> None:
+        self.attn.stats_kernel = None
+
+
+def _stats_kernel(module: nn.Module):
+    """The Triton forward with row statistics and received attention for a model on CUDA, else None."""
+    p = next(module.parameters(), None)
+    if p is None or not p.is_cuda:
+        return None
+    from workbench.probes import triton_attention  # optional: triton, imported only for a model on CUDA
+    return triton_attention.mla_stats if triton_attention.available() else None
+
+
 class NativeAdapter(Adapter):
     """Adapter over ``workbench.model.Transformer``."""
 
@@ -216,9 +235,11 @@ class NativeAdapter(Adapter):
                     for i, l in enumerate(layers)]
         if seam == "attn_stats":
             rows = slice(None) if getattr(fn, "batched", False) else 0
-            return [_hook(l.attn.hook_attn_stats,
-                          lambda _m, _a, kw, out, i=i: fn(i, out[rows], kw["received"][rows], kw["q_start"]))
-                    for i, l in enumerate(layers)]
+            handles = [_hook(l.attn.hook_attn_stats,
+                             lambda _m, _a, kw, out, i=i: fn(i, out[rows], kw["received"][rows], kw["q_start"]))
+                       for i, l in enumerate(layers)]
+            kernel = _stats_kernel(self.module)  # on CUDA: a prefill's statistics from the fused Triton kernel
+            return handles + ([_KernelSet(l.attn, kernel) for l in layers] if kernel is not None else [])
         if seam == "head_out":
             return [_hook(l.attn.hook_z, lambda _m, _a, _kw, z, i=i: fn(i, z)) for i, l in enumerate(layers)]
         if seam == "resid_post":
