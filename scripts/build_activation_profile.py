@@ -4,13 +4,15 @@
 
 Records ``data/prompts/calibration.jsonl`` with the bundled model (greedy, 32 new tokens: what ``workbench
 profile`` does), then profiles the components (``workbench.analysis.activations.build``) over the first 1,024
-tokens of every complete run and writes the rows. Deterministic: the same checkpoint and prompts give the same
+tokens of every complete run and writes the rows; the exact first-position outputs are held for the
+prompts' first tokens and the tokens their lines begin with (``line_starts``, the demo tokenizer). Deterministic: the same checkpoint and prompts give the same
 file. The signal profile (``data/demo/profile.parquet``) is left as it is.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 import tempfile
 from pathlib import Path
 
@@ -26,8 +28,18 @@ from workbench.capture.prompt_sets import record_many  # noqa: E402
 from workbench.capture.prompts import load_prompts  # noqa: E402
 from workbench.data import query  # noqa: E402
 from workbench.data.store import Store  # noqa: E402
+from workbench.model.tokenizer import load_tokenizer  # noqa: E402
 
 PROMPTS = ROOT / "data" / "prompts" / "calibration.jsonl"
+
+
+def line_starts(items: list[dict], toks: list[list[int]]) -> list[int]:
+    """The tokens held exactly at position 0: the calibration prompts' first tokens, then the first tokens of their
+    lines tokenized alone (a prompt may begin with any line), commonest first."""
+    tok = load_tokenizer(ROOT / "data" / "demo" / "tokenizer.json")
+    firsts = Counter(t[0] for t in toks if t)
+    lines = Counter(tok.encode(line).ids[0] for it in items for line in it["prompt"].splitlines() if line.strip())
+    return [t for t, _ in firsts.most_common()] + [t for t, _ in lines.most_common() if t not in firsts]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in runs]
     sha = query.run_row(store, runs[0])["checkpoint_sha256"]
     source = f"{len(runs)} prompts of data/prompts/calibration.jsonl, first {ACTIVATION_TOKENS} tokens, teacher-forced"
-    rows = activations.build(model, toks)
+    rows = activations.build(model, toks, first_tokens=line_starts(load_prompts(PROMPTS), toks))
     # the bundled file: the stored columns, no time stamp (the same inputs give the same bytes)
     rows = rows.with_columns(pl.lit(sha).alias("checkpoint_sha256"),
                              pl.lit(None, dtype=pl.Datetime("us")).alias("created_at"), pl.lit(source).alias("source"))

@@ -48,8 +48,8 @@ def test_profile_cells_are_the_calibration_moments(tiny, prof):
     kinds = set(prof["kind"])
     assert {"attn_norm", "kv_latent", "head", "attn_block", "mlp_norm", "resid", "router"} <= kinds
     assert prof.filter(pl.col("signal") == "pos_distance").height == s.n_layers * s.n_heads
-    cells = prof.filter(~pl.col("kind").is_in(["router_check", "unembed_rows", "embed"])
-                        & ~pl.col("signal").is_in(["angle", "chosen"]))
+    cells = prof.filter(~pl.col("kind").is_in(["router_check", "unembed_rows", "embed", "first_check"])
+                        & ~pl.col("signal").is_in(["angle", "chosen"]) & ~pl.col("signal").str.starts_with("first:"))
     spread = np.array(cells["run_norm_std"].to_list() + cells["run_dev_std"].to_list())
     assert spread.shape == (2 * cells.height, len(activations.RUN_BUCKETS)) and (spread >= 0.1).all()
     assert prof.filter(pl.col("kind") == "router_check")["n"].to_list() == [0]  # RouterMath agrees with the model
@@ -194,3 +194,45 @@ def test_an_older_bundled_profile_in_a_database_is_replaced_by_the_current_one(t
     assert activations.load(db, sha).height == bundled.height
     activations.save(db, sha, old, '{"prompts": "mine.jsonl", "runs": 5}')
     assert activations.load(db, sha).height == 5
+
+
+def _first_signals(model, ids, prof) -> dict:
+    why: dict = {}
+    ev = dict(activations.evidence(model, ids, prof, signals=why))
+    return {k: v for k, v in ev.items() if why.get(k) == "first" and abs(v) >= activations.FIRST_NATS / 2}
+
+
+def test_the_first_position_is_held_exactly_and_a_weight_edit_there_is_named(tiny, prof):
+    calib = _prompts(24, 40, seed=1)
+    firsts = {int(s.split(":")[-1]) for s in prof.filter(pl.col("signal").str.starts_with("first:"))["signal"]}
+    assert {p[0] for p in calib} <= firsts and len(firsts) == min(activations.FIRST_TOKENS, len({t for p in calib for t in p}))
+    ids = [calib[3][0]] + _prompts(1, 29, seed=11)[0]  # a profiled first token, then text never seen
+    assert _first_signals(tiny, ids, prof) == {}  # the clean model computes exactly what the profile holds
+    s = tiny.summary
+    layer = s.moe_layers[-1]
+    with faults.KINDS["router_affinity"](tiny, layer, index=2):  # one router row pushed toward another's
+        got = _first_signals(tiny, ids, prof)
+        rows = activations.anomaly_rows(tiny, ids, prof)
+    assert ("router", layer, None, 2, None) in got
+    assert not [k for k in got if k[1] is not None and k[1] < layer]  # nothing upstream of the edit moved
+    named = [r for r in rows if r["layer"] == layer and r["expert"] == 2]
+    assert named and "position 0" in named[0]["explanation"]
+    token = ids[5]
+    with faults.KINDS["unembedding"](tiny, 0, index=token):  # one output row scaled
+        got = _first_signals(tiny, ids, prof)
+    assert list(got) == [("unembed", None, None, None, None)]
+    # an expert chosen at position 0, half of its down projection sign-flipped: the expert, not its block
+    chosen = prof.filter(pl.col("signal") == f"first:chosen:{ids[0]}")
+    e = chosen.filter((pl.col("layer") == layer) & (pl.col("mean").list.first() == 1.0))["expert"][0]
+    with faults.KINDS["expert_flip"](tiny, layer, index=int(e)):
+        ev = activations.evidence(tiny, ids, prof)
+    assert _top(ev, 1)[0] == ("expert", layer, None, e, None), _top(ev, 5)
+    # a first token the profile does not hold: nothing to compare at position 0
+    other = next(t for t in range(3, 250) if t not in firsts)
+    with faults.KINDS["router_affinity"](tiny, layer, index=2):
+        assert _first_signals(tiny, [other] + ids[1:], prof) == {}
+    # a profile made in another dtype rounds otherwise: its first-position outputs are not compared
+    other_dtype = prof.with_columns(pl.when(pl.col("kind") == "first_check").then(pl.lit("bfloat16"))
+                                    .otherwise(pl.col("signal")).alias("signal"))
+    with faults.KINDS["router_affinity"](tiny, layer, index=2):
+        assert _first_signals(tiny, ids, other_dtype) == {}

@@ -489,3 +489,24 @@ def test_a_profile_made_by_an_older_workbench_is_upgraded_or_not_used(tmp_path):
     store.replace_rows("profiles", {"checkpoint_sha256": "f" * 64}, other)
     with pytest.warns(UserWarning, match="older workbench"):
         assert pr.load_profile(store, "f" * 64) is None
+
+
+def test_component_outlier_rows_carry_their_component_and_old_databases_get_the_column(tmp_path):
+    rows = an._rows([{"kind": "component_outlier", "severity": "warning", "layer": 2, "expert": 5, "score": 9.0,
+                      "threshold": 8.7, "explanation": "layer 2 expert 5 differs (no kind in this text)",
+                      "component": "expert"},
+                     {"kind": "component_outlier", "severity": "warning", "layer": 3, "score": 9.0,
+                      "threshold": 8.7, "explanation": "layer 3 the router ... (30 nats, router)"}])
+    assert rows["component"].to_list() == ["expert", None]
+    f = fd.group_findings(rows)
+    by_layer = dict(zip(f["layer"].to_list(), f["component"].to_list()))
+    assert by_layer == {2: "expert", 3: "router"}  # the column where set, else the explanation's last word
+    db = tmp_path / "old.duckdb"
+    store = workbench.Store(db)
+    store.execute("ALTER TABLE anomalies DROP COLUMN component")  # a database made before the column existed
+    store.close()
+    old = tmp_path / "copy.duckdb"  # opened afresh (a store's connections are shared within a process, per path)
+    old.write_bytes(db.read_bytes())
+    store = workbench.Store(old)
+    assert "component" in store.sql("SELECT * FROM anomalies LIMIT 0").columns
+    store.close()

@@ -33,6 +33,18 @@ judged against the overdispersion clean contexts of that length show), and the r
 queries and keys (``rotary``, signal ``angle``: the angle at position 1 per frequency; a rotation is exact, so
 every context position rotated otherwise counts ``MISMATCH_NATS``, like routing that disagrees with its router).
 
+The first position: what a causal model computes at position 0 depends on the first token alone, so for the
+tokens a context often begins with (``FIRST_TOKENS``: the calibration prompts' first tokens and the tokens their
+lines begin with) the profile holds each component's exact output there (signal ``first:<signal>:<token>``, one
+forward of the token alone, kept only where every calibration prompt beginning with it agrees; row
+``first_check`` names the dtype it was made in, and a model run in another dtype is not compared). A context
+beginning with such a token is checked there: a component whose output differs beyond float rounding
+(``FIRST_TOL``) scores ``FIRST_NATS``, and only the first place it differs counts (what differs downstream of it,
+in its layer, in later layers or in the logits, is capped at half). This is the clean model's own output on a
+known input, so it names any weight change the first position passes through (a router row, an output row, an
+expert chosen there, a dead shared expert) on the shortest context, but nothing where the run begins with
+another token or the fault spares the first position (an expert not chosen there, a cached entry later on).
+
 A run is scored on the context of one token (positions 1 .. pos - 1, every position the target's forward
 sees): each component's z of the log norm and of the deviation, averaged over the context, and at the last
 position (the one whose output is the target's distribution) at half weight. The score is the larger of
@@ -54,6 +66,7 @@ at half of it, so the first place where the activations went off ranks first.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -80,9 +93,9 @@ MIN_RUNS = 5  # calibration prefixes a bucket needs, else it takes the nearest s
 # within a layer, what a part's input passes through first: a part more unusual than this is explained by it
 UPSTREAM = {"kv_latent": ("attn_norm",), "rotary": ("attn_norm",), "head": ("attn_norm", "kv_latent", "rotary"),
             "attn_block": ("attn_norm", "kv_latent", "rotary", "head"), "router": ("mlp_norm",),
-            "shared_expert": ("mlp_norm",), "mlp_block": ("mlp_norm", "shared_expert", "expert"),
+            "shared_expert": ("mlp_norm",), "mlp_block": ("mlp_norm", "router", "shared_expert", "expert"),
             "dense_mlp": ("mlp_norm",),
-            "resid": ("attn_norm", "attn_block", "mlp_norm", "shared_expert", "mlp_block", "dense_mlp")}
+            "resid": ("attn_norm", "attn_block", "mlp_norm", "router", "shared_expert", "mlp_block", "dense_mlp")}
 BEYOND = 1.5  # embedding and output rows: a z this many times the largest one calibration met
 EXPERT_NATS = 3.0  # the expert behind an unusual MoE block: its positions' excess, after Bonferroni
 EXPLAINS = 10.0  # nats: an upstream part this unusual caps its layer's downstream parts at half its surprise
@@ -92,6 +105,12 @@ FIT_TOL = 1e-3  # experts are profiled one by one only where their contributions
 ANGLE_TOL = 1e-2  # radians: a position whose rotation is further than this from the clean one is rotated wrongly
 OWN_Z = 4.0  # an expert's own contribution this unusual (and twice any other's) is the one behind its block
 RATE_FLOOR = 1.0  # a selection rate varies between clean contexts at least as much as a binomial count's
+# the first position: what a causal model computes there depends on the first token alone, so for the tokens a
+# context often begins with the profile holds each component's exact output (signal ``first:<signal>:<token>``)
+FIRST_TOKENS = 48  # tokens profiled at position 0 (default: the calibration prompts' first tokens, then the commonest)
+FIRST_TOL = 0.05  # a coordinate off by this fraction of (its clean spread + a tenth of the vector's RMS) differs
+FIRST_NATS = 30.0  # a component whose first-position output differs from the clean model's on that token
+FIRST_SIGNALS = ("out", "logit", "chosen")
 
 
 def capture(a: Adapter, ids: list[int]) -> tuple[dict[Key, torch.Tensor], dict[int, torch.Tensor]]:
@@ -331,13 +350,17 @@ def _bucket_end(b: int, n: int) -> int:
     return min(RUN_BUCKETS[b + 1] - 1 if b + 1 < len(RUN_BUCKETS) else n, n)
 
 
-def build(a: Adapter, prompts: list[list[int]], seed: int = 0) -> pl.DataFrame:
+def build(a: Adapter, prompts: list[list[int]], seed: int = 0, first_tokens: list[int] | None = None) -> pl.DataFrame:
     """The activation profile of ``a`` from teacher-forced forwards of ``prompts`` (token-id lists).
 
     Two passes: the per-position cells, then the run-level spread: each prompt cut at a random length in each
     ``RUN_BUCKETS`` bucket it reaches, the mean over its positions of each z; how much that mean varies between
     clean prompts of that length (positions along one prompt are strongly correlated, so a run's mean z varies
-    far more than 1 / sqrt(positions), and short and long contexts differ) is what a run is judged against."""
+    far more than 1 / sqrt(positions), and short and long contexts differ) is what a run is judged against.
+
+    ``first_tokens``: the tokens whose first-position outputs are held exactly (at most ``FIRST_TOKENS``; e.g. the
+    tokens lines of the calibration text begin with, as a prompt may begin with any line); default
+    ``_first_tokens(prompts)``."""
     prompts = [list(p)[: a.summary.max_seq_len] for p in prompts if len(p) >= 3]
     if not prompts:
         raise ValueError("no calibration prompt had 3 tokens or more")
@@ -419,10 +442,99 @@ def build(a: Adapter, prompts: list[list[int]], seed: int = 0) -> pl.DataFrame:
                                              tens[("embed", None, None, None, "out")])[0].abs().max())
                                    for g in captured)]
     out_rows = _row_spread(captured, prompts, cells.get(("unembed", None, None, None, "logit")), rng)
+    first_rows = _first_cells(a, prompts, captured, cells, first_tokens)
     check = {"kind": "router_check", "layer": None, "head": None, "expert": None, "signal": "disagree",
              "n": disagree, "mean": [], "std": [], "log_norm_mean": 0.0, "log_norm_std": 1.0, "dev_mean": 0.0,
              "dev_std": 1.0, "run_norm_mean": [], "run_norm_std": [], "run_dev_mean": [], "run_dev_std": []}
-    return pl.DataFrame([*cells.values(), check, *out_rows], schema=COLUMNS)
+    return pl.DataFrame([*cells.values(), check, *out_rows, *first_rows], schema=COLUMNS)
+
+
+def _first_tokens(prompts: list[list[int]]) -> list[int]:
+    """The tokens profiled at position 0: the calibration prompts' first tokens (commonest first), then the
+    commonest tokens anywhere in them, ``FIRST_TOKENS`` in all."""
+    firsts, every = Counter(p[0] for p in prompts), Counter(t for p in prompts for t in p)
+    out = [t for t, _ in firsts.most_common()][:FIRST_TOKENS]
+    return out + [t for t, _ in every.most_common() if t not in firsts][: FIRST_TOKENS - len(out)]
+
+
+def _first_dev(y: torch.Tensor, v: torch.Tensor, spread: torch.Tensor | float = 0.0) -> float:
+    """How far a first-position output ``y`` is from the clean one ``v`` (both [D]): the largest coordinate's
+    difference over (its clean spread over positions + a tenth of the vector's RMS); a float rounding difference
+    of the profile's dtype stays far below ``FIRST_TOL``, a changed weight on the path does not."""
+    y, v = y.double(), v.double()
+    if bool(torch.isnan(y).any()) or bool(torch.isnan(v).any()):
+        return 0.0 if bool(torch.isnan(y).all()) and bool(torch.isnan(v).all()) else float("inf")
+    scale = 0.1 * v.pow(2).mean().sqrt() + torch.as_tensor(spread, dtype=torch.float64)
+    d = (y - v).abs()
+    return float(torch.where(d > 0, d / scale.clamp_min(1e-30), torch.zeros_like(d)).max())
+
+
+def _first_cells(a: Adapter, prompts: list[list[int]], captured: list[dict], cells: dict,
+                 tokens: list[int] | None = None) -> list[dict]:
+    """Rows ``(kind, layer, head, expert, "first:<signal>:<token>")``: each component's output at position 0 when
+    the context begins with ``token`` (one forward of that token alone), for ``_first_tokens``. A component is
+    kept only where every calibration prompt beginning with a profiled token gives that output there (a family
+    whose first position depends on what follows, e.g. capacity-limited routing, gets none)."""
+    tokens = list(dict.fromkeys(tokens))[:FIRST_TOKENS] if tokens is not None else _first_tokens(prompts)
+    alone = {t: capture(a, [t])[0] for t in tokens}
+    bad: set = set()
+    for got, ids in zip(captured, prompts):
+        ref = alone.get(ids[0])
+        for k, y in (got.items() if ref is not None else ()):
+            sd = cells[k]["std"] if k in cells and k[4] != "chosen" and len(cells[k]["std"]) == y.size(1) else 0.0
+            if k in ref and k[4] in FIRST_SIGNALS and _first_dev(y[0], ref[k][0], torch.as_tensor(sd)) > FIRST_TOL / 10:
+                bad.add(k)
+    agree = Counter(ids[0] for ids in prompts)
+    rows = [{"kind": "first_check", "layer": None, "head": None, "expert": None, "signal": str(a.dtype).split(".")[-1],
+             "n": len(alone), "mean": [], "std": [], "log_norm_mean": 0.0, "log_norm_std": 1.0, "dev_mean": 0.0,
+             "dev_std": 1.0, "run_norm_mean": [], "run_norm_std": [], "run_dev_mean": [], "run_dev_std": []}]
+    for t, got in alone.items():
+        for k, y in got.items():
+            if k[4] not in FIRST_SIGNALS or k[0] in ("route", "expert_fit") or k in bad:
+                continue
+            if k[0] == "expert" and bool(torch.isnan(y[0]).any()):  # not chosen here: its ``chosen`` row says so
+                continue
+            rows.append({"kind": k[0], "layer": k[1], "head": k[2], "expert": k[3], "signal": f"first:{k[4]}:{t}",
+                         "n": agree.get(t, 0), "mean": y[0].tolist(), "std": [], "log_norm_mean": 0.0,
+                         "log_norm_std": 1.0, "dev_mean": 0.0, "dev_std": 1.0, "run_norm_mean": [],
+                         "run_norm_std": [], "run_dev_mean": [], "run_dev_std": []})
+    return rows
+
+
+def _first_evidence(got: dict, first: int, prof: pl.DataFrame, dtype: torch.dtype) -> dict[tuple, float]:
+    """Components whose output at position 0 differs from the clean model's on the context's first token (only
+    where the model runs in the dtype the profile was made in: another one rounds otherwise)."""
+    made = prof.filter(pl.col("kind") == "first_check")["signal"].to_list()
+    if made != [str(dtype).split(".")[-1]]:
+        return {}
+    rows = prof.filter(pl.col("signal").str.ends_with(f":{first}") & pl.col("signal").str.starts_with("first:"))
+    if rows.height == 0:
+        return {}
+    spread = {(r["kind"], r["layer"], r["head"], r["expert"], r["signal"]): r["std"]
+              for r in prof.filter(pl.col("signal").is_in(["out", "logit"])).select(
+                  "kind", "layer", "head", "expert", "signal", "std").iter_rows(named=True)}
+    off: dict[tuple, float] = {}
+    for r in rows.iter_rows(named=True):
+        signal = r["signal"].split(":")[1]
+        k = (r["kind"], r["layer"], r["head"], r["expert"], signal)
+        y = got.get(k)
+        if y is None or y.size(0) == 0 or y.size(1) != len(r["mean"]):
+            continue
+        v = torch.as_tensor(r["mean"])
+        sd = spread.get(k)
+        if k[0] == "expert" and bool(torch.isnan(y[0]).any()):
+            continue  # no longer chosen here: its router's ``chosen`` row says so
+        if _first_dev(y[0], v, torch.as_tensor(sd) if sd is not None and len(sd) == v.numel() else 0.0) > FIRST_TOL:
+            key = ("embed", None, None, None, 0) if k[0] == "embed" else (k[0], k[1], k[2], k[3], None)
+            sign = float(y[0].double().norm() - v.double().norm()) if signal != "chosen" else float(y[0, 0] - v[0])
+            off[key] = _signed_nats(FIRST_NATS, sign)
+    # what differs downstream of a first-position difference is its consequence: only the first place counts
+    depth = {k: -1 if k[0] == "embed" else math.inf if k[0] == "unembed" else k[1] for k in off}
+    first = min(depth.values(), default=None)
+    kinds = {k[0] for k in off if depth[k] == first}
+    up = UPSTREAM | {"expert": ("mlp_norm", "router")}  # an expert's weighted output follows the router's choice
+    return {key: v / 2 if depth[key] > first or any(u in kinds for u in up.get(key[0], ())) else v
+            for key, v in off.items()}
 
 
 def _row_z(logits: torch.Tensor, cell: dict) -> torch.Tensor:
@@ -539,6 +651,10 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
             put(("router", layer, None, None, None), MISMATCH_NATS * float(bad.sum()), "mismatch")
             e = int(m[1:].sum(0).argmax())
             put(("expert", layer, None, e, None), MISMATCH_NATS * float(m[1:, e].sum()), "mismatch")
+    firsts = {}
+    if prof is not None and len(ids) >= 1:
+        firsts = _first_evidence(got, int(ids[0]), prof, a.dtype)
+        prof = prof.filter(~pl.col("signal").str.starts_with("first:") & (pl.col("kind") != "first_check"))
     if prof is not None and len(ids) >= 2:
         bucket = max(i for i, lo in enumerate(RUN_BUCKETS) if len(ids) >= lo or i == 0)
         zs: dict[tuple, tuple[float, float]] = {}  # component -> (|z|, sign)
@@ -620,22 +736,25 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
         for layer, vs in positional.items():  # most heads of a layer read other positions: its rotation
             nats = log_tail(float(np.median(np.abs(vs)))) - math.log(len(positional))  # the middle head's
             put(("rotary", layer, None, None, None), _signed_nats(nats, 1.0))
-        size = {}  # (kind, layer) -> the largest |surprise| of that kind in that layer (any head or expert)
-        for key, v in best.items():
-            size[key[:2]] = max(size.get(key[:2], 0.0), abs(v))
-        for key in list(best):  # a part downstream of a clearly unusual part of its layer is explained by it
-            up = max([size.get((u, key[1]), 0.0) for u in UPSTREAM.get(key[0], ())], default=0.0)
-            if up >= EXPLAINS:
-                best[key] = math.copysign(min(abs(best[key]), up / 2), best[key])
-        layers = sorted({k[1] for k in best if k[1] is not None})
-        before, top = {}, 0.0  # layer -> the largest |surprise| in the layers before it
-        for layer in layers:
-            before[layer] = top
-            top = max([top] + [abs(v) for k, v in best.items() if k[1] == layer])
-        for key in list(best):  # what an earlier layer broke at least as clearly reaches every later one
-            up = before.get(key[1], 0.0)
-            if up >= max(EXPLAINS, abs(best[key])):
-                best[key] = math.copysign(min(abs(best[key]), up / 2), best[key])
+    for key, v in firsts.items():  # after the statistics (an expert behind a block reads only those)
+        put(key, v, "first")
+    size = {}  # (kind, layer) -> the largest |surprise| of that kind in that layer (any head or expert)
+    for key, v in best.items():
+        size[key[:2]] = max(size.get(key[:2], 0.0), abs(v))
+    for key in list(best):  # a part downstream of a clearly unusual part of its layer is explained by it
+        up = max([size.get((u, key[1]), 0.0) for u in UPSTREAM.get(key[0], ())], default=0.0)
+        if up >= EXPLAINS:
+            best[key] = math.copysign(min(abs(best[key]), up / 2), best[key])
+    layers = sorted({k[1] for k in best if k[1] is not None})
+    e0 = ("embed", None, None, None, 0)  # the first token's embedding differs at position 0: before every layer
+    before, top = {}, abs(best.get(e0, 0.0)) if why.get(e0) == "first" else 0.0  # layer -> the largest |surprise| in the layers before it (and embed)
+    for layer in layers:
+        before[layer] = top
+        top = max([top] + [abs(v) for k, v in best.items() if k[1] == layer])
+    for key in list(best):  # what an earlier layer broke at least as clearly reaches every later one
+        up = before.get(key[1], 0.0) if key[0] != "unembed" or why.get(key) != "first" else top  # logits: last
+        if up >= max(EXPLAINS, abs(best[key])):
+            best[key] = math.copysign(min(abs(best[key]), up / 2), best[key])
     return list(best.items())
 
 
@@ -667,7 +786,12 @@ def anomaly_rows(a: Adapter, ids: list[int], prof: pl.DataFrame | None) -> list[
             continue
         what = WORDS.get(kind, kind).format(head=head, expert=expert, pos=pos)
         where = "" if layer is None else f"layer {layer} "
-        if kind == "router" and expert is not None and signals.get(key) == "chosen":
+        if signals.get(key) == "first":
+            what = {"embed": "the first token's input embedding", "unembed": "the output logits"}.get(kind, what)
+            what = f"the router's output for expert {expert}" if kind == "router" and expert is not None else what
+            how = ("differs at position 0 from what the clean model computes for this first token (the profile holds "
+                   "its exact output)")
+        elif kind == "router" and expert is not None and signals.get(key) == "chosen":
             what = f"expert {expert}"
             how = f"is chosen {'more' if nats > 0 else 'less'} often than on clean text of this length"
         elif kind == "router" and expert is not None:
@@ -688,5 +812,5 @@ def anomaly_rows(a: Adapter, ids: list[int], prof: pl.DataFrame | None) -> list[
                      "pos": pos, "layer": layer, "head": head, "expert": expert,
                      "score": abs(nats) / math.log(10), "threshold": WARNING_NATS / math.log(10),
                      "explanation": f"{where}{what}{' ' + how if how else ''} against the activation profile "
-                                    f"({abs(nats):.0f} nats, {kind})"})
+                                    f"({abs(nats):.0f} nats, {kind})", "component": kind})
     return rows

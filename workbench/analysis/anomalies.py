@@ -68,7 +68,8 @@ from workbench.data import query
 from workbench.data.schema import columns
 
 SCHEMA = {"kind": pl.Utf8, "severity": pl.Utf8, "pos": pl.Int32, "layer": pl.Int32, "head": pl.Int32,
-          "expert": pl.Int32, "score": pl.Float64, "threshold": pl.Float64, "explanation": pl.Utf8}
+          "expert": pl.Int32, "score": pl.Float64, "threshold": pl.Float64, "explanation": pl.Utf8,
+          "component": pl.Utf8}  # component: a component_outlier row's component kind (else null)
 TESTS = {"kind": pl.Utf8, "pos": pl.Int32, "layer": pl.Int32, "head": pl.Int32, "expert": pl.Int32,
          "value": pl.Float64, "p": pl.Float64, "side": pl.Utf8, "basis": pl.Utf8}
 
@@ -598,7 +599,9 @@ def component_rows(store, info: dict, tokens: pl.DataFrame, model, meta: dict) -
     if prof is None:
         return empty()
     ids = tokens.sort("pos")["token_id"].to_list()
-    meta["component_tests"] = int(prof.filter(pl.col("kind") != "router_check").height)
+    first = pl.col("signal").str.starts_with("first:")  # exact first-position outputs: those of this first token
+    meta["component_tests"] = int(prof.filter(~pl.col("kind").is_in(["router_check", "first_check"]) & (
+        ~first | pl.col("signal").str.ends_with(f":{ids[0] if ids else -1}"))).height)
     # a loop is a repetition row of its own, and what the model computes once it loops (and as it falls into it)
     # is outside any clean range: the components are judged on the run before its first repeated span
     loops = covered_positions(tokens)

@@ -131,7 +131,7 @@ def group_findings(anomalies: pl.DataFrame, routing: pl.DataFrame | None = None,
                             layer=layer))
     for r in a.filter(pl.col("kind") == "component_outlier").iter_rows(named=True):
         one = a.filter((pl.col("kind") == "component_outlier") & (pl.col("explanation") == r["explanation"]))
-        kind = r["explanation"].rsplit(", ", 1)[-1].rstrip(")")
+        kind = r.get("component") or r["explanation"].rsplit(", ", 1)[-1].rstrip(")")  # older rows: from the text
         out.append(_finding(COMPONENT_OF.get(kind, "layer"), one, r["explanation"], layer=r["layer"],
                             head=r["head"], expert=r["expert"], positions=[] if r["pos"] is None else [r["pos"]]))
     tok = a.filter(pl.col("kind").is_in(["low_confidence", "high_surprise"])).sort("pos")

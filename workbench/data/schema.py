@@ -46,7 +46,9 @@ _DERIVED = (
     Table("anomalies", (
         c("anomaly_id", "INTEGER"), c("kind", "VARCHAR"), c("severity", "VARCHAR", "info | warning | critical"),
         c("pos", "INTEGER"), c("layer", "INTEGER"), c("head", "INTEGER"), c("expert", "INTEGER"),
-        c("score", "DOUBLE"), c("threshold", "DOUBLE"), c("explanation", "VARCHAR"))),
+        c("score", "DOUBLE"), c("threshold", "DOUBLE"), c("explanation", "VARCHAR"),
+        c("component", "VARCHAR", "component_outlier rows: the component judged (kinds of "
+          "workbench.analysis.activations: head, expert, router, mlp_block, ...); NULL for other rows"))),
     Table("attributions", (
         c("target_pos", "INTEGER", "the position whose token is explained"),
         c("kind", "VARCHAR", "token | head | expert | shared_expert | router | ..."),
@@ -152,7 +154,8 @@ DERIVED = ("anomalies", "attributions")
 ADDED_COLUMNS = [f"ALTER TABLE runs ADD COLUMN IF NOT EXISTS {name} VARCHAR"
                  for name in ("summary", "notes", "pid_start", "detection", "batch_id", "batch_item",
                                   "tokenizer", "weights_sha256")] + [
-    "ALTER TABLE attributions ADD COLUMN IF NOT EXISTS restored DOUBLE"]
+    "ALTER TABLE attributions ADD COLUMN IF NOT EXISTS restored DOUBLE",
+    "ALTER TABLE anomalies ADD COLUMN IF NOT EXISTS component VARCHAR"]
 
 
 def ddl() -> str:
