@@ -160,17 +160,22 @@ def main(argv: list[str] | None = None) -> int:
     tps: dict[str, list[float]] = {k: [] for k in configs}
     speedup: dict[str, list[float]] = {k: [] for k in configs}
     tokens: dict[str, int] = {}
+    cpu_ratio: dict[str, list[float]] = {k: [] for k in configs}
     for rep in range(args.reps):
         names = list(configs)
         order = names[rep % len(names):] + names[: rep % len(names)]
-        secs = {}
+        secs, cpu = {}, {}
         for name in order:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             tokens[name] = configs[name](rep) if name in takes_rep else configs[name]()
-            secs[name] = time.perf_counter() - t
+            secs[name], cpu[name] = time.perf_counter() - t, time.process_time() - c
         for name in names:
             tps[name].append(tokens[name] / secs[name])
             speedup[name].append(secs["recorded, one at a time"] / secs[name])
+            # recorded / plain CPU time of the same way of generating (one at a time, or the same batch size)
+            plain = name.replace("recorded", "plain")
+            if name.startswith("recorded") and plain in cpu:
+                cpu_ratio[name].append(cpu[name] / cpu[plain])
         print(f"rep {rep + 1}/{args.reps}: " + "  ".join(f"{k} {tps[k][-1]:.0f} tok/s" for k in names),
               file=sys.stderr, flush=True)
     med = statistics.median
@@ -191,9 +196,13 @@ def main(argv: list[str] | None = None) -> int:
         "grouped by prompt length (`workbench.capture.prompt_sets.groups`); each batched run equals its single recording "
         "(tests/test_batch.py, tests/test_hf_batch.py).",
         "",
-        "| configuration | new tokens | tokens/s | speed-up vs recorded one at a time |",
-        "|---|---|---|---|",
-        *[f"| {k} | {tokens[k]} | {med(tps[k]):.0f} | {med(speedup[k]):.2f}x |" for k in configs],
+        "CPU ratio: process CPU time (all threads) of a recorded configuration over the plain one generating the same "
+        "way (one at a time, or batched at the same size), median over repetitions of the same repetition's ratio.",
+        "",
+        "| configuration | new tokens | tokens/s | speed-up vs recorded one at a time | CPU vs plain |",
+        "|---|---|---|---|---|",
+        *[f"| {k} | {tokens[k]} | {med(tps[k]):.0f} | {med(speedup[k]):.2f}x | "
+          f"{f'{med(cpu_ratio[k]):.2f}x' if cpu_ratio[k] else ''} |" for k in configs],
         "",
     ]
     print("\n".join(lines))
