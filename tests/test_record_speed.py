@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import torch
+from helpers import tiny_model
 
+from workbench.capture import probes as P
 from workbench.capture.experts import expert_internals
 from workbench.capture.probes import _grouped_internals
-from workbench.model import ModelArgs, MoE
+from workbench.capture.recorder import RecordSettings, new_run_id, record_batch
+from workbench.data.store import Store
+from workbench.model import ModelArgs, MoE, save_checkpoint
+from workbench.model.tokenizer import DEFAULT_TOKENIZER
 
 
 def _moe(seed: int = 0) -> MoE:
@@ -45,3 +50,28 @@ def test_grouped_expert_internals_follow_edits_and_step_aside_for_hooks():
         assert _grouped_internals(moe.experts, x, idx) is None
     finally:
         h.remove()
+
+
+def test_a_batch_reduces_its_rows_together(tmp_path, monkeypatch):
+    """A batch's rows flush together: one ``flush_many`` per probe class over every row (not one call per row),
+    and each row's expert_extremes rows are its own (its positions, all its MoE layers)."""
+    ckpt = save_checkpoint(tiny_model(vocab_size=4096), tmp_path / "ckpt", tokenizer=DEFAULT_TOKENIZER)
+    sizes: list[int] = []
+    many = P.ExpertExtremesProbe.flush_many.__func__
+
+    def spy(cls, probes):
+        sizes.append(len(probes))
+        return many(cls, probes)
+    monkeypatch.setattr(P.ExpertExtremesProbe, "flush_many", classmethod(spy))
+    prompts = ["def add(a, b):", "for i in range(10):\n", "class Point:"]
+    db = Store(tmp_path / "b.duckdb")
+    run_ids = [new_run_id() for _ in prompts]
+    errors = record_batch(prompts, [RecordSettings(max_new_tokens=8)] * 3, model=str(ckpt), db=db, run_ids=run_ids,
+                          run_fields=[None] * 3)
+    assert errors == [None] * 3
+    assert max(sizes) == 3  # the rows end together: their kept steps in one call
+    for rid in run_ids:
+        got = db.sql("SELECT pos, layer FROM expert_extremes WHERE run_id = ? ORDER BY layer, pos", [rid])
+        n = db.sql("SELECT n_tokens FROM runs WHERE run_id = ?", [rid])["n_tokens"][0]
+        layers = sorted(set(got["layer"].to_list()))
+        assert layers and got.height == len(layers) * (n - 1)  # every fed position once per MoE layer
