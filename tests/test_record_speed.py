@@ -5,6 +5,7 @@ import torch
 from helpers import tiny_model
 
 from workbench.capture import probes as P
+from workbench.capture import recorder
 from workbench.capture.experts import expert_internals
 from workbench.capture.probes import _grouped_internals
 from workbench.capture.recorder import RecordSettings, new_run_id, record_batch
@@ -63,13 +64,14 @@ def test_a_batch_reduces_its_rows_together(tmp_path, monkeypatch):
         sizes.append(len(probes))
         return many(cls, probes)
     monkeypatch.setattr(P.ExpertExtremesProbe, "flush_many", classmethod(spy))
+    monkeypatch.setattr(recorder, "FLUSH_STEPS", 4)  # due by steps: every row stepped so far flushes
     prompts = ["def add(a, b):", "for i in range(10):\n", "class Point:"]
     db = Store(tmp_path / "b.duckdb")
     run_ids = [new_run_id() for _ in prompts]
     errors = record_batch(prompts, [RecordSettings(max_new_tokens=8)] * 3, model=str(ckpt), db=db, run_ids=run_ids,
                           run_fields=[None] * 3)
     assert errors == [None] * 3
-    assert max(sizes) == 3  # the rows end together: their kept steps in one call
+    assert max(sizes) == 3  # the rows' kept steps in one call
     for rid in run_ids:
         got = db.sql("SELECT pos, layer FROM expert_extremes WHERE run_id = ? ORDER BY layer, pos", [rid])
         n = db.sql("SELECT n_tokens FROM runs WHERE run_id = ?", [rid])["n_tokens"][0]
