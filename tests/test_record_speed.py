@@ -25,8 +25,8 @@ def _moe(seed: int = 0) -> MoE:
 
 def test_grouped_expert_internals_equal_one_call_per_expert():
     moe = _moe()
-    x = torch.randn(37, moe.dim)
-    idx = torch.randint(0, moe.n_routed_experts, (37, 2))
+    x = torch.randn(200, moe.dim)
+    idx = torch.randint(0, moe.n_routed_experts, (200, 2))
     idx[3, 1] = -1  # a slot naming no real expert: NaN in both
     want = expert_internals(moe.experts, x, idx)
     got = _grouped_internals(moe.experts, x, idx)
@@ -38,14 +38,16 @@ def test_grouped_expert_internals_equal_one_call_per_expert():
 
 def test_grouped_expert_internals_follow_edits_and_step_aside_for_hooks():
     moe = _moe(1)
-    x = torch.randn(9, moe.dim)
-    idx = torch.randint(0, moe.n_routed_experts, (9, 2))
+    x = torch.randn(120, moe.dim)
+    idx = torch.randint(0, moe.n_routed_experts, (120, 2))
     before = _grouped_internals(moe.experts, x, idx)
     with torch.no_grad():
         moe.experts[int(idx[0, 0])].w2.weight.mul_(3.0)  # an in-place edit (a fault) is seen
     after = _grouped_internals(moe.experts, x, idx)
     torch.testing.assert_close(after[0][0, 0], 3 * before[0][0, 0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(after[0], expert_internals(moe.experts, x, idx)[0], rtol=1e-5, atol=1e-6)
+    # one row over 16 experts: padding every expert to one row costs more than two calls; one call per expert
+    assert _grouped_internals(moe.experts, x[:1], idx[:1]) is None
     h = moe.experts[0].hook_out.register_forward_hook(lambda _m, _a, out: out * 2)
     try:  # a hooked expert runs as the model runs it: one call per expert
         assert _grouped_internals(moe.experts, x, idx) is None

@@ -482,8 +482,12 @@ def _grouped_internals(experts, x: torch.Tensor, indices: torch.Tensor
     ex, pairs = ex[order], pairs[order]
     counts = torch.bincount(ex, minlength=e_n)
     n_max = int(counts.max()) if ex.numel() else 0
-    if n_max == 0 or e_n * n_max * max(inter, d) * 4 > GROUPED_BYTES:
-        return None if n_max else (torch.full((n, k), float("nan")), torch.full((n, k), float("nan")))
+    if n_max == 0:
+        return torch.full((n, k), float("nan")), torch.full((n, k), float("nan"))
+    # padding past twice the real rows (few rows over many experts: a prefill of a few tokens) costs more than
+    # the per-expert calls it saves; so does a buffer past GROUPED_BYTES
+    if e_n * n_max > 2 * ex.numel() or e_n * n_max * max(inter, d) * 4 > GROUPED_BYTES:
+        return None
     rank = torch.arange(ex.numel(), device=ex.device) - (torch.cumsum(counts, 0) - counts)[ex]
     xg = x.new_zeros(e_n, n_max, d, dtype=w1.dtype)
     xg[ex, rank] = x[pairs // k].to(w1.device, w1.dtype)
