@@ -160,7 +160,8 @@ def model_rows(lengths: list[int], dev: torch.device, dtype: torch.dtype, sync, 
                     acc.append(time.perf_counter() - t0)
             probe.remove()
             p, r = statistics.median(t_plain), statistics.median(t_rec)
-            out.append(f"| {n} | {p:.3f} | {r:.3f} | **{r / p:.2f}x** | {'Triton' if any(used) else 'no (CPU tiles)'} |")
+            kernel = "Triton" if any(used) else "no (CPU tiles)"
+            out.append(f"| {n} | {p:.3f} | {r:.3f} | **{r / p:.2f}x** | {kernel} |")
             print(out[-1], flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -396,17 +396,20 @@ def report(args, results, versions, missing, loads, total_s) -> str:
                   "alternating in the `our plain forward` process (9 pairs under 1024 tokens, 2 under 4096, else 1). "
                   "Ratios: median of the pairs' ratios of CPU time (the process's, all threads), wall-clock beside it:",
                   "",
-                  "| tokens | our plain s | recorded s | time ratio, CPU (target <= 1.10x) | wall ratio | our plain peak MB "
-                  "| recorded peak MB | memory ratio (target <= 1.10x) | our plain / transformers plain, CPU (target "
-                  "<= 0.5x at 4096) | wall |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| tokens | our plain s | recorded s | time ratio, CPU (target <= 1.10x) | wall ratio "
+                  "| our plain peak MB | recorded peak MB | memory ratio (target <= 1.10x) "
+                  "| our plain / transformers plain, CPU (target <= 0.5x at 4096) | wall |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for n in ours:
             pair = results[("workbench_native", n)]["pair"]
             ps, rs = statistics.median(pair["plain_s"]), statistics.median(pair["rec_s"])
             ratio = _ratio(pair, "rec", "plain", "_cpu")
             wall = _ratio(pair, "rec", "plain", "_s")
             vp = results.get(("native_plain", n), {}).get("pair")
-            vs = f"**{_ratio(vp, 'ours', 'hf', '_cpu'):.2f}x** | {_ratio(vp, 'ours', 'hf', '_s'):.2f}x" if vp else "not run | "
-            lines.append(f"| {n} | {ps:.2f} | {rs:.2f} | **{ratio:.2f}x** | {wall:.2f}x | {pair['plain_peak_mb']:.0f} | "
+            vs = (f"**{_ratio(vp, 'ours', 'hf', '_cpu'):.2f}x** | {_ratio(vp, 'ours', 'hf', '_s'):.2f}x" if vp
+                  else "not run | ")
+            lines.append(f"| {n} | {ps:.2f} | {rs:.2f} | **{ratio:.2f}x** | {wall:.2f}x | "
+                         f"{pair['plain_peak_mb']:.0f} | "
                          f"{pair['rec_peak_mb']:.0f} | **{pair['rec_peak_mb'] / max(pair['plain_peak_mb'], 1):.2f}x** | "
                          f"{vs} |")
     rows = [r for (t, n), r in results.items() if "rows" in r]

@@ -287,9 +287,9 @@ class MLA(nn.Module):
     def _attend_naive_stats(self, q, k, v, start_pos: int) -> torch.Tensor:
         """``_attend_naive`` with the softmax written out and reduced on the way to what ``hook_attn_stats`` hands
         over (see ``_attend_stats``), once per block of ``attn_chunk`` query rows. Inside a block the rows go in
-        tiles of ``TILE`` query rows x heads, each against the keys up to its last row only (the causal triangle,
-        as the flash kernel of the plain path skips masked keys): d = s - max, e = exp(d), l = sum e; entropy
-        log l - sum(e * d) / l, max weight 1 / l, sink weight e_0 / l, the output (e @ V) / l, and the attention
+        tiles of at most 64 query rows (``TILE`` rows x heads), each against the keys up to its last row only (the
+        causal triangle, as the flash kernel of the plain path skips masked keys): d = s - max, e = exp(d), l = sum e;
+        entropy log l - sum(e * d) / l, max weight 1 / l, sink weight e_0 / l, the output (e @ V) / l, and the attention
         each key received one matrix-vector product per tile. Masked scores are a large finite negative, so
         that e * d is 0 there, not nan."""
         bsz, seqlen, h, dv = q.size(0), q.size(1), self.n_heads, self.v_head_dim
@@ -304,7 +304,7 @@ class MLA(nn.Module):
             tc = t1 - t0
             stats, out = [], []
             received = q.new_zeros(bsz * h, 1, keys, dtype=torch.float32)
-            rows = max(16, min(tc, TILE // (bsz * h)))
+            rows = max(16, min(tc, 64, TILE // (bsz * h)))
             for r0 in range(t0, t1, rows):
                 r1 = min(r0 + rows, t1)
                 kend = min(keys, start_pos + r1)  # the tile's last row sees keys 0 .. start_pos + r1 - 1
@@ -451,8 +451,9 @@ def _same_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return q, k, v
 
 
-# query rows x heads (x batch rows) per tile of the reduced attention: 64 rows of 16 heads, whatever the keys
-# (measured on one core: 64-row tiles of the triangle at 512-4096 keys beat 32, 128 and 256 rows)
+# query rows x heads (x batch rows) per tile of the reduced attention, and at most 64 rows whatever the heads
+# (measured on one core at 512-4096 keys: 64-row tiles beat 128-512 with 16 heads and with 4; 16-32 are no
+# better)
 TILE = 1024
 MASKED = -1e30  # a masked score in the reduced attention: exp gives 0, and 0 * (it - max) stays 0
 
