@@ -55,6 +55,17 @@ def test_grouped_expert_internals_follow_edits_and_step_aside_for_hooks():
         h.remove()
 
 
+def test_no_stacked_copy_of_experts_past_the_size_bound(monkeypatch):
+    moe = _moe(2)
+    x = torch.randn(120, moe.dim)
+    idx = torch.randint(0, moe.n_routed_experts, (120, 2))
+    weights = sum(p.numel() * p.element_size() for p in moe.experts.parameters())
+    monkeypatch.setattr(P, "STACKED_BYTES", weights - 1)  # a layer whose experts are larger: one call each
+    assert _grouped_internals(moe.experts, x, idx) is None and "_workbench_stacked" not in moe.experts.__dict__
+    monkeypatch.setattr(P, "STACKED_BYTES", weights)
+    assert _grouped_internals(moe.experts, x, idx) is not None and "_workbench_stacked" in moe.experts.__dict__
+
+
 def test_a_batch_reduces_its_rows_together(tmp_path, monkeypatch):
     """A batch's rows flush together: one ``flush_many`` per probe class over every row (not one call per row),
     and each row's expert_extremes rows are its own (its positions, all its MoE layers)."""

@@ -454,6 +454,9 @@ def _plain_mlp(m: nn.Module) -> bool:
 
 
 GROUPED_BYTES = 256 << 20  # the grouped rows' largest buffer; past it, one call per expert
+# the stacked copy of one layer's expert weights lives as long as the model: past this size (a large model, where
+# the copy would add its experts' memory again) the experts are called one by one instead
+STACKED_BYTES = 64 << 20
 
 
 def _grouped_internals(experts, x: torch.Tensor, indices: torch.Tensor
@@ -466,6 +469,8 @@ def _grouped_internals(experts, x: torch.Tensor, indices: torch.Tensor
         return None
     n, k = indices.shape
     ws = [(m.w1.weight, m.w3.weight, m.w2.weight) for m in experts]
+    if sum(w.numel() * w.element_size() for t in ws for w in t) > STACKED_BYTES:
+        return None
     key = tuple((w.data_ptr(), w._version) for t in ws for w in t)
     cached = experts.__dict__.get("_workbench_stacked")  # on the module: it goes when the model goes
     if cached is None or cached[0] != key:
