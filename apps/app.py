@@ -127,9 +127,7 @@ def build_app(db: str | Path | Store | None = None, model=None, tokenizer=None) 
     store = db if isinstance(db, Store) else Store(db)
     app = AppContext(store, model, tokenizer)
     with gr.Blocks(title="MoE workbench", analytics_enabled=False) as blocks:
-        page_head = gr.Markdown(run_view.page_header(None, store.path.name)
-                                + (" (a read-only folder of Parquet shards)" if store.read_only else ""),
-                                elem_id="page-head")
+        page_head = gr.Markdown(run_view.page_header(None, store.path.name, store.read_only), elem_id="page-head")
         with gr.Row():
             run_pick = gr.Dropdown(label="Run", choices=[], value=None, scale=4,  # choices: at page load
                                    elem_id="run-picker", allow_custom_value=True)

@@ -65,16 +65,20 @@ def run_header(f: RunFrames, s: dict) -> str:
     return head
 
 
-def page_header(f: RunFrames | None, db_name: str = "") -> str:
-    """The page's title line: the picked run's model family (``ModelSummary.describe``)."""
+def page_header(f: RunFrames | None, db_name: str = "", read_only: bool = False) -> str:
+    """The page's title line: the picked run's model family (``ModelSummary.describe``); a read-only folder of
+    shards says so whichever run is picked."""
+    shards = " (a read-only folder of Parquet shards)" if read_only else ""
     if f is None:
-        return f"{TITLE}\nRuns recorded into {md_plain(db_name)}: pick one (Runs tab or the run picker)."
-    return f"{TITLE}\n{md_plain(f.summary.family)} run **{md_plain(f.run_id)}**: {md_plain(f.summary.describe())}"
+        return f"{TITLE}\nRuns recorded into {md_plain(db_name)}{shards}: pick one (Runs tab or the run picker)."
+    return (f"{TITLE}\n{md_plain(f.summary.family)} run **{md_plain(f.run_id)}**: {md_plain(f.summary.describe())}"
+            f"{shards}")
 
 
 def cleared(app: AppContext, s: Session):
     """Every output of ``load_run`` for no run: the views show nothing."""
-    return (page_header(None, app.store.path.name), "Choose a run.", [], gr.Number(value=0), None, "",
+    return (page_header(None, app.store.path.name, app.store.read_only), "Choose a run.", [], gr.Number(value=0),
+            None, "",
             gr.Slider(maximum=1, value=0), gr.Dropdown(choices=reference_choices(s.runs, None), value=""))
 
 
@@ -96,7 +100,8 @@ def load_run(app: AppContext, s: Session, run_id: str | None):
     summary = run_summary(f)
     last = f.last_step
     ref = s.reference if s.reference != run_id else None
-    return (page_header(f), run_header(f, summary), strip_value(t), gr.Number(value=pos, maximum=max(n - 1, 0)),
+    return (page_header(f, read_only=app.store.read_only), run_header(f, summary), strip_value(t),
+            gr.Number(value=pos, maximum=max(n - 1, 0)),
             f.fig_tokens(), json.dumps(summary, indent=1),
             gr.Slider(minimum=0, maximum=max(last, 1), value=last, step=1),
             gr.Dropdown(choices=reference_choices(s.runs, run_id), value=ref or ""))
