@@ -47,7 +47,7 @@ from workbench.capture.adapters import load_adapter  # noqa: E402
 from workbench.capture.prompts import load_prompts  # noqa: E402
 from workbench.data import query  # noqa: E402
 from workbench.model.tokenizer import load_tokenizer  # noqa: E402
-from probe_overhead import write_section  # noqa: E402
+from results_md import write_section  # noqa: E402
 
 SECTION = "## Anomaly detectors (calibrated)"
 CALIBRATION = ROOT / "data" / "prompts" / "calibration.jsonl"

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     print(cache)
     print(code)
     if args.write:
-        from probe_overhead import write_section
+        from results_md import write_section
         write_section(ROOT / "benchmarks" / "RESULTS.md", "## Expert cache", cache)
         write_section(ROOT / "benchmarks" / "RESULTS.md", "## Code view", code)
     return 0

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         print("benchmarks/gpu.py: triton is not installed, skipped")
         return 0
     if args.write:
-        from probe_overhead import write_section  # noqa: E402  (fails here, before any timing, if it cannot)
+        from results_md import write_section  # noqa: E402  (fails here, before any timing, if it cannot)
     if args.heads % args.kv_heads:
         ap.error("--kv-heads must divide --heads")
 

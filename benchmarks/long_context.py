@@ -203,7 +203,7 @@ def latency_main(args) -> int:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        from probe_overhead import write_section
+        from results_md import write_section
         write_section(ROOT / "benchmarks" / "RESULTS.md", "## Latency against context", text)
     return 0
 
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        from probe_overhead import write_section
+        from results_md import write_section
         write_section(ROOT / "benchmarks" / "RESULTS.md", "## Long context", text)
     return 0
 

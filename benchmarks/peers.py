@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(args, results, versions, missing, (load0, load()), time.monotonic() - start)
     print(text)
     if args.write:
-        from probe_overhead import write_section
+        from results_md import write_section
         write_section(ROOT / "benchmarks" / "RESULTS.md", _section(args), text)
     return 0
 

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        from probe_overhead import write_section
+        from results_md import write_section
         write_section(ROOT / "benchmarks" / "RESULTS.md", "## Precision", text)
     return 0
 

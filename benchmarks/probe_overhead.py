@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from workbench import PROBES, record  # noqa: E402
 from workbench.data.store import Store  # noqa: E402
 from workbench.model import DEFAULT_CHECKPOINT, ModelArgs, Transformer, generate, load_checkpoint, load_tokenizer  # noqa: E402
+from results_md import write_section  # noqa: E402
 
 PROMPT = '''def fibonacci(n):
     """Return the n-th Fibonacci number."""
@@ -159,19 +160,6 @@ def publish(lines: list[str], write: bool) -> None:
     print(text)
     if write:
         write_section(ROOT / "benchmarks" / "RESULTS.md", lines[0], text)
-
-
-def write_section(path: Path, heading: str, text: str) -> None:
-    """Replace (or append) one ``## `` section of RESULTS.md, leaving the others as they are."""
-    old = path.read_text() if path.exists() else "# Benchmark results\n\n"
-    lines = old.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.strip() == heading), None)
-    if start is None:
-        new = old.rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n"
-    else:
-        end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
-        new = "".join(lines[:start]) + text.rstrip("\n") + "\n\n" + "".join(lines[end:])
-    path.write_text(new.rstrip("\n") + "\n")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ import workbench  # noqa: E402
 from workbench.capture.adapters import load_adapter  # noqa: E402
 from workbench.model import load_tokenizer  # noqa: E402
 from workbench.run import Run  # noqa: E402
-from probe_overhead import write_section  # noqa: E402
+from results_md import write_section  # noqa: E402
 
 SECTION = "## Root cause cost"
 PROMPTS = ["01_fibonacci.txt", "05_load_config.txt", "06_argparse.txt"]

@@ -45,7 +45,7 @@ from workbench.analysis import activations, faults  # noqa: E402
 from workbench.analysis.baseline import build_profile, load_profile, save_profile  # noqa: E402
 from workbench.capture.adapters import Adapter, adapter_for, load_adapter  # noqa: E402
 from workbench.model import load_tokenizer  # noqa: E402
-from probe_overhead import write_section  # noqa: E402
+from results_md import write_section  # noqa: E402
 
 SECTION = "## Root cause (fault injection)"
 PROMPTS = [

@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(args, shape, ingest, single, pattern, counts, size, timings, (load0, load1, load2), len(run_ids))
     print(text)
     if args.write:
-        from probe_overhead import write_section
+        from results_md import write_section
         write_section(ROOT / "benchmarks" / "RESULTS.md", SECTION, text)
     return 0
 
