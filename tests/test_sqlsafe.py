@@ -157,7 +157,10 @@ def test_memory_is_bounded(store, q):
     grew_mb = (_status_kb("self", "VmHWM") - base) / 1024
     workers = peaks + [_status_kb(p, "VmHWM") for p in _children()]
     kids_after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # a worker killed and reaped
-    reaped = kids_after if kids_after > max(kids_before, inherited) else 0
+    # the live samples (every 5 ms: no worker grows by a GiB between two) are the measure; a reaped child's
+    # ru_maxrss only where none was sampled: it is the largest of every child reaped meanwhile (CI saw 2.8 GB
+    # there from some other test's process while this worker stayed under DuckDB's 640 MB limit)
+    reaped = kids_after if kids_after > max(kids_before, inherited) and not any(workers) else 0
     worker_mb = max(workers + [reaped]) / 1024
     assert "\n" not in str(e.value)
     assert took < timeout + SLACK_S, (took, str(e.value))
