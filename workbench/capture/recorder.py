@@ -261,8 +261,7 @@ class _Recording:
         (on_token) may read the store, or block, before the next step, so it gets every step handed to the
         writer before it is told of it; else the prefill, the last step, and every FLUSH_STEPS steps, FLUSH_BYTES
         kept or ``flush_seconds``."""
-        return (self.on_token is not None or final or step.index == 0 or len(self.pending) >= FLUSH_STEPS
-                or self.rec.pending_bytes() > FLUSH_BYTES or time.monotonic() - self.last_flush > self.flush_seconds)
+        return self.on_token is not None or final or step.index == 0 or self.due_batched()
 
     def due_batched(self) -> bool:
         """``due`` for a row of a batched generation (no live consumer; its prefill waits for the next flush)."""
