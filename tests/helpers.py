@@ -90,6 +90,16 @@ def wait_plot(pg, elem_id: str, traces: int | None = None, timeout: int = 30_000
                          f"return p && p.data && {cond}; }}", timeout=timeout)
 
 
+def run_interpreted(script: str) -> None:
+    """Run ``python -c script`` from the repository root with ``TRITON_INTERPRET=1`` (Triton kernels on the CPU);
+    it must exit 0 and print ``ok`` last."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:

@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
+from helpers import run_interpreted
 
 pytest.importorskip("triton")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r"""
 import math
@@ -57,11 +55,7 @@ print("ok")
 
 
 def test_triton_attention_matches_materialised_softmax():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().endswith("ok")
+    run_interpreted(SCRIPT)
 
 
 def test_needs_cuda_or_interpreter():

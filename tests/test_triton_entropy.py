@@ -1,11 +1,8 @@
 """The fused Triton row-statistics kernel equals the torch reductions (run under TRITON_INTERPRET=1)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+from helpers import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -26,8 +23,4 @@ print("ok")
 
 
 def test_triton_row_stats_match_torch():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().endswith("ok")
+    run_interpreted(SCRIPT)

@@ -3,15 +3,11 @@ column sums of a materialised softmax, and ``MLA.stats_kernel`` set to ``mla_sta
 the CPU stats path does, with the same logits (all under TRITON_INTERPRET=1)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+from helpers import run_interpreted
 
 pytest.importorskip("triton")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r"""
 import math
@@ -69,8 +65,4 @@ print("ok")
 
 
 def test_received_attention_and_the_models_kernel_path():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().endswith("ok")
+    run_interpreted(SCRIPT)
