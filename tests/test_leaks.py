@@ -9,14 +9,12 @@ import os
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import re
-import subprocess
-import sys
 import time
 import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import source_tree, tiny_model
+from helpers import tiny_model
 
 import workbench
 import workbench.views.report
@@ -216,16 +214,11 @@ def test_readme_commands_work_in_a_fresh_shell():
 
 
 @pytest.mark.slow
-def test_building_the_package_prints_no_warning_of_ours(tmp_path):
-    src = source_tree(tmp_path)
-    got = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "wheel", "--no-deps",
-                          "--no-build-isolation", "--no-index", "-v", "-w", str(tmp_path / "dist"), str(src)],
-                         capture_output=True, text=True, timeout=300)
-    assert got.returncode == 0, got.stderr[-2000:]
-    out = got.stdout + got.stderr
+def test_building_the_package_prints_no_warning_of_ours(built_wheel):
+    wheel, out = built_wheel  # tests/conftest.py: pip wheel -v of the packaged sources, once a session
     assert "BuildBackendWarning" not in out and "SetuptoolsDeprecationWarning" not in out, \
         "\n".join(line for line in out.splitlines() if "Warning" in line)
-    shipped = set(zipfile.ZipFile(next((tmp_path / "dist").glob("*.whl"))).namelist())
+    shipped = set(zipfile.ZipFile(wheel).namelist())
     assert {"workbench/model/presets/tiny.json", "workbench/views/templates/report.html.j2"} <= shipped
 
 

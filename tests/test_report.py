@@ -15,7 +15,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 import polars as pl
 import pytest
-from helpers import source_tree, tiny_model
+from helpers import tiny_model
 from markupsafe import escape
 
 import workbench
@@ -273,7 +273,7 @@ def _every_section() -> Report:
     return Report(facts, figures=[(s, s + "-fig", fig) for s in ("explain-2", "signals", "kv_whatif", "code")])
 
 
-def test_templates_are_package_data(tmp_path):
+def test_templates_are_package_data(tmp_path, built_wheel):
     """The templates load from the package (not a path next to the source), and a non-editable install ships them:
     a wheel built from the source holds every file of workbench/views/templates, and the installed copy renders
     the same page as this checkout."""
@@ -281,12 +281,8 @@ def test_templates_are_package_data(tmp_path):
     files = sorted(p.name for p in folder.iterdir() if p.is_file())
     assert "report.html.j2" in files and set(templates().list_templates()) == set(files)
     assert templates().get_template("report.html.j2").render  # compiles
-    src = source_tree(tmp_path)
+    wheel = built_wheel[0]  # tests/conftest.py: pip wheel of a copy of the packaged sources, once a session
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
-    got = subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w",
-                                str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
-    assert got.returncode == 0, got.stderr
-    wheel = next((tmp_path / "dist").glob("*.whl"))
     shipped = {n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("workbench/views/templates/")}
     assert shipped == {f"workbench/views/templates/{f}" for f in files}
     target = tmp_path / "site"
