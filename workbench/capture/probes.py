@@ -361,20 +361,28 @@ class KVProbe(Probe):
 
 
 class ExpertExtremesProbe(Probe):
-    """Per position x MoE layer, the chosen experts' largest output norm and largest activation inside them
-    (``workbench.capture.experts.expert_internals``: the experts run again on their input rows, the ``expert_in``
-    seam, for the choice the ``routed`` seam names). The rows are kept and computed at the flush, all kept steps
-    of a layer in one call (per-expert calls dominate a decode step's cost); a layer whose experts the workbench
-    cannot run exactly has no ``expert_in`` and records nothing."""
+    """Per position x MoE layer, the chosen experts' largest output norm and largest activation inside them.
+
+    Where the adapter offers the ``expert_out`` seam (our model), each chosen expert's output and its down
+    projection's input are read as the model computed them in its own expert calls: references kept per forward,
+    reduced at the flush in one norm and one max per layer. Elsewhere ``workbench.capture.experts.expert_internals``
+    runs the experts again on their input rows (the ``expert_in`` seam) for the choice the ``routed`` seam names,
+    all kept steps of a layer in one call (per-expert calls dominate a decode step's cost); a layer whose experts the
+    workbench cannot run exactly has no ``expert_in`` and records nothing."""
 
     def __init__(self, adapter: Adapter, run_id: str):
         super().__init__(adapter, run_id)
+        self.own = bool(getattr(adapter, "expert_out_seam", False))
         self.x: dict[int, list[torch.Tensor]] = defaultdict(list)
         self.idx: dict[int, list[torch.Tensor]] = defaultdict(list)
-        self.kept: list[tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = []  # (start_pos, by layer)
+        # expert_out: per layer, per forward, the (expert, output, down projection input) calls in the model's order
+        self.calls: dict[int, list[list[tuple]]] = defaultdict(list)
+        self.kept: list[tuple[int, dict[int, tuple]]] = []  # (start_pos, by layer)
         self.kept_bytes = 0
 
     def listeners(self) -> dict:
+        if self.own:
+            return {"routed": self.on_route, "expert_out": self.on_out}
         return {"routed": self.on_route, "expert_in": self.on_in}
 
     def on_in(self, layer: int, x: torch.Tensor) -> None:
@@ -382,8 +390,17 @@ class ExpertExtremesProbe(Probe):
 
     def on_route(self, layer: int, r: Route) -> None:
         self.idx[layer].append(r.indices.detach())
+        if self.own:
+            self.calls[layer].append([])
+
+    def on_out(self, layer: int, expert: int, y: torch.Tensor, act: torch.Tensor | None) -> None:
+        forwards = self.calls.get(layer)
+        if forwards:  # a call before its layer's routing (none in our model) is never paired up
+            forwards[-1].append((expert, y.detach(), None if act is None else act.detach()))
 
     def collect(self, s: StepInfo) -> dict:
+        if self.own:
+            return self._collect_own(s)
         xs, idxs = self.x, self.idx
         self.x, self.idx = defaultdict(list), defaultdict(list)
         step = {}
@@ -398,13 +415,30 @@ class ExpertExtremesProbe(Probe):
             self.kept.append((s.start_pos, step))
         return {}
 
+    def _collect_own(self, s: StepInfo) -> dict:
+        calls, idxs = self.calls, self.idx
+        self.calls, self.idx = defaultdict(list), defaultdict(list)
+        step = {}
+        for layer in sorted(idxs):
+            forwards = calls.get(layer, [])
+            if len(forwards) != len(idxs[layer]) or any(a is None for f in forwards for _, _, a in f):
+                continue  # a forward we cannot pair up: no rows, never wrong ones
+            step[layer] = (idxs[layer], forwards)
+            self.kept_bytes += sum(t.numel() * t.element_size() for f in forwards for _, y, a in f for t in (y, a))
+        if step:
+            self.kept.append((s.start_pos, step))
+        return {}
+
     def flush(self) -> dict:
         return self.flush_many([self])[0]
 
     @classmethod
     def flush_many(cls, probes: list["ExpertExtremesProbe"]) -> list[dict]:
         """Every probe's kept rows of a layer through the experts in one ``expert_internals`` call (per-expert
-        calls dominate: the rows of a batched generation share them), the results split back per probe."""
+        calls dominate: the rows of a batched generation share them), the results split back per probe; rows
+        read from the model's own expert calls (``expert_out``) are reduced per probe, nothing runs again."""
+        if probes and probes[0].own:
+            return [p._flush_own() for p in probes]
         kept = []
         for p in probes:
             kept.append(p.kept)
@@ -423,13 +457,7 @@ class ExpertExtremesProbe(Probe):
                 got = None
             if got is None:
                 continue
-            norm, act = (t.nan_to_num(float("-inf")) for t in got)
-            ie, ia = norm.argmax(1), act.argmax(1)
-            rows, idx = torch.arange(idx.size(0)), idx.cpu()
-            every = {"max_out_norm": norm[rows, ie].double().numpy(),
-                     "max_out_expert": idx[rows, ie].numpy().astype(np.int32),
-                     "max_act": act[rows, ia].double().numpy(),
-                     "max_act_expert": idx[rows, ia].numpy().astype(np.int32)}
+            every = _extremes(*got, idx)
             off = 0
             for j, steps in parts:
                 n = sum(xi.size(0) for _, (xi, _) in steps)
@@ -441,8 +469,73 @@ class ExpertExtremesProbe(Probe):
         return [{"expert_extremes": Rows(p.run_id, {k: np.concatenate([c[k] for c in cs]) for k in cs[0]})}
                 if cs else {} for p, cs in zip(probes, cols)]
 
+    def _flush_own(self) -> dict:
+        """The kept expert calls of every step, per layer: one norm over every output and one max over every down
+        projection input, each placed at its (row, slot) of the layer's choice (an expert's rows come in row order,
+        the experts in increasing order, as ``MoE.forward`` calls them). A forward whose calls are not its choice's
+        (an expert's row count differs) gives no rows, never wrong ones."""
+        kept, self.kept, self.kept_bytes = self.kept, [], 0
+        n_e = self.adapter.summary.n_routed_experts
+        cols = []
+        for layer in sorted({layer for _, step in kept for layer in step}):
+            pos, idxs, calls = [], [], []  # per forward
+            for p0, step in kept:
+                for idx, fwd in zip(*step.get(layer, ((), ()))):
+                    pos.append(np.arange(p0, p0 + idx.size(0), dtype=np.int32))
+                    p0 += idx.size(0)
+                    idxs.append(idx)
+                    calls.append(fwd)
+            if not idxs:
+                continue
+            dev = idxs[0].device
+            n_f = len(idxs)
+            flat = torch.cat([i.reshape(-1).to(dev) for i in idxs])
+            fid = torch.repeat_interleave(torch.arange(n_f, device=dev),
+                                          torch.tensor([i.numel() for i in idxs], device=dev))
+            valid = (flat >= 0) & (flat < n_e)
+            key = torch.where(valid, fid * n_e + flat, _LAST)  # forward by forward, expert by expert, row order
+            # each forward's row count per expert against what its calls hold
+            want = torch.bincount(key[valid], minlength=n_f * n_e).view(n_f, n_e)
+            got = torch.zeros(n_f * n_e, dtype=want.dtype)
+            slots = [f * n_e + e for f, fwd in enumerate(calls) for e, _, _ in fwd]
+            got[slots] = torch.tensor([y.size(0) for fwd in calls for _, y, _ in fwd], dtype=want.dtype)
+            good = (want.cpu() == got.view(n_f, n_e)).all(1)
+            if not bool(good.all()):  # only the forwards whose calls match
+                keep = good.nonzero().squeeze(1).tolist()
+                if not keep:
+                    continue
+                pos, idxs, calls = [pos[f] for f in keep], [idxs[f] for f in keep], [calls[f] for f in keep]
+                rows = good.to(dev)[fid]
+                flat, key, valid = flat[rows], key[rows], valid[rows]
+            idx = torch.cat([i.to(dev) for i in idxs])
+            ys = [y for fwd in calls for _, y, _ in fwd]
+            acts = [a for fwd in calls for _, _, a in fwd]
+            norm = torch.full((key.numel(),), float("nan"), device=dev)
+            act = torch.full((key.numel(),), float("nan"), device=dev)
+            if ys:
+                order = torch.argsort(key, stable=True)[:int(valid.sum())]
+                norm[order] = torch.cat(ys).float().norm(dim=-1).to(dev)
+                act[order] = torch.cat(acts).float().abs().amax(dim=-1).to(dev)
+            every = _extremes(norm.view(idx.shape).cpu(), act.view(idx.shape).cpu(), idx)
+            cols.append({"pos": np.concatenate(pos), "layer": np.full(idx.size(0), layer, np.int32), **every})
+        if not cols:
+            return {}
+        return {"expert_extremes": Rows(self.run_id, {k: np.concatenate([c[k] for c in cols]) for k in cols[0]})}
+
     def pending_bytes(self) -> int:
         return self.kept_bytes
+
+
+_LAST = torch.iinfo(torch.int64).max
+
+
+def _extremes(norm: torch.Tensor, act: torch.Tensor, idx: torch.Tensor) -> dict[str, np.ndarray]:
+    """The expert_extremes columns of per-(row, slot) output norms and activations [N, K] (NaN: no expert)."""
+    norm, act = (t.nan_to_num(float("-inf")) for t in (norm, act))
+    ie, ia = norm.argmax(1), act.argmax(1)
+    rows, idx = torch.arange(idx.size(0)), idx.cpu()
+    return {"max_out_norm": norm[rows, ie].double().numpy(), "max_out_expert": idx[rows, ie].numpy().astype(np.int32),
+            "max_act": act[rows, ia].double().numpy(), "max_act_expert": idx[rows, ia].numpy().astype(np.int32)}
 
 
 def _plain_mlp(m: nn.Module) -> bool:

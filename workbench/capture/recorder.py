@@ -438,14 +438,26 @@ def fan_out(rows: list[dict[str, Callable] | None]) -> dict[str, Callable]:
                     d[seam](layer, x[b:b + 1])
         return call
 
+    chosen: dict[int, torch.Tensor] = {}  # each MoE layer's last choice [B, T, K]: how expert_out's rows split
+
     def routed(layer: int, r: Route) -> None:
         t = r.logits.size(0) // len(rows)
+        chosen[layer] = r.indices.view(len(rows), t, -1)
         for b, d in enumerate(rows):
-            if d is not None:
+            if d is not None and "routed" in d:
                 s = slice(b * t, (b + 1) * t)
                 d["routed"](layer, Route(layer, r.logits[s], r.indices[s], r.weights[s], r.math))
 
-    own = {"attn_probs": attn_probs, "attn_stats": attn_stats, "routed": routed}
+    def expert_out(layer: int, expert: int, y: torch.Tensor, act: torch.Tensor | None) -> None:
+        # an expert's rows are in row order (batch-major): each batch row's come as one block
+        per_row = (chosen[layer] == expert).sum((1, 2)).tolist()
+        ys = y.split(per_row)
+        acts = act.split(per_row) if act is not None else [None] * len(rows)
+        for b, d in enumerate(rows):
+            if d is not None and per_row[b]:  # a row calls only the experts it chose
+                d["expert_out"](layer, expert, ys[b], acts[b])
+
+    own = {"attn_probs": attn_probs, "attn_stats": attn_stats, "routed": routed, "expert_out": expert_out}
     return {seam: own.get(seam) or by_row(seam) for seam in seams}
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 # The adapter seams (workbench.capture.adapters.base documents what each hands over), declared once: a
 # signal listens to some of them, interventions edit through the rest.
-SEAMS = ("attn_probs", "attn_stats", "head_out", "route", "routed", "shared_out", "resid_post", "expert_in")
+SEAMS = ("attn_probs", "attn_stats", "head_out", "route", "routed", "shared_out", "resid_post", "expert_in",
+         "expert_out")
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ REGISTRY: tuple[Signal, ...] = (
         _c("max_act_expert", "INTEGER", "the chosen expert that produced it", "exact")), "pos, layer",
         "per position x MoE layer: the chosen experts' extremes (massive activations, arXiv 2507.23279); "
         "not recorded for experts modules the workbench cannot run exactly (the run's notes say so)"),),
-        ("routed", "expert_in"), "expert extremes (super experts)"),
+        ("routed", "expert_in", "expert_out"), "expert extremes (super experts)"),
     Signal("steps", (Table("steps", (
         _c("step", "INTEGER"), _c("kind", "VARCHAR", "prefill | decode"), _c("n_tokens", "INTEGER"),
         _c("wall_ms", "DOUBLE")), "step", "one row per generation step"),), (), "step timing"),

@@ -34,6 +34,11 @@ replacement where noted, which is how ablations and faults intervene):
 - ``resid_post(layer, h [B, T, D])``: the residual stream after the block.
 - ``expert_in(layer, x [B, T, D])``: what one MoE layer's routed experts receive (their rows are ``routed``'s rows,
   batch-major); adapters hand it over only where that is exactly the experts' input.
+- ``expert_out(layer, expert, out [n, D], act [n, I] | None)`` (adapters with ``expert_out_seam``): one routed
+  expert as the model itself ran it in this forward: its output before the gate weight and its down projection's
+  input (None where the down projection was not called), for its rows of the layer's final choice in the order
+  ``torch.where(indices == expert)`` gives (batch-major); a forward's experts come in increasing expert order, after
+  the ``routed`` call of that layer. The super-expert signal reads it instead of running the experts again.
 
 Dimension letters: B batch, T tokens, S cached keys, H heads, d head dim, N = B*T routed rows,
 E routed experts, K experts per token.
@@ -176,6 +181,7 @@ class Adapter:
     checkpoint_path: str | None = None
     supports_batch = False  # has stream_batch, kv_state(row=) and batched attn_probs listeners
     stats_seam = False  # offers the attn_stats seam (the model reduces attention rows itself)
+    expert_out_seam = False  # offers the expert_out seam (each routed expert's output as the model ran it)
 
     # -- subclasses -------------------------------------------------------------------------------
     def stream(self, prompt: Sequence[int], max_new_tokens: int, temperature: float, top_p: float, seed: int,

@@ -47,6 +47,7 @@ class NativeAdapter(Adapter):
 
     supports_batch = True
     stats_seam = True
+    expert_out_seam = True
 
     def __init__(self, model: Transformer, family: str = "deepseek_v3"):
         self.module = model
@@ -247,6 +248,15 @@ class NativeAdapter(Adapter):
         if seam == "expert_in":  # MoE.forward runs its experts on its input's rows
             return [layers[i].ffn.register_forward_pre_hook(lambda _m, a, i=i: fn(i, a[0]))
                     for i in self.summary.moe_layers]
+        if seam == "expert_out":  # MoE.forward calls each chosen expert once, in expert order
+            handles = []
+            for i in self.summary.moe_layers:
+                for e, ex in enumerate(layers[i].ffn.experts):
+                    seen: dict = {}  # the down projection's input of the call under way (registered last: as used)
+                    handles.append(ex.w2.register_forward_pre_hook(lambda _m, a, seen=seen: seen.__setitem__(0, a[0])))
+                    handles.append(ex.register_forward_hook(
+                        lambda _m, _a, y, i=i, e=e, seen=seen: fn(i, e, y, seen.pop(0, None))))
+            return handles
         if seam == "shared_out":
             return [_hook(layers[i].ffn.shared_experts.hook_out, lambda _m, _a, _kw, o, i=i: fn(i, o))
                     for i in self.summary.moe_layers]
