@@ -1,13 +1,17 @@
 """Small builders the test files share (imported as ``helpers``: pytest puts tests/ on sys.path)."""
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -90,14 +94,69 @@ def wait_plot(pg, elem_id: str, traces: int | None = None, timeout: int = 30_000
                          f"return p && p.data && {cond}; }}", timeout=timeout)
 
 
-def run_interpreted(script: str) -> None:
-    """Run ``python -c script`` from the repository root with ``TRITON_INTERPRET=1`` (Triton kernels on the CPU);
-    it must exit 0 and print ``ok`` last."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=Path(__file__).resolve().parent.parent)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().endswith("ok")
+# The Python process that runs ``run_interpreted``'s scripts: each script execs in a fresh namespace there, and
+# the result comes back as one line after MARK (torch and Triton are imported once a session, not once a script).
+_INTERPRETER_MARK = "\x00run_interpreted:"
+_INTERPRETER = r"""
+import contextlib, io, json, sys, traceback
+out = sys.stdout
+sys.stdout = sys.stderr  # nothing but the result lines on the pipe
+for line in sys.stdin:
+    buf, err, ok = io.StringIO(), io.StringIO(), True
+    try:
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
+            exec(compile(json.loads(line), "<run_interpreted>", "exec"), {"__name__": "__main__"})
+    except BaseException:  # SystemExit included: a script ends by falling off its end
+        ok = False
+        err.write(traceback.format_exc())
+    out.write(MARK + json.dumps({"ok": ok, "stdout": buf.getvalue(), "stderr": err.getvalue()}) + "\n")
+    out.flush()
+"""
+_interpreter: dict = {}
+
+
+def _interpreter_process() -> subprocess.Popen:
+    proc = _interpreter.get("proc")
+    if proc is None or proc.poll() is not None:
+        log = tempfile.TemporaryFile(mode="w+")  # the process's own stderr (warnings): read back on a crash
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        proc = subprocess.Popen([sys.executable, "-c", f"MARK = {_INTERPRETER_MARK!r}\n" + _INTERPRETER],
+                                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                                cwd=Path(__file__).resolve().parent.parent)
+        _interpreter.update(proc=proc, log=log)
+        atexit.register(proc.kill)
+    return proc
+
+
+def run_interpreted(script: str, timeout: float = 600) -> None:
+    """Run ``script`` in a Python process with ``TRITON_INTERPRET=1`` (Triton kernels on the CPU), started from the
+    repository root: it must end without an exception and print ``ok`` last. The process is started once and
+    reused (each script in a fresh namespace), so torch and Triton are imported once for every interpreted test."""
+    proc = _interpreter_process()
+    proc.stdin.write(json.dumps(script) + "\n")
+    proc.stdin.flush()
+    lines: list[str] = []
+
+    def read() -> None:  # up to the result line (a line written below Python's sys.stdout is passed over)
+        for line in proc.stdout:
+            if line.startswith(_INTERPRETER_MARK):
+                lines.append(line)
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not lines:  # timed out, or the process ended: what it wrote to stderr says why
+        why = f"timed out after {timeout} s" if reader.is_alive() else f"ended its process ({proc.wait()})"
+        proc.kill()
+        proc.wait()
+        log = _interpreter["log"]
+        log.seek(0)
+        pytest.fail(f"the interpreted script {why}: {log.read()[-3000:]}")
+    line = lines[0]
+    got = json.loads(line[len(_INTERPRETER_MARK):])
+    assert got["ok"], got["stderr"][-3000:]
+    assert got["stdout"].strip().endswith("ok")
 
 
 def free_port() -> int:
