@@ -14,6 +14,7 @@ import torch
 from helpers import tiny_model
 
 import workbench
+from workbench import cli
 from workbench.capture.recorder import MAX_PROMPT_CHARS
 from workbench.data.signals import PROBES, SIGNALS
 from workbench.data.signals import TABLES as SIGNAL_TABLES
@@ -114,7 +115,8 @@ def test_failure_marks_run_failed(tmp_path):
     assert store.sql("SELECT count(*) AS n FROM steps")["n"][0] == 1  # the finished step is kept
 
 
-def test_cli_record_json(tmp_path, checkpoint):
+def test_cli_record_json(tmp_path, checkpoint, capsys):
+    """``python -m workbench.cli record --json`` in its own process; then bad input through the same ``main``."""
     db = tmp_path / "cli.duckdb"
     cmd = [sys.executable, "-m", "workbench.cli", "record", "--prompt", "import os\n", "--model", str(checkpoint),
            "--max-new-tokens", "4", "--db", str(db), "--json"]
@@ -124,9 +126,10 @@ def test_cli_record_json(tmp_path, checkpoint):
     run = workbench.open(db).run(out["run_id"])
     assert run.status == "complete" == out["status"]
     assert out["tokens"] == run.tokens().height
-    # bad input: one line on stderr, exit 2, no traceback
-    r = subprocess.run([*cmd[:5], "  ", *cmd[6:]], cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert r.returncode == 2 and "empty prompt" in r.stderr and "Traceback" not in r.stderr
+    # bad input: one line on stderr, exit 2, no traceback (in this process: the entry point was run above)
+    assert cli.main([*cmd[3:5], "  ", *cmd[6:]]) == 2
+    err = capsys.readouterr().err
+    assert "empty prompt" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_bfloat16_run(tmp_path):
