@@ -415,6 +415,16 @@ class MLA(nn.Module):
         received is a sum of p over the block's rows. Few operations: a decode step's cost is mostly their count."""
         bsz, seqlen, keys = q_abs.size(0), q_abs.size(1), kv.size(1)
         h, c, scale = self.n_heads, self.kv_lora_rank, self.softmax_scale
+        if seqlen == 1 and q_abs.dtype == torch.float32 and keys == start_pos + 1:
+            # a decode step: the plain decode's matmuls and softmax (_attend_fused), the statistics from its scores
+            # and probabilities (entropy lse - p . s), the output as the plain path computes it
+            s = torch.baddbmm(torch.bmm(q_pe.flatten(1, 2), k_pe.mT), q_abs.flatten(1, 2), kv.mT,
+                              beta=scale, alpha=scale)  # [B, H, S]
+            p = s.softmax(-1)
+            entropy = s.logsumexp(-1) - torch.linalg.vecdot(p, s)
+            stats = torch.stack([entropy.clamp(min=0.0), p.amax(-1), p[..., 0]], -1)
+            self.hook_attn_stats(stats.view(bsz, 1, h, 3), q_start=start_pos, received=p.sum(1))
+            return torch.bmm(p, kv).view(bsz, 1, h, c)
         kv_f, pe_f = kv.float(), k_pe.float()  # no copy in fp32: a decode step does not copy the cache
         outs = []
         for t0 in range(0, seqlen, self.attn_chunk):
