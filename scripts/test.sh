@@ -4,5 +4,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 export GRADIO_ANALYTICS_ENABLED=False
+# One torch thread unless the caller says otherwise (processes the tests start inherit it): the tests' forwards are
+# tiny and the 2 CPUs are shared with the app, Chromium and the child processes, where torch's default of one
+# thread per core only contends (test_rootcause + test_kvwhatif: 29-30 s with 1 thread, 135-144 s with 2, load 4-8)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 .venv/bin/lint-imports  # the rooms' import contracts (pyproject.toml, docs/architecture.md)
 exec .venv/bin/python -m pytest -q --durations=40 "$@"
