@@ -82,7 +82,7 @@ class Case:
 
     @property
     def fault(self) -> faults.FaultKind:
-        return faults.KINDS[self.kind]
+        return faults.ALL_KINDS[self.kind]
 
     def label(self) -> str:
         k = self.fault
@@ -116,12 +116,12 @@ def teacher_forced_logprobs(model: Adapter, ids: list[int]) -> torch.Tensor:
 def draw_case(kind: str, k: int, rng: random.Random, model: Adapter, routing: dict[int, pl.DataFrame],
               prompts: list[list[int]]) -> Case:
     """The k-th fault of a kind (its own random stream), on prompt k in rotation."""
-    fk = faults.KINDS[kind]
+    fk = faults.ALL_KINDS[kind]
     p = k % len(prompts)
     layer = rng.choice(fk.layers(model))
     if fk.index == "token":
         return Case(kind, layer, rng.choice(prompts[p][1:]), p)
-    if fk.index == "expert" and kind in ("expert", "expert_flip", "starved"):
+    if fk.index == "expert" and kind in ("expert", "expert_flip", "starved", "expert_noise"):  # an expert this prompt uses
         used = sorted(set(routing[p].filter(pl.col("layer") == layer)["expert"].to_list()))
         return Case(kind, layer, rng.choice(used), p)
     n = fk.n_index(model, layer)
@@ -205,6 +205,7 @@ def summarise(results: list[dict]) -> dict:
 
 def markdown(summary: dict, results: list[dict], meta: dict) -> str:
     s = summary
+    alone = meta.get("alone_only", False)
     lines = [
         meta["section"], "",
         f"`benchmarks/root_cause_eval.py` on {meta['checkpoint']} ({meta['when']}, {meta['machine']}, "
@@ -213,21 +214,24 @@ def markdown(summary: dict, results: list[dict], meta: dict) -> str:
         f"prompts, greedy generation of {meta['max_new_tokens']} tokens. A fault has a symptom when it moves some "
         f"token's logprob (teacher-forced) by >= {meta['min_effect']:g} nat; that token is explained. \"alone\": "
         f"`run.root_cause(pos)` (IG with {meta['steps']} steps over source tokens, ablation of heads, experts, "
-        f"shared experts and routers, unusual activations against {meta['profile']}); \"vs reference\": "
-        "`run.root_cause(pos, reference=clean_model)`, activation "
-        f"patching (layers, then {meta['top_layers']} layers descended into). Named: a top-3 row is the faulted "
+        f"shared experts and routers, unusual activations against {meta['profile']})"
+        + ("" if alone else "; \"vs reference\": `run.root_cause(pos, reference=clean_model)`, activation "
+           f"patching (layers, then {meta['top_layers']} layers descended into)") + ". Named: a top-3 row is the faulted "
         "component (router faults: the router or the expert; starved: the expert or the router), or for a "
         "layer-wide fault (norm, rotary, KV latent, residual scale, skipped layer) a row of its layer "
         "(attn_block, mlp_block, resid) or of its kind there; embedding: a position holding the token. "
-        "Counts per kind are small (compute is shared): read a rate as k of n.", "",
-        "| fault kind (explained / drawn) | named in top 3, alone | top 1 alone | named in top 3, vs reference "
-        "| top 1 vs reference | forwards per root cause vs reference (median) | seconds (median) |",
-        "|---|---|---|---|---|---|---|",
+        "Counts per kind are small (compute is shared): read a rate as k of n."
+        + (" `--alone-only`: no root cause against a reference was run; draws of this seed were not looked at "
+           "while the no-reference rules were chosen unless the notes say so." if alone else ""), "",
+        "| fault kind (explained / drawn) | named in top 3, alone | top 1 alone"
+        + (" |" if alone else " | named in top 3, vs reference | top 1 vs reference | forwards per root cause vs "
+           "reference (median) | seconds (median) |"),
+        "|---|---|---|" + ("" if alone else "---|---|---|---|"),
     ]
 
     def row(name, v):
-        return (f"| {name} | {v['top3']:.0%} | {v['top1']:.0%} | {v['top3_ref']:.0%} | {v['top1_ref']:.0%} | "
-                f"{v['forwards']:.0f} | {v['ref_seconds']:.2f} |")
+        return f"| {name} | {v['top3']:.0%} | {v['top1']:.0%} |" + ("" if alone else (
+            f" {v['top3_ref']:.0%} | {v['top1_ref']:.0%} | {v['forwards']:.0f} | {v['ref_seconds']:.2f} |"))
 
     for k, v in s["by_kind"].items():
         lines.append(row(f"{k} ({v['n']} / {v['drawn']})", v) if v["n"] else f"| {k} (0 / {v['drawn']}) | no "
@@ -235,21 +239,24 @@ def markdown(summary: dict, results: list[dict], meta: dict) -> str:
     lines.append(row(f"**all ({s['n']} / {s['drawn']})**", s))
     ok_ref = all(v["top3_ref"] >= meta["target_ref"] for v in s["by_kind"].values() if v["n"])
     ok_alone = all(v["top3"] >= meta["target_alone"] for v in s["by_kind"].values() if v["n"])
-    lines += ["", f"Targets (every kind): named in the top 3 for >= {meta['target_ref']:.0%} of faults with a "
-              f"reference: {'met' if ok_ref else 'missed'} ({s['top3_ref']:.0%} overall); >= "
-              f"{meta['target_alone']:.0%} alone: {'met' if ok_alone else 'missed'} ({s['top3']:.0%} overall). "
+    target_alone = (f"{meta['target_alone']:.0%} alone: {'met' if ok_alone else 'missed'} ({s['top3']:.0%} "
+                    "overall)")
+    lines += ["", f"Target (every kind): named in the top 3 for >= {target_alone}." if alone else
+              f"Targets (every kind): named in the top 3 for >= {meta['target_ref']:.0%} of faults with a "
+              f"reference: {'met' if ok_ref else 'missed'} ({s['top3_ref']:.0%} overall); >= {target_alone}. "
               f"One root cause against a reference: median {s['forwards']:.0f} forwards (both models, batched "
               f"forwards counted once), {s['ref_seconds']:.2f} s.", "",
-              "| fault | prompt | explained pos (token) | Δ logprob | rank alone | top 3 alone | rank vs reference "
-              "| top 3 vs reference | restored by the top row |", "|---|---|---|---|---|---|---|---|---|"]
+              "| fault | prompt | explained pos (token) | Δ logprob | rank alone | top 3 alone"
+              + (" |" if alone else " | rank vs reference | top 3 vs reference | restored by the top row |"),
+              "|---|---|---|---|---|---|" + ("" if alone else "---|---|---|")]
     for r in results:
         tok = json.dumps(r["token"])[1:-1].replace("|", "\\|").replace("`", "'")
         if r["symptom"]:
-            ranks = (f"{r['rank_all'] or '-'} | {'; '.join(_name(t) for t in r['top3'])} | {r['rank_ref'] or '-'} | "
-                     f"{'; '.join(_name(t) for t in r['top3_ref'])} | "
-                     f"{'-' if r['restored_top'] is None else format(r['restored_top'], '.2f')}")
+            ranks = f"{r['rank_all'] or '-'} | {'; '.join(_name(t) for t in r['top3'])}" + ("" if alone else (
+                f" | {r['rank_ref'] or '-'} | {'; '.join(_name(t) for t in r['top3_ref'])} | "
+                f"{'-' if r['restored_top'] is None else format(r['restored_top'], '.2f')}"))
         else:
-            ranks = "no symptom: not explained | - | - | - | -"
+            ranks = "no symptom: not explained | -" + ("" if alone else " | - | - | -")
         lines.append(f"| {r['case']} | {r['prompt']} | {r['pos']} (`{tok}`) | {r['dlogprob']:.2f} | {ranks} |")
     if meta["notes"]:
         lines += ["", meta["notes"], ""]
@@ -272,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", "--model", dest="checkpoint", default=str(ROOT / "data" / "demo"),
                     help="a checkpoint folder: ours (default: the bundled demo) or any transformers causal LM")
     ap.add_argument("--tiny", default=None, help="a tiny random transformers family (workbench.capture.tiny) instead")
-    ap.add_argument("--kinds", default=",".join(faults.KINDS), help="fault kinds (keys of faults.KINDS)")
+    ap.add_argument("--kinds", default=",".join(faults.KINDS),
+                    help="fault kinds (keys of faults.KINDS; the held-out kinds of faults.HELD_OUT by name)")
     ap.add_argument("--per-kind", type=int, default=3, help="faults with a symptom of each kind")
     ap.add_argument("--max-draws", type=int, default=12, help="faults drawn at most per kind")
     ap.add_argument("--min-effect", type=float, default=0.5,
@@ -291,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--alone-only", action="store_true",
                     help="skip the root cause against a reference (a quicker look at the no-reference ranking; "
-                         "implies --no-write)")
+                         "writes its own section, '...: alone only, seed N', unless --no-write)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -306,14 +314,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"root_cause_eval: no trained checkpoint in {ckpt} (config.json + model.safetensors); train it with "
               "`workbench train`, or pass --checkpoint DIR", file=sys.stderr)
         return 1
-    unknown = [k for k in args.kinds.split(",") if k and k not in faults.KINDS]
+    unknown = [k for k in args.kinds.split(",") if k and k not in faults.ALL_KINDS]
     if unknown:
-        print(f"root_cause_eval: unknown fault kinds {unknown}; known: {list(faults.KINDS)}", file=sys.stderr)
+        print(f"root_cause_eval: unknown fault kinds {unknown}; known: {list(faults.ALL_KINDS)}", file=sys.stderr)
         return 2
     t_start = time.perf_counter()
     model, label = load_model(ckpt)
     reference = adapter_for(copy.deepcopy(model.module))  # the known-good model; faults go into `model` only
-    kinds = [k for k in args.kinds.split(",") if k and faults.KINDS[k].layers(model)]
+    kinds = [k for k in args.kinds.split(",") if k and faults.ALL_KINDS[k].layers(model)]
     tok_path = next((p for p in (ckpt / "tokenizer.json", ckpt.parent / "tokenizer.json") if p.exists()), None)
     tok = load_tokenizer(tok_path)
     prompts = [tok.encode(p).ids for p in PROMPTS[: args.prompts]]
@@ -333,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             activations.save(db, sha, activations.build(model, [tok.encode(p).ids for p in CALIBRATION]),
                              "root_cause_eval calibration")
         for n_kind, kind in enumerate(kinds):
-            rng = random.Random(args.seed * 1000 + list(faults.KINDS).index(kind))
+            rng = random.Random(args.seed * 1000 + list(faults.ALL_KINDS).index(kind))
             found, seen = 0, set()
             for k in range(args.max_draws):
                 if found == args.per_kind:
@@ -370,7 +378,10 @@ def main(argv: list[str] | None = None) -> int:
             "notes": NOTES if demo else TINY_NOTES}
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "results": results}, indent=1))
-    if not (args.no_write or args.alone_only):
+    if args.alone_only:
+        held = ", held-out kinds" if set(kinds) & set(faults.HELD_OUT) else ""
+        meta |= {"alone_only": True, "section": f"{meta['section']}: alone only, seed {args.seed}{held}"}
+    if not args.no_write:
         write_section(Path(args.out), meta["section"], markdown(summary, results, meta))
         print(f"wrote the root-cause section of {args.out}")
     return 0

@@ -140,7 +140,18 @@ def test_routing_that_disagrees_with_the_router_is_named(tiny):
         ev = dict(activations.evidence(tiny, ids, None))
     assert ev[("router", layer, None, None, None)] > 0
     assert ev[("expert", layer, None, expert, None)] == pytest.approx(
-        activations.MISMATCH_NATS * int((chosen[1:] == expert).any(1).sum()))
+        activations.MISMATCH_NATS * int((chosen == expert).any(1).sum()))  # position 0 too: the check is exact
+    first = int(chosen[0, 0])  # an expert the first position chose: on a 2-token context only position 0 shows it
+    with faults.starve_expert(tiny, layer, first):
+        ev = dict(activations.evidence(tiny, ids[:2], None))
+    assert ev[("router", layer, None, None, None)] >= activations.MISMATCH_NATS
+
+
+def test_a_context_is_judged_in_its_own_length_bucket_and_older_profiles_keep_theirs():
+    n = len(activations.RUN_BUCKETS)
+    assert [activations.run_bucket(t, n) for t in (1, 2, 3, 5, 40, 5000)] == [0, 0, 1, 2, 6, n - 1]
+    old = len(activations.OLD_BUCKETS)  # a profile made before the short buckets: 4 entries from 3 tokens on
+    assert [activations.run_bucket(t, old) for t in (2, 3, 31, 32, 200, 5000)] == [0, 0, 0, 1, 2, 3]
 
 
 def test_store_round_trip_and_root_cause_uses_it(tiny, prof, tmp_path):

@@ -13,12 +13,18 @@ from helpers import tiny_model
 import workbench
 from workbench.analysis import faults
 from workbench.analysis.rootcause import (
+    CORROBORATE,
+    SIGNIFICANT,
+    WEIGHT_NATS,
     component_ablation,
+    corroborated,
     frozen_routing,
     integrated_gradients,
     real_routing,
+    row_evidence,
     target_fn,
 )
+from workbench.capture.adapters import adapter_for
 from workbench.cli import main as cli_main
 from workbench.data import query
 from workbench.model import ModelArgs, Transformer
@@ -368,7 +374,7 @@ def test_every_fault_kind_changes_the_output_and_is_undone(tiny, ids):
     with torch.no_grad():
         base = a.forward(ids)
     assert len(faults.KINDS) >= 10
-    for name, kind in faults.KINDS.items():
+    for name, kind in faults.ALL_KINDS.items():  # the held-out kinds too
         layer = kind.layers(a)[0]
         index = int(ids[0, 3]) if kind.index == "token" else 1
         made = kind(a, layer, index)  # a fault only acts inside its with block
@@ -420,3 +426,32 @@ def test_heads_off_the_same_way_make_an_attention_block_row():
     assert got[("head", 0, 1, None, None)] == pytest.approx(4.5) and got[("head", 1, 1, None, None)] == -0.5
     assert got[("attn_block", 0, None, None, None)] == pytest.approx(2.0 + 4.5)
     assert ("attn_block", 1, None, None, None) not in got
+
+
+def test_an_expert_is_a_row_only_where_its_own_surprise_and_its_ablation_agree():
+    """corroborated: an expert's own unusual contribution (heavy-tailed over its few positions) becomes a profile row
+    only where removing it also moves the explained token by a real share of what the top component does."""
+    df = pl.DataFrame({"kind": ["head", "expert", "expert", "expert", "token"], "layer": [0, 1, 1, 2, None],
+                       "head": [1, None, None, None, None], "expert": [None, 3, 5, 7, None],
+                       "source_pos": [None, None, None, None, 2], "score": [2.0, -0.6, 0.1, 0.9, 50.0]})
+    own = {("expert", 1, None, 3, None): 9.0, ("expert", 1, None, 5, None): 12.0,
+           ("expert", 2, None, 7, None): SIGNIFICANT / 2}
+    # expert 3: its ablation is 30% of the head's (the token row does not count) and it is unusual: a row with its
+    # own surprise; expert 5 is as unusual but removing it hardly matters; expert 7 matters but is ordinary
+    assert 0.6 >= CORROBORATE * 2.0 > 0.1
+    assert corroborated(df, own) == [(("expert", 1, None, 3, None), 9.0)]
+    assert corroborated(df, {}) == [] and corroborated(df.filter(pl.col("kind") == "token"), own) == []
+
+
+def test_a_selection_bias_far_from_its_siblings_is_a_router_row(tiny, ids):
+    """row_evidence: DeepSeek-V3's balancing bias moves the experts' biases a little and together; one expert's bias
+    far from the others' is named, with that expert, on the weights alone."""
+    a = adapter_for(tiny)
+    layer = a.summary.moe_layers[0]
+    assert a.router(layer).bias is not None
+    ctx = ids[0].tolist()
+    assert not [k for k, _ in row_evidence(a, ctx, 5) if k[0] == "router"]  # the clean model's biases agree
+    with faults.bias_router(a, layer, 3, amount=0.5):
+        rows = {k: v for k, v in row_evidence(a, ctx, 5) if k[0] == "router"}
+    assert list(rows) == [("router", layer, None, 3, None)] and rows[("router", layer, None, 3, None)] == WEIGHT_NATS
+    assert not [k for k, _ in row_evidence(a, ctx, 5) if k[0] == "router"]  # restored

@@ -52,16 +52,25 @@ those absolute values, turned into nats as below and signed by the norm's direct
 - smaller). Besides the statistics, one consistency check that needs no profile: where the router's
 own logits select other experts than the ones the tokens were sent to (``RouterMath.select``), the routing
 was changed after the router (a dropped expert, a dispatch bug): a ``router`` row for the layer and an
-``expert`` row for the expert that lost the most slots, scored 10 nats per position that disagrees (used only
-where the router math agreed with the model on every calibration position: the ``router_check`` row).
+``expert`` row for the expert that lost the most slots, scored 10 nats per position that disagrees, position 0
+included (the check is exact; used only where the router math agreed with the model on every calibration
+position: the ``router_check`` row).
+
+Context lengths: a run-level z is judged against calibration prefixes of its own length bucket (``RUN_BUCKETS``:
+the 2-token context alone, then 3, 4-5, 6-9, 10-17, 18-31, 32-127, 128-511 and 512 tokens or more); the first
+positions' activations differ from later ones' and a mean over few positions varies more, so a short context is
+never judged by a long one's spread. A profile made with the older wide buckets (``OLD_BUCKETS``) is read with
+them (``run_bucket``).
 
 How rows are scored and ordered: each component's z is a two-sided normal tail in nats, Bonferroni-adjusted
 within its family (all heads' outputs, all router logits, ...); the input embedding is judged per position
 (one token's row) and the logits per vocabulary token (one output row off at every position), each only
-beyond the largest z that calibration met (``BEYOND``); an unusual MoE block names the expert whose positions
-carry its excess (``expert_behind``: Welch's t, Bonferroni over the experts); a part downstream of a clearly
-unusual part of its layer (``UPSTREAM``), and any part of a later layer than one at least as unusual, is capped
-at half of it, so the first place where the activations went off ranks first.
+beyond the largest z that calibration met (``BEYOND``); an unusual MoE block (``BLOCK_NATS``) names the expert
+whose own contribution is far the most unusual (``OWN_Z``), or in a clearly unusual block (``EXPLAINS``) the one
+whose positions carry its excess (``expert_behind``: Welch's t, Bonferroni over the experts); a part downstream of
+a clearly unusual part of its layer (``UPSTREAM``: ``EXPLAINS``, or ``BLOCK_NATS`` and at least half as unusual as
+the part), and any part of a later layer than one at least as unusual, is capped at half of it, so the first place
+where the activations went off ranks first.
 """
 from __future__ import annotations
 
@@ -87,19 +96,24 @@ COLUMNS = {"kind": pl.Utf8, "layer": pl.Int32, "head": pl.Int32, "expert": pl.In
            "run_norm_mean": pl.List(pl.Float64), "run_norm_std": pl.List(pl.Float64),
            "run_dev_mean": pl.List(pl.Float64), "run_dev_std": pl.List(pl.Float64)}
 # a run-level z is calibrated per context length: prefixes of calibration prompts with at least RUN_BUCKETS[b]
-# (and fewer than RUN_BUCKETS[b + 1]) tokens; a head's output and attention change with how much it can read
-RUN_BUCKETS = (3, 32, 128, 512)
+# (and fewer than RUN_BUCKETS[b + 1]) tokens; a head's output and attention change with how much it can read.
+# Short contexts get narrow buckets, down to the 2-token context alone (position 1, which reads only itself and the
+# sink): early positions' activations differ from later ones', and a mean over few positions varies more
+RUN_BUCKETS = (2, 3, 4, 6, 10, 18, 32, 128, 512)
+OLD_BUCKETS = (3, 32, 128, 512)  # profiles made before the 2-token bucket (their run_* lists have 4 entries)
 MIN_RUNS = 5  # calibration prefixes a bucket needs, else it takes the nearest shorter bucket's spread
 # within a layer, what a part's input passes through first: a part more unusual than this is explained by it
 UPSTREAM = {"kv_latent": ("attn_norm",), "rotary": ("attn_norm",), "head": ("attn_norm", "kv_latent", "rotary"),
             "attn_block": ("attn_norm", "kv_latent", "rotary", "head"), "router": ("mlp_norm",),
             "shared_expert": ("mlp_norm",), "mlp_block": ("mlp_norm", "router", "shared_expert", "expert"),
             "dense_mlp": ("mlp_norm",),
-            "resid": ("attn_norm", "attn_block", "mlp_norm", "router", "shared_expert", "mlp_block", "dense_mlp")}
+            "resid": ("attn_norm", "attn_block", "mlp_norm", "router", "shared_expert", "expert", "mlp_block",
+                      "dense_mlp")}
 BEYOND = 1.5  # embedding and output rows: a z this many times the largest one calibration met
 EXPERT_NATS = 3.0  # the expert behind an unusual MoE block: its positions' excess, after Bonferroni
 EXPLAINS = 10.0  # nats: an upstream part this unusual caps its layer's downstream parts at half its surprise
 MISMATCH_NATS = 10.0  # per context position whose experts differ from what the router's logits select
+BLOCK_NATS = 4.0  # an MoE block this unusual names the expert whose own contribution is far the most unusual
 LAST_WEIGHT = 0.5  # the last context position's z counts at this weight beside the context mean
 FIT_TOL = 1e-3  # experts are profiled one by one only where their contributions add up to the block's output
 ANGLE_TOL = 1e-2  # radians: a position whose rotation is further than this from the clean one is rotated wrongly
@@ -338,11 +352,30 @@ def _largest(runs: dict, k: Key, stats: list[tuple]) -> list[float]:
     bucket with too few prefixes takes the nearest shorter bucket's."""
     out, last = [], 3.0
     for b, (m, sd, _, _) in enumerate(stats):
-        v = np.array(runs.get((k, b), []))
+        v = _bucket_runs(runs, k, b)
         if len(v) >= MIN_RUNS:
             last = float(np.abs((v[:, 0] - m) / sd).max())
         out.append(last)
     return out
+
+
+WIDE = [max([0] + [i for i, lo in enumerate(OLD_BUCKETS) if start >= lo]) for start in RUN_BUCKETS]
+
+
+def _bucket_runs(runs: dict, k: Key, b: int) -> np.ndarray:
+    """The calibration prefixes a cell's bucket ``b`` is judged by: its own, or for a rate (``chosen``) every prefix
+    of the wide bucket it lies in (``OLD_BUCKETS``): a rate's z already scales with the context's length, and the
+    largest z over one narrow bucket's few prefixes is unstable."""
+    if k[4] != "chosen":
+        return np.array(runs.get((k, b), []))
+    return np.array([v for c in range(len(RUN_BUCKETS)) if WIDE[c] == WIDE[b] for v in runs.get((k, c), [])])
+
+
+def run_bucket(n_ctx: int, n_stats: int) -> int:
+    """The length bucket of a context of ``n_ctx`` tokens, as an index into a cell's ``run_*`` lists of ``n_stats``
+    entries (a profile made before the 2-token bucket has one entry fewer: its buckets are ``OLD_BUCKETS``)."""
+    starts = OLD_BUCKETS if n_stats == len(OLD_BUCKETS) else RUN_BUCKETS
+    return min(max(i for i, lo in enumerate(starts) if n_ctx >= lo or i == 0), max(n_stats - 1, 0))
 
 
 def _bucket_end(b: int, n: int) -> int:
@@ -419,7 +452,7 @@ def build(a: Adapter, prompts: list[list[int]], seed: int = 0, first_tokens: lis
         stats, last = [], (0.0, 1.0, 0.0, 1.0)
         floor = RATE_FLOOR if k[4] == "chosen" else 0.1
         for b in range(len(RUN_BUCKETS)):
-            v = np.array(runs.get((k, b), []))
+            v = _bucket_runs(runs, k, b)
             if len(v) >= MIN_RUNS:
                 last = (float(v[:, 0].mean()), max(float(v[:, 0].std()), floor),
                         float(v[:, 1].mean()), max(float(v[:, 1].std()), floor))
@@ -629,11 +662,15 @@ def _signed_nats(nats: float, sign: float) -> float:
 
 
 def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool = True,
-             signals: dict | None = None) -> list[tuple[tuple, float]]:
+             signals: dict | None = None, experts: dict | None = None) -> list[tuple[tuple, float]]:
     """((kind, layer, head, expert, source_pos), signed surprise in nats) for every profiled component, on the
     context ``ids`` (the tokens before the explained one), plus the routing consistency rows (no profile
     needed). A head's output and its two attention-pattern scalars give one ``head`` row: the largest.
-    ``signals``, when given, is filled with the signal behind each row (``out``, ``chosen``, ``logit``, ...)."""
+    ``signals``, when given, is filled with the signal behind each row (``out``, ``chosen``, ``logit``, ...).
+    ``experts``, when given, is filled with each routed expert's own surprise (its weighted contribution at the
+    positions that chose it; signed nats, Bonferroni over every expert): over a few positions it is heavy-tailed,
+    so it is no row of its own here (only through the block it makes unusual); root cause uses it where the
+    expert's ablation says it also matters to the explained token."""
     got, lost = capture(a, list(ids))
     best: dict[tuple, float] = {}
     why = signals if signals is not None else {}
@@ -646,17 +683,16 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
     check = prof.filter(pl.col("kind") == "router_check") if prof is not None else None
     trusted = check is None or check.height == 0 or int(check["n"][0]) == 0  # clean routing agreed with RouterMath
     for layer, m in lost.items() if trusted else ():
-        bad = m[1:].any(1)  # positions whose experts differ from the router's own choice
+        bad = m.any(1)  # positions whose experts differ from the router's own choice (exact: position 0 too)
         if bad.any():
             put(("router", layer, None, None, None), MISMATCH_NATS * float(bad.sum()), "mismatch")
-            e = int(m[1:].sum(0).argmax())
-            put(("expert", layer, None, e, None), MISMATCH_NATS * float(m[1:, e].sum()), "mismatch")
+            e = int(m.sum(0).argmax())
+            put(("expert", layer, None, e, None), MISMATCH_NATS * float(m[:, e].sum()), "mismatch")
     firsts = {}
     if prof is not None and len(ids) >= 1:
         firsts = _first_evidence(got, int(ids[0]), prof, a.dtype)
         prof = prof.filter(~pl.col("signal").str.starts_with("first:") & (pl.col("kind") != "first_check"))
     if prof is not None and len(ids) >= 2:
-        bucket = max(i for i, lo in enumerate(RUN_BUCKETS) if len(ids) >= lo or i == 0)
         zs: dict[tuple, tuple[float, float]] = {}  # component -> (|z|, sign)
         positional: dict[int, list[float]] = {}
         for r in prof.iter_rows(named=True):
@@ -664,7 +700,7 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
             y = got.get(k)
             if y is None or y.size(0) < 2 or len(r["mean"]) != y.size(1):
                 continue
-            b = min(bucket, len(r["run_norm_mean"]) - 1) if r["run_norm_mean"] else 0
+            b = run_bucket(len(ids), len(r["run_norm_mean"]))
             if k[4] == "angle":  # the rotation is exact: every context position rotated otherwise is a fault
                 off = int(_off_rotation(y, torch.as_tensor(r["mean"]))[1:].sum())
                 if off:
@@ -697,7 +733,7 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
                 spread = prof.filter(pl.col("kind") == "unembed_rows")
                 if spread.height:
                     sr = spread.row(0, named=True)
-                    rb = min(bucket, len(sr["run_norm_mean"]) - 1)
+                    rb = run_bucket(len(ids), len(sr["run_norm_mean"]))
                     zr = (_row_z(y[1:], r) - sr["run_norm_mean"][rb]) / sr["run_norm_std"][rb]
                     if float(zr.max()) > BEYOND * sr["run_dev_mean"][rb]:  # beyond every calibration token's
                         nats = log_tail(float(zr.max())) - math.log(zr.numel())
@@ -718,17 +754,21 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
         own = {k[1:4]: z for k, (z, _) in zs.items() if k[0] == "expert"}  # each expert's own contribution
         for k, (z, sign) in zs.items():  # two-sided tail, Bonferroni over the component's family
             if k[0] == "expert":  # heavy-tailed (a few positions each): only to name the expert behind a block
+                if experts is not None:
+                    experts[(k[0], k[1], k[2], k[3], None)] = _signed_nats(log_tail(z) - math.log(family[(k[0], k[4])]),
+                                                                           sign)
                 continue
             put((k[0], k[1], k[2], k[3], None), _signed_nats(log_tail(z) - math.log(family[(k[0], k[4])]), sign),
                 k[4])
         for r in prof.filter(pl.col("kind") == "mlp_block").iter_rows(named=True):  # the expert behind a block
             nats = best.get(("mlp_block", r["layer"], None, None, None), 0.0)
             idx = got.get(("route", r["layer"], None, None, "indices"))
-            if abs(nats) >= EXPLAINS and idx is not None:
+            if abs(nats) >= BLOCK_NATS and idx is not None:
                 mine = sorted(((z, key[2]) for key, z in own.items() if key[0] == r["layer"]), reverse=True)
+                e = None
                 if len(mine) >= 2 and mine[0][0] >= OWN_Z and mine[0][0] >= 2 * mine[1][0]:
                     e = mine[0][1]  # one expert's own contribution is far more unusual than any other's
-                else:
+                elif abs(nats) >= EXPLAINS:  # else, in a clearly unusual block, the expert whose positions carry it
                     zl, zd = _zs(got[("mlp_block", r["layer"], None, None, "out")][1:], r)
                     e = expert_behind(idx[1:], torch.maximum(zl.abs(), zd))
                 if e is not None:
@@ -741,9 +781,9 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
     size = {}  # (kind, layer) -> the largest |surprise| of that kind in that layer (any head or expert)
     for key, v in best.items():
         size[key[:2]] = max(size.get(key[:2], 0.0), abs(v))
-    for key in list(best):  # a part downstream of a clearly unusual part of its layer is explained by it
+    for key in list(best):  # a part downstream of a clearly (or comparably) unusual part of its layer: explained by it
         up = max([size.get((u, key[1]), 0.0) for u in UPSTREAM.get(key[0], ())], default=0.0)
-        if up >= EXPLAINS:
+        if up >= EXPLAINS or (up >= BLOCK_NATS and 2 * up >= abs(best[key])):
             best[key] = math.copysign(min(abs(best[key]), up / 2), best[key])
     layers = sorted({k[1] for k in best if k[1] is not None})
     e0 = ("embed", None, None, None, 0)  # the first token's embedding differs at position 0: before every layer

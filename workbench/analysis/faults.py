@@ -320,6 +320,47 @@ def _token_row(a: Adapter, token: int) -> None:
         raise ValueError(f"token {token} out of range: the vocabulary has ids 0..{v - 1}")
 
 
+def noise_expert(model, layer: int, expert: int, amount: float = 1.0, seed: int = 0) -> contextlib.AbstractContextManager:
+    """Add Gaussian noise to one routed expert's down projection (standard deviation ``amount`` times the weight's
+    RMS): a corrupted or badly quantised expert."""
+    a = adapter_for(model)
+    _check_moe(a, layer, expert)
+    w = a.expert_down(layer, expert)
+    noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(seed)).to(w)
+
+    def edit(t: torch.Tensor) -> None:
+        t.add_(amount * t.float().pow(2).mean().sqrt().to(t) * noise)
+    return _edited(w, edit)
+
+
+def heat_router(model, layer: int, scale: float = 4.0) -> contextlib.AbstractContextManager:
+    """Multiply one MoE layer's router weight by ``scale``: every router logit scaled (a router temperature gone
+    wrong: gate weights sharpen, and where the router uses a softmax or sigmoid the choice can change)."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    router = a.parts(layer)["router"]
+    if router is None:
+        raise ValueError(f"layer {layer} is a dense layer (no router); MoE layers are {a.summary.moe_layers}")
+    return _edited(router.weight, lambda w: w.mul_(scale))
+
+
+def shift_attention(model, layer: int, scale: float = 3.0, seed: int = 0) -> contextlib.AbstractContextManager:
+    """Add one fixed random direction to block ``layer``'s attention output at every position, ``scale`` times the
+    output's RMS there (an output bias gone wrong)."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    attn = a.parts(layer)["attn"]
+    gen = torch.Generator().manual_seed(seed)
+
+    def hook(_m, _args, out):
+        y = first_output(out)
+        v = torch.randn(y.size(-1), generator=gen.manual_seed(seed)).to(y)
+        v = v / v.pow(2).mean().sqrt()
+        rms = y.float().pow(2).mean(-1, keepdim=True).sqrt().to(y)
+        return replace_first_output(out, y + scale * rms * v)
+    return _hooked(lambda: [attn.register_forward_hook(hook)])
+
+
 def scale_embedding(model, token: int, scale: float = 10.0) -> contextlib.AbstractContextManager:
     """Multiply one token's input-embedding row by ``scale``."""
     a = adapter_for(model)
@@ -445,3 +486,15 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in [
     FaultKind("unembedding", lambda m, l, i, s: scale_unembedding(m, i, scale=s), "token", "model", 3.0,
               ("unembed",), doc="one token's output row multiplied"),
 ]}
+
+# kinds for checking that diagnoses generalise: never used while the root cause's and the detectors' rules were
+# chosen (benchmarks take them with --kinds); a new kind of fault a user may meet, not a variant of one above
+HELD_OUT: dict[str, FaultKind] = {k.name: k for k in [
+    FaultKind("expert_noise", lambda m, l, i, s: noise_expert(m, l, i, amount=s), "expert", "moe", 1.0, ("expert",),
+              doc="Gaussian noise on one routed expert's down projection"),
+    FaultKind("router_heat", lambda m, l, i, s: heat_router(m, l, scale=s), None, "moe", 4.0, ("router", "mlp_block"),
+              doc="one MoE layer's router logits multiplied"),
+    FaultKind("attn_shift", lambda m, l, i, s: shift_attention(m, l, scale=s), None, "any", 3.0, ("attn_block",),
+              True, doc="a fixed direction added to one layer's attention output"),
+]}
+ALL_KINDS: dict[str, FaultKind] = KINDS | HELD_OUT

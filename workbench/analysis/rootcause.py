@@ -69,7 +69,9 @@ by its own |score| (profile rows with at least 2 nats of surprise, components by
 by IG), take turns: rank 1 is the most unusual component, rank 2 the component whose removal moves the
 target most, rank 3 the most responsible token, then round again (a list that runs out drops out;
 profile rows under 2 nats follow at the end). A token's +6 nats can then never push every component out of
-the top 3, nor a component every token.
+the top 3, nor a component every token. One addition to the profile list: a routed expert whose own contribution
+is unusual (too heavy-tailed over its few positions to be a row alone) becomes a profile row where its ablation
+moves the target by at least a quarter of what the most important component's does (``corroborated``).
 
 Against a reference (``reference=``: a known-good run, module or checkpoint of the same architecture,
 e.g. the model before a fine-tune, quantisation or routing change) the default is activation patching
@@ -577,25 +579,66 @@ def profile_evidence(store, run_id: str, pos: int, profile: pl.DataFrame,
     return out
 
 
+WEIGHT_Z = 6.0  # a router's selection bias this many robust stds from its siblings' is no balancing term
+WEIGHT_NATS = 30.0  # the most a weight that is off by itself scores
+
+
+def _robust_z(x: np.ndarray, floor: float = 1e-6) -> np.ndarray:
+    """(x - median) / (1.4826 MAD), the MAD at least ``floor``."""
+    med = np.median(x)
+    return (x - med) / max(1.4826 * float(np.median(np.abs(x - med))), floor)
+
+
 def row_evidence(model: Adapter, ids: list[int], target: int) -> list[tuple[tuple, float]]:
     """Weight-space evidence (no profile needed): how far the target's output-projection row, and each context
     token's embedding row, lie from the model's other rows in log norm (a robust z over the vocabulary: median
     and 1.4826 MAD), as signed surprise in nats: an ``unembed`` row, and an ``embed`` row at the context
-    position whose token's row is the most unusual."""
+    position whose token's row is the most unusual. And each MoE layer's selection bias (DeepSeek-V3's balancing
+    term, where the family has one): the expert whose bias lies at least ``WEIGHT_Z`` robust stds from the
+    layer's other experts' (balancing moves them a little, together) gives a ``router`` row with that expert,
+    z^2 / 2 nats less the log of the number of biases, at most ``WEIGHT_NATS``."""
     out: list[tuple[tuple, float]] = []
+    n_bias = model.summary.n_routed_experts * max(len(model.summary.moe_layers), 1)
+    for layer in model.summary.moe_layers:
+        bias = model.router(layer).bias
+        if bias is None or bias.numel() < 4:
+            continue
+        z = _robust_z(bias.detach().float().cpu().numpy(), floor=1e-3)  # equal biases: a thousandth apart is none
+        e = int(np.argmax(np.abs(z)))
+        if abs(z[e]) >= WEIGHT_Z:
+            nats = min(z[e] ** 2 / 2 - np.log(n_bias), WEIGHT_NATS)
+            out.append((("router", layer, None, e, None), float(np.sign(z[e]) * nats)))
     with torch.no_grad():
         for kind, w in (("unembed", model.unembedding().weight), ("embed", model.embedding().weight)):
             if w.ndim != 2 or w.size(0) != model.summary.vocab_size:
                 continue
-            ln = w.float().norm(dim=1).clamp_min(1e-30).log().cpu().numpy()
-            med = np.median(ln)
-            z = (ln - med) / max(1.4826 * float(np.median(np.abs(ln - med))), 1e-6)
+            z = _robust_z(w.float().norm(dim=1).clamp_min(1e-30).log().cpu().numpy())
             if kind == "unembed":
                 out.append((("unembed", None, None, None, None), float(_surprise(np.array(z[target])))))
             elif ids:  # the most unusual of the context's rows: Bonferroni over them
                 p = int(np.argmax(np.abs(z[ids])))
                 nats = activations.log_tail(float(z[ids[p]])) - np.log(len(set(ids)))
                 out.append((("embed", None, None, None, p), float(np.sign(z[ids[p]]) * max(nats, 0.0))))
+    return out
+
+
+CORROBORATE = 0.25  # an expert's ablation this share of the largest component's makes its own surprise a row
+
+
+def corroborated(df: pl.DataFrame, own: dict) -> list[tuple[tuple, float]]:
+    """Profile rows for the routed experts whose own contribution is unusual (``own``: activations.evidence's
+    ``experts``, at least ``SIGNIFICANT`` nats) and whose removal moves the explained token by at least
+    ``CORROBORATE`` of the most any component's does: two independent kinds of evidence naming one expert. Over
+    the few positions that chose an expert its own surprise alone is too heavy-tailed to be a row."""
+    comps = df.filter(pl.col("kind") != "token")
+    if not comps.height or not own:
+        return []
+    top = float(comps["score"].abs().max() or 0.0)
+    out = []
+    for r in comps.filter(pl.col("kind") == "expert").iter_rows(named=True):
+        v = own.get(("expert", r["layer"], None, r["expert"], None), 0.0)
+        if top > 0 and abs(r["score"]) >= CORROBORATE * top and abs(v) >= SIGNIFICANT:
+            out.append((("expert", r["layer"], None, r["expert"], None), v))
     return out
 
 
@@ -734,7 +777,9 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
         # the components' own activations supersede the recorded signals' statistics where a model has both
         evidence = profile_evidence(store, run_id, pos, profile, only_routing=aprof is not None) \
             if profile is not None else []
-        evidence += activations.evidence(model, ids_all[:pos], aprof)
+        own: dict = {}
+        evidence += activations.evidence(model, ids_all[:pos], aprof, experts=own)
+        evidence += corroborated(df, own)
         if progress is not None:
             progress("profile evidence", 1, 1)
         df = interleave(df, strongest(evidence + row_evidence(model, ids_all[:pos], target)))
