@@ -438,11 +438,13 @@ def fan_out(rows: list[dict[str, Callable] | None]) -> dict[str, Callable]:
                     d[seam](layer, x[b:b + 1])
         return call
 
-    chosen: dict[int, torch.Tensor] = {}  # each MoE layer's last choice [B, T, K]: how expert_out's rows split
+    # each MoE layer's last choice [N, K], its expert count, and (once asked) its rows per expert and batch row [E][B]:
+    # how expert_out's calls split by row
+    chosen: dict[int, list] = {}
 
     def routed(layer: int, r: Route) -> None:
         t = r.logits.size(0) // len(rows)
-        chosen[layer] = r.indices.view(len(rows), t, -1)
+        chosen[layer] = [r.indices, r.math.n_experts, None]
         for b, d in enumerate(rows):
             if d is not None and "routed" in d:
                 s = slice(b * t, (b + 1) * t)
@@ -450,7 +452,14 @@ def fan_out(rows: list[dict[str, Callable] | None]) -> dict[str, Callable]:
 
     def expert_out(layer: int, expert: int, y: torch.Tensor, act: torch.Tensor | None) -> None:
         # an expert's rows are in row order (batch-major): each batch row's come as one block
-        per_row = (chosen[layer] == expert).sum((1, 2)).tolist()
+        got = chosen[layer]
+        if got[2] is None:  # one count per forward, not per expert call
+            idx, n_e, n_b = got[0], got[1], len(rows)
+            flat = idx.reshape(-1)
+            row = torch.arange(n_b, device=idx.device).repeat_interleave(flat.numel() // n_b)
+            ok = (flat >= 0) & (flat < n_e)
+            got[2] = torch.bincount((flat * n_b + row)[ok], minlength=n_e * n_b).view(n_e, n_b).tolist()
+        per_row = got[2][expert]
         ys = y.split(per_row)
         acts = act.split(per_row) if act is not None else [None] * len(rows)
         for b, d in enumerate(rows):
