@@ -455,3 +455,13 @@ def test_a_selection_bias_far_from_its_siblings_is_a_router_row(tiny, ids):
         rows = {k: v for k, v in row_evidence(a, ctx, 5) if k[0] == "router"}
     assert list(rows) == [("router", layer, None, 3, None)] and rows[("router", layer, None, 3, None)] == WEIGHT_NATS
     assert not [k for k, _ in row_evidence(a, ctx, 5) if k[0] == "router"]  # restored
+
+
+def test_the_token_that_displaced_the_target_has_its_output_row_judged(tiny, ids):
+    a = adapter_for(tiny)
+    ctx, target, rival = ids[0].tolist(), 5, 7
+    with faults.scale_unembedding(a, rival, scale=20.0):  # the rival's logit is off everywhere; the target's row is not
+        alone = dict(row_evidence(a, ctx, target))[("unembed", None, None, None, None)]
+        both = dict(row_evidence(a, ctx, target, rival))[("unembed", None, None, None, None)]
+    assert both > 2 * SIGNIFICANT and both > abs(alone)
+    assert dict(row_evidence(a, ctx, target, target)) == dict(row_evidence(a, ctx, target))  # no rival: unchanged

@@ -589,11 +589,13 @@ def _robust_z(x: np.ndarray, floor: float = 1e-6) -> np.ndarray:
     return (x - med) / max(1.4826 * float(np.median(np.abs(x - med))), floor)
 
 
-def row_evidence(model: Adapter, ids: list[int], target: int) -> list[tuple[tuple, float]]:
+def row_evidence(model: Adapter, ids: list[int], target: int, rival: int | None = None) -> list[tuple[tuple, float]]:
     """Weight-space evidence (no profile needed): how far the target's output-projection row, and each context
     token's embedding row, lie from the model's other rows in log norm (a robust z over the vocabulary: median
     and 1.4826 MAD), as signed surprise in nats: an ``unembed`` row, and an ``embed`` row at the context
-    position whose token's row is the most unusual. And each MoE layer's selection bias (DeepSeek-V3's balancing
+    position whose token's row is the most unusual. ``rival``: the token the model ranks first at the explained
+    position where that is not the target (what displaced it): its output row is judged too, the more unusual of
+    the two rows giving the ``unembed`` row (less log 2 where two rows were looked at). And each MoE layer's selection bias (DeepSeek-V3's balancing
     term, where the family has one): the expert whose bias lies at least ``WEIGHT_Z`` robust stds from the
     layer's other experts' (balancing moves them a little, together) gives a ``router`` row with that expert,
     z^2 / 2 nats less the log of the number of biases, at most ``WEIGHT_NATS``."""
@@ -614,7 +616,10 @@ def row_evidence(model: Adapter, ids: list[int], target: int) -> list[tuple[tupl
                 continue
             z = _robust_z(w.float().norm(dim=1).clamp_min(1e-30).log().cpu().numpy())
             if kind == "unembed":
-                out.append((("unembed", None, None, None, None), float(_surprise(np.array(z[target])))))
+                rows = [target] + ([rival] if rival is not None and rival != target else [])
+                t = max(rows, key=lambda r: abs(z[r]))
+                s = float(_surprise(np.array(z[t])))
+                out.append((("unembed", None, None, None, None), float(np.sign(s) * max(abs(s) - np.log(len(rows)), 0.0))))
             elif ids:  # the most unusual of the context's rows: Bonferroni over them
                 p = int(np.argmax(np.abs(z[ids])))
                 nats = activations.log_tail(float(z[ids[p]])) - np.log(len(set(ids)))
@@ -782,7 +787,9 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
         evidence += corroborated(df, own)
         if progress is not None:
             progress("profile evidence", 1, 1)
-        df = interleave(df, strongest(evidence + row_evidence(model, ids_all[:pos], target)))
+        with torch.no_grad():  # the token that displaced the target, if any: its output row is a suspect too
+            rival = int(model.forward(ids)[0, -1].float().argmax())
+        df = interleave(df, strongest(evidence + row_evidence(model, ids_all[:pos], target, rival)))
     if save:
         _save(store, run_id, pos, df)
     return df
