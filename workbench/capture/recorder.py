@@ -122,10 +122,11 @@ def model_identity(model, adapter: Adapter, dtype_changed: bool) -> tuple[str, s
     return str(folder or type(adapter.module).__name__), _state_sha(adapter)
 
 
-def _state_sha(adapter: Adapter) -> str:
-    """``state_sha256``, remembered on the module until a tensor is replaced or changed in place."""
+def _state_sha(adapter: Adapter, state: dict | None = None) -> str:
+    """``state_sha256``, remembered on the module until a tensor is replaced or changed in place (``state``: the
+    module's ``state_dict()`` when the caller has it already: walking the module costs milliseconds)."""
     module = adapter.module
-    key = tuple((k, v.data_ptr(), v._version) for k, v in module.state_dict().items())
+    key = tuple((k, v.data_ptr(), v._version) for k, v in (state or module.state_dict()).items())
     cached = getattr(module, "_workbench_sha", None)
     if cached is None or cached[0] != key:
         cached = (key, state_sha256(module))
@@ -136,9 +137,10 @@ def _state_sha(adapter: Adapter) -> str:
 def _weights_sha(adapter: Adapter) -> str | None:
     """``runs.weights_sha256``: the in-memory weights' hash (``_state_sha``); None when some are offloaded (an
     accelerate device map's meta tensors hold no data here: hashing them would mean loading them all)."""
-    if any(v.device.type == "meta" for v in adapter.module.state_dict().values()):
+    state = adapter.module.state_dict()
+    if any(v.device.type == "meta" for v in state.values()):
         return None
-    return _state_sha(adapter)
+    return _state_sha(adapter, state)
 
 
 def _config_json(adapter: Adapter) -> str:
