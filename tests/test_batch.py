@@ -12,7 +12,7 @@ from pathlib import Path
 import duckdb
 import polars as pl
 import pytest
-from helpers import free_port, kill_when_ready, tiny_model
+from helpers import kill_when_ready, tiny_model
 
 import workbench
 from workbench import cli
@@ -229,29 +229,6 @@ def shards(env):
     return out
 
 
-@pytest.fixture(scope="module")
-def ui_process(request, shards, tmp_path_factory):
-    """``workbench ui --traces SHARDS`` in its own process, and its URL. The first test of the shard folder starts it,
-    so that its start (the imports and the app: 10-20 s of one core) overlaps the tests before
-    test_ui_serves_a_shard_folder, which waits for it to answer (None where that test will not run)."""
-    if not Path(CHROMIUM).exists() or not any(i.name == "test_ui_serves_a_shard_folder" for i in request.session.items):
-        yield None
-        return
-    port = free_port()
-    log = (tmp_path_factory.mktemp("ui") / "stderr.txt").open("w+")
-    proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "ui", "--traces", str(shards), "--port", str(port)],
-                            cwd=ROOT, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"},
-                            stdout=subprocess.DEVNULL, stderr=log, text=True)
-    yield proc, f"http://127.0.0.1:{port}/", log
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
-
-
-@pytest.mark.usefixtures("ui_process")  # started here: see ui_process
 def test_out_writes_shards_that_open_as_a_store(env, shards):
     markers = complete_runs(shards)
     assert len(markers) == 6 and {m["status"] for m in markers.values()} == {"complete"}
@@ -443,46 +420,56 @@ CHROMIUM = "/usr/bin/chromium"
 
 @pytest.mark.browser
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"Debian chromium not installed at {CHROMIUM}")
-def test_ui_serves_a_shard_folder(env, shards, ui_process):
+def test_ui_serves_a_shard_folder(env, shards):
     """``workbench ui --traces DIR`` in its own process: the runs of the folder, its batch view and search."""
     import time
     import urllib.request
 
+    from helpers import free_port
     from playwright.sync_api import sync_playwright
 
-    proc, url, log = ui_process
-    for _ in range(240):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "ui", "--traces", str(shards), "--port", str(port)],
+                            cwd=ROOT, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(url, timeout=1)
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read()
+                time.sleep(0.5)
+        ts = TraceStore(shards)
+        run_ids = query.runs(ts)["run_id"].to_list()
+        text = query.tokens(ts, run_ids[0])["text"].to_list()
+        needle = "".join(text[1:3])
+        with sync_playwright() as p:
+            b = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+            pg = b.new_page(viewport={"width": 1800, "height": 1600})  # every tab in the row, Search included
+            pg.goto(url)
+            pg.wait_for_function("(ids) => ids.every(i => (document.querySelector('#runs-table')?.innerText || '')"
+                                 ".includes(i))", arg=run_ids, timeout=60_000)
+            assert "read-only folder of Parquet shards" in pg.inner_text("body")
+            pg.get_by_role("tab", name="Batches").click()
+            pg.wait_for_function("() => (document.querySelector('#batch-msg')?.innerText || '').includes('6 complete')",
+                                 timeout=60_000)
+            pg.wait_for_function("() => { const p = document.querySelector('#batch-load .js-plotly-plot'); "
+                                 "return p && p.data && p.data.length > 0; }", timeout=30_000)
+            pg.get_by_role("tab", name="Search").click()
+            pg.locator("#search-text textarea, #search-text input").first.fill(needle)
+            pg.locator("#search-button").click()
+            pg.wait_for_function("(id) => (document.querySelector('#search-results')?.innerText || '').includes(id)",
+                                 arg=run_ids[0], timeout=30_000)
+            assert pg.locator(".toast-body").count() == 0
+            b.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
         try:
-            urllib.request.urlopen(url, timeout=1)
-            break
-        except OSError:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"workbench ui ended ({proc.returncode}): {log.read()[-3000:]}")
-            time.sleep(0.5)
-    ts = TraceStore(shards)
-    run_ids = query.runs(ts)["run_id"].to_list()
-    text = query.tokens(ts, run_ids[0])["text"].to_list()
-    needle = "".join(text[1:3])
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
-        pg = b.new_page(viewport={"width": 1800, "height": 1600})  # every tab in the row, Search included
-        pg.goto(url)
-        pg.wait_for_function("(ids) => ids.every(i => (document.querySelector('#runs-table')?.innerText || '')"
-                             ".includes(i))", arg=run_ids, timeout=60_000)
-        assert "read-only folder of Parquet shards" in pg.inner_text("body")
-        pg.get_by_role("tab", name="Batches").click()
-        pg.wait_for_function("() => (document.querySelector('#batch-msg')?.innerText || '').includes('6 complete')",
-                             timeout=60_000)
-        pg.wait_for_function("() => { const p = document.querySelector('#batch-load .js-plotly-plot'); "
-                             "return p && p.data && p.data.length > 0; }", timeout=30_000)
-        pg.get_by_role("tab", name="Search").click()
-        pg.locator("#search-text textarea, #search-text input").first.fill(needle)
-        pg.locator("#search-button").click()
-        pg.wait_for_function("(id) => (document.querySelector('#search-results')?.innerText || '').includes(id)",
-                             arg=run_ids[0], timeout=30_000)
-        assert pg.locator(".toast-body").count() == 0
-        b.close()
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def test_record_batch_rows_share_what_one_generation_shares(tmp_path):
