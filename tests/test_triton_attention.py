@@ -16,15 +16,17 @@ import torch.nn.functional as F
 from workbench.probes.triton_attention import attention_with_stats, reference, visible
 g = torch.Generator().manual_seed(0)
 # (B, H, Hk, T, S, Dqk, Dv, q_start, window, causal, spread, block_m, block_n)
+# two batch rows where the batch stride is first met (both key-head layouts); one row where a case is about the
+# mask or the blocks (the interpreter's time grows with B x H x blocks)
 CASES = [
     (2, 4, 1, 70, 70, 96, 64, 0, None, True, 2.0, None, None),     # MLA-like prefill: Hk=1, Dqk=96 (pad 128), Dv=64
     (2, 4, 2, 37, 150, 32, 32, 113, None, True, 2.0, None, None),  # GQA chunk after a prefix: unmasked middle blocks
-    (2, 4, 1, 1, 150, 96, 64, 149, None, True, 2.0, None, None),   # decode: one query at the last position
-    (2, 4, 2, 70, 150, 40, 24, 80, 40, True, 2.0, None, None),     # sliding window, key 0 hidden, Dqk/Dv padded
-    (2, 4, 2, 70, 70, 40, 24, 0, 20, True, 2.0, 32, 16),           # window from 0: rows with no visible key in a block
-    (2, 4, 1, 1, 150, 96, 64, 149, 33, True, 2.0, None, None),     # windowed decode
-    (2, 4, 2, 37, 150, 32, 32, 0, None, False, 2.0, 16, 16),       # not causal: ragged key tail only
-    (2, 4, 1, 70, 150, 96, 64, 80, None, True, 8.0, 16, 64),       # peaked rows (large scores)
+    (1, 4, 1, 1, 150, 96, 64, 149, None, True, 2.0, None, None),   # decode: one query at the last position
+    (1, 4, 2, 70, 150, 40, 24, 80, 40, True, 2.0, None, None),     # sliding window, key 0 hidden, Dqk/Dv padded
+    (1, 4, 2, 70, 70, 40, 24, 0, 20, True, 2.0, 32, 16),           # window from 0: rows with no visible key in a block
+    (1, 4, 1, 1, 150, 96, 64, 149, 33, True, 2.0, None, None),     # windowed decode
+    (1, 4, 2, 37, 150, 32, 32, 0, None, False, 2.0, 16, 16),       # not causal: ragged key tail only
+    (1, 4, 1, 70, 150, 96, 64, 80, None, True, 8.0, 16, 64),       # peaked rows (large scores)
 ]
 for B, H, Hk, T, S, dqk, dv, q0, win, causal, spread, bm, bn in CASES:
     q = torch.randn(B, H, T, dqk, generator=g) * spread
