@@ -102,7 +102,7 @@ def draw(kind: str, rng: random.Random, model, n_prompt: int) -> tuple[int, int]
     s = model.summary
     if kind in EXTRA:  # at a prompt position, so the damage reaches the generated tokens
         return rng.randrange(s.n_layers), rng.randrange(1, n_prompt)
-    fk = faults.KINDS[kind]
+    fk = faults.ALL_KINDS[kind]
     layer = rng.choice(fk.layers(model))
     n = fk.n_index(model, layer)
     return layer, (rng.randrange(n) if n else 0)
@@ -113,12 +113,12 @@ def inject(kind: str, model, layer: int, index: int):
         return faults.inject_nan(model, layer, index)
     if kind == "kv":
         return faults.corrupt_kv(model, layer, index, scale=30.0)
-    return faults.KINDS[kind](model, layer, index)
+    return faults.ALL_KINDS[kind](model, layer, index)
 
 
 def names(kind: str, layer: int, index: int, f: dict) -> tuple[bool, bool]:
     """(does the finding name the faulted layer, does it name the faulted component)."""
-    fk = faults.KINDS.get(kind)
+    fk = faults.ALL_KINDS.get(kind)
     if kind == "non_finite":
         return f["component"] == "non_finite" and f["layer"] == layer, f["component"] == "non_finite" and f["layer"] == layer
     if fk is not None and fk.where == "model":  # an embedding / unembedding row: no layer to name
@@ -134,7 +134,7 @@ def names(kind: str, layer: int, index: int, f: dict) -> tuple[bool, bool]:
 
 
 def fault_eval(model, store, prompts: list[list[int]], args) -> list[dict]:
-    every = list(faults.KINDS) + list(EXTRA)
+    every = list(faults.KINDS) + list(EXTRA) + (list(faults.HELD_OUT) if args.kinds else [])  # held out: by name
     kinds = [k for k in every if not args.kinds or k in args.kinds.split(",")]
     results = []
     for kind in kinds:  # a kind's draws do not depend on which other kinds run
@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration-tokens", type=int, default=32)
     ap.add_argument("--min-effect", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kinds", default="", help="fault kinds to run (default: all of faults.KINDS and " + ",".join(EXTRA) + ")")
+    ap.add_argument("--kinds", default="", help="fault kinds to run (default: all of faults.KINDS and "
+                    + ",".join(EXTRA) + "; the held-out kinds of faults.HELD_OUT by name)")
     ap.add_argument("--make-profile", action="store_true", help="rebuild the bundled profile first")
     ap.add_argument("--db", default=None, help="keep the runs in this database (default: a temporary one)")
     ap.add_argument("--skip", default="", help="parts to skip: comma-separated of clean,tiny,faults,loop")

@@ -121,7 +121,7 @@ def draw_case(kind: str, k: int, rng: random.Random, model: Adapter, routing: di
     layer = rng.choice(fk.layers(model))
     if fk.index == "token":
         return Case(kind, layer, rng.choice(prompts[p][1:]), p)
-    if fk.index == "expert" and kind in ("expert", "expert_flip", "starved", "expert_noise"):  # an expert this prompt uses
+    if fk.index == "expert" and kind in ("expert", "expert_flip", "starved", "expert_noise"):  # one the prompt uses
         used = sorted(set(routing[p].filter(pl.col("layer") == layer)["expert"].to_list()))
         return Case(kind, layer, rng.choice(used), p)
     n = fk.n_index(model, layer)
@@ -216,7 +216,8 @@ def markdown(summary: dict, results: list[dict], meta: dict) -> str:
         f"`run.root_cause(pos)` (IG with {meta['steps']} steps over source tokens, ablation of heads, experts, "
         f"shared experts and routers, unusual activations against {meta['profile']})"
         + ("" if alone else "; \"vs reference\": `run.root_cause(pos, reference=clean_model)`, activation "
-           f"patching (layers, then {meta['top_layers']} layers descended into)") + ". Named: a top-3 row is the faulted "
+           f"patching (layers, then {meta['top_layers']} layers descended into)")
+        + ". Named: a top-3 row is the faulted "
         "component (router faults: the router or the expert; starved: the expert or the router), or for a "
         "layer-wide fault (norm, rotary, KV latent, residual scale, skipped layer) a row of its layer "
         "(attn_block, mlp_block, resid) or of its kind there; embedding: a position holding the token. "
@@ -235,7 +236,7 @@ def markdown(summary: dict, results: list[dict], meta: dict) -> str:
 
     for k, v in s["by_kind"].items():
         lines.append(row(f"{k} ({v['n']} / {v['drawn']})", v) if v["n"] else f"| {k} (0 / {v['drawn']}) | no "
-                     "fault of this kind moved a token enough | | | | | |")
+                     "fault of this kind moved a token enough |" + (" |" if alone else " | | | | |"))
     lines.append(row(f"**all ({s['n']} / {s['drawn']})**", s))
     ok_ref = all(v["top3_ref"] >= meta["target_ref"] for v in s["by_kind"].values() if v["n"])
     ok_alone = all(v["top3"] >= meta["target_alone"] for v in s["by_kind"].values() if v["n"])
@@ -400,14 +401,18 @@ chosen more often than on any clean text, the expert whose own contribution carr
 and, where the context begins with one of the 48 tokens the profile holds exactly at position 0 (the
 calibration prompts' first tokens and the tokens their lines begin with), every component whose output there
 differs from the clean model's: a router row, an output row, an expert chosen there, a dead shared expert, on
-a context of one token), ablation and IG take turns (rootcause module doc). The first-position check is the
-clean model's own output on a known input (a stored forward of one token): it names weight faults the first
-position passes through, and nothing on a run beginning with another token. Where it still misses: a router
-biased toward an expert that position 0 already chose, explained at position 2 (one position of rate
-evidence); an expert scaled where it is chosen only near the explained position and not at position 0. The
-rules were chosen while looking at this evaluation's misses (the line-start tokens after seeing prompts that
-begin with indentation): read the rates as optimistic; RESULTS notes another seed's draws. Counts are small:
-a rate is k of n."""
+a context of one token; a routed expert whose own contribution is unusual where its ablation also moves the
+token by a quarter of the top component's; a selection bias far from its layer's other experts'; the output
+row of the token that displaced the target), ablation and IG take turns (rootcause module doc); contexts are
+judged against calibration prefixes of their own length bucket, down to 2 tokens. The first-position check is
+the clean model's own output on a known input (a stored forward of one token): it names weight faults the first
+position passes through, and nothing on a run beginning with another token. Where it still misses: a flipped
+expert (its outputs keep a clean size and spread; only a reference shows the change); a 2-token context, where
+one position's statistics are weak and a rare pair of tokens ranks first. The rules were chosen while looking
+at this evaluation's misses and at seed 2's (the 2-token bucket, the corroborated expert, the bias and rival
+rows, after seeing their misses): read those rates as optimistic; the sections "alone only, seed 5" and
+"held-out kinds" (faults.HELD_OUT: kinds made before those rules were tried on them) are the check. Counts are
+small: a rate is k of n."""
 
 TINY_NOTES = """How to read it: as for the demo model (a profile and an activation profile for "alone" calibrated on 8
 prompts the faults are not drawn on)."""

@@ -68,8 +68,8 @@ within its family (all heads' outputs, all router logits, ...); the input embedd
 beyond the largest z that calibration met (``BEYOND``); an unusual MoE block (``BLOCK_NATS``) names the expert
 whose own contribution is far the most unusual (``OWN_Z``), or in a clearly unusual block (``EXPLAINS``) the one
 whose positions carry its excess (``expert_behind``: Welch's t, Bonferroni over the experts); a part downstream of
-a clearly unusual part of its layer (``UPSTREAM``: ``EXPLAINS``, or ``BLOCK_NATS`` and at least half as unusual as
-the part), and any part of a later layer than one at least as unusual, is capped at half of it, so the first place
+an unusual part of its layer (``UPSTREAM``: at least ``EXPLAINS`` and a ``REACH``-th as unusual as the part, or at
+least ``BLOCK_NATS`` and half as unusual), and any part of a later layer than one at least as unusual, is capped at half of it, so the first place
 where the activations went off ranks first.
 """
 from __future__ import annotations
@@ -112,6 +112,7 @@ UPSTREAM = {"kv_latent": ("attn_norm",), "rotary": ("attn_norm",), "head": ("att
 BEYOND = 1.5  # embedding and output rows: a z this many times the largest one calibration met
 EXPERT_NATS = 3.0  # the expert behind an unusual MoE block: its positions' excess, after Bonferroni
 EXPLAINS = 10.0  # nats: an upstream part this unusual caps its layer's downstream parts at half its surprise
+REACH = 16.0  # ... those up to this many times as unusual (a z up to 4x its own): a 10-nat part explains no 1000
 MISMATCH_NATS = 10.0  # per context position whose experts differ from what the router's logits select
 BLOCK_NATS = 4.0  # an MoE block this unusual names the expert whose own contribution is far the most unusual
 LAST_WEIGHT = 0.5  # the last context position's z counts at this weight beside the context mean
@@ -662,16 +663,21 @@ def _signed_nats(nats: float, sign: float) -> float:
 
 
 def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool = True,
-             signals: dict | None = None, experts: dict | None = None) -> list[tuple[tuple, float]]:
+             signals: dict | None = None, found: dict | None = None) -> list[tuple[tuple, float]]:
     """((kind, layer, head, expert, source_pos), signed surprise in nats) for every profiled component, on the
     context ``ids`` (the tokens before the explained one), plus the routing consistency rows (no profile
     needed). A head's output and its two attention-pattern scalars give one ``head`` row: the largest.
     ``signals``, when given, is filled with the signal behind each row (``out``, ``chosen``, ``logit``, ...).
-    ``experts``, when given, is filled with each routed expert's own surprise (its weighted contribution at the
-    positions that chose it; signed nats, Bonferroni over every expert): over a few positions it is heavy-tailed,
-    so it is no row of its own here (only through the block it makes unusual); root cause uses it where the
-    expert's ablation says it also matters to the explained token."""
+    ``found``, when given, gets what the forward saw besides the rows: ``"experts"``, each routed expert's own
+    surprise (its weighted contribution at the positions that chose it; signed nats, Bonferroni over every expert:
+    over a few positions it is heavy-tailed, so it is no row of its own here, only through the block it makes
+    unusual; root cause uses it where the expert's ablation says it also matters to the explained token), and
+    ``"top_token"``, the token the model ranks first after the last position."""
     got, lost = capture(a, list(ids))
+    experts: dict | None = None
+    if found is not None:
+        found["top_token"] = int(got[("unembed", None, None, None, "logit")][-1].argmax())
+        experts = found.setdefault("experts", {})
     best: dict[tuple, float] = {}
     why = signals if signals is not None else {}
 
@@ -781,9 +787,9 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
     size = {}  # (kind, layer) -> the largest |surprise| of that kind in that layer (any head or expert)
     for key, v in best.items():
         size[key[:2]] = max(size.get(key[:2], 0.0), abs(v))
-    for key in list(best):  # a part downstream of a clearly (or comparably) unusual part of its layer: explained by it
+    for key in list(best):  # a part downstream of an unusual part of its layer, of comparable size: explained by it
         up = max([size.get((u, key[1]), 0.0) for u in UPSTREAM.get(key[0], ())], default=0.0)
-        if up >= EXPLAINS or (up >= BLOCK_NATS and 2 * up >= abs(best[key])):
+        if up >= BLOCK_NATS and up * (REACH if up >= EXPLAINS else 2.0) >= abs(best[key]):
             best[key] = math.copysign(min(abs(best[key]), up / 2), best[key])
     layers = sorted({k[1] for k in best if k[1] is not None})
     e0 = ("embed", None, None, None, 0)  # the first token's embedding differs at position 0: before every layer

@@ -320,7 +320,8 @@ def _token_row(a: Adapter, token: int) -> None:
         raise ValueError(f"token {token} out of range: the vocabulary has ids 0..{v - 1}")
 
 
-def noise_expert(model, layer: int, expert: int, amount: float = 1.0, seed: int = 0) -> contextlib.AbstractContextManager:
+def noise_expert(model, layer: int, expert: int, amount: float = 1.0,
+                 seed: int = 0) -> contextlib.AbstractContextManager:
     """Add Gaussian noise to one routed expert's down projection (standard deviation ``amount`` times the weight's
     RMS): a corrupted or badly quantised expert."""
     a = adapter_for(model)
@@ -490,7 +491,7 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in [
 # kinds for checking that diagnoses generalise: never used while the root cause's and the detectors' rules were
 # chosen (benchmarks take them with --kinds); a new kind of fault a user may meet, not a variant of one above
 HELD_OUT: dict[str, FaultKind] = {k.name: k for k in [
-    FaultKind("expert_noise", lambda m, l, i, s: noise_expert(m, l, i, amount=s), "expert", "moe", 1.0, ("expert",),
+    FaultKind("expert_noise", lambda m, l, i, s: noise_expert(m, l, i, amount=s), "expert", "moe", 4.0, ("expert",),
               doc="Gaussian noise on one routed expert's down projection"),
     FaultKind("router_heat", lambda m, l, i, s: heat_router(m, l, scale=s), None, "moe", 4.0, ("router", "mlp_block"),
               doc="one MoE layer's router logits multiplied"),

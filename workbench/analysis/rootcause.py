@@ -595,10 +595,10 @@ def row_evidence(model: Adapter, ids: list[int], target: int, rival: int | None 
     and 1.4826 MAD), as signed surprise in nats: an ``unembed`` row, and an ``embed`` row at the context
     position whose token's row is the most unusual. ``rival``: the token the model ranks first at the explained
     position where that is not the target (what displaced it): its output row is judged too, the more unusual of
-    the two rows giving the ``unembed`` row (less log 2 where two rows were looked at). And each MoE layer's selection bias (DeepSeek-V3's balancing
-    term, where the family has one): the expert whose bias lies at least ``WEIGHT_Z`` robust stds from the
-    layer's other experts' (balancing moves them a little, together) gives a ``router`` row with that expert,
-    z^2 / 2 nats less the log of the number of biases, at most ``WEIGHT_NATS``."""
+    the two rows giving the ``unembed`` row (less log 2 where two rows were looked at). And each MoE layer's
+    selection bias (DeepSeek-V3's balancing term, where the family has one): the expert whose bias lies at least
+    ``WEIGHT_Z`` robust stds from the layer's other experts' (balancing moves them a little, together) gives a
+    ``router`` row with that expert, z^2 / 2 nats less the log of the number of biases, at most ``WEIGHT_NATS``."""
     out: list[tuple[tuple, float]] = []
     n_bias = model.summary.n_routed_experts * max(len(model.summary.moe_layers), 1)
     for layer in model.summary.moe_layers:
@@ -619,7 +619,8 @@ def row_evidence(model: Adapter, ids: list[int], target: int, rival: int | None 
                 rows = [target] + ([rival] if rival is not None and rival != target else [])
                 t = max(rows, key=lambda r: abs(z[r]))
                 s = float(_surprise(np.array(z[t])))
-                out.append((("unembed", None, None, None, None), float(np.sign(s) * max(abs(s) - np.log(len(rows)), 0.0))))
+                s = float(np.sign(s) * max(abs(s) - np.log(len(rows)), 0.0))
+                out.append((("unembed", None, None, None, None), s))
             elif ids:  # the most unusual of the context's rows: Bonferroni over them
                 p = int(np.argmax(np.abs(z[ids])))
                 nats = activations.log_tail(float(z[ids[p]])) - np.log(len(set(ids)))
@@ -782,13 +783,12 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
         # the components' own activations supersede the recorded signals' statistics where a model has both
         evidence = profile_evidence(store, run_id, pos, profile, only_routing=aprof is not None) \
             if profile is not None else []
-        own: dict = {}
-        evidence += activations.evidence(model, ids_all[:pos], aprof, experts=own)
-        evidence += corroborated(df, own)
+        found: dict = {}  # the same forward: each expert's own surprise, and the token the model ranks first
+        evidence += activations.evidence(model, ids_all[:pos], aprof, found=found)
+        evidence += corroborated(df, found.get("experts", {}))
         if progress is not None:
             progress("profile evidence", 1, 1)
-        with torch.no_grad():  # the token that displaced the target, if any: its output row is a suspect too
-            rival = int(model.forward(ids)[0, -1].float().argmax())
+        rival = found["top_token"]  # the token that displaced the target, if any: its output row is a suspect too
         df = interleave(df, strongest(evidence + row_evidence(model, ids_all[:pos], target, rival)))
     if save:
         _save(store, run_id, pos, df)
