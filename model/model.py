@@ -211,6 +211,9 @@ class MLA(nn.Module):
         # [B, Tc, H, 3] entropy, max weight and weight on key 0 per query row and head of one block; kwargs
         # q_start and received [B, S] (the block's attention on each key, summed over its rows and heads)
         self.hook_attn_stats = HookPoint()
+        # [B, 1, H, S] a decode row's probabilities, kwarg q_start: while listened to, the stats path hands a decode
+        # row here instead of reducing it (a recorder reduces many kept rows at once; fewer operations per step)
+        self.hook_attn_row = HookPoint()
         # a fused kernel for the stats prefill without gradients, set by whoever knows one for the device (the
         # Triton forward of workbench.probes.triton_attention on CUDA): fn(q, k, v, scale, q_start) ->
         # (output [B, T, H, v], stats [B, T, H, 3], received [B, S]); None: _attend_naive_stats
@@ -421,6 +424,9 @@ class MLA(nn.Module):
             s = torch.baddbmm(torch.bmm(q_pe.flatten(1, 2), k_pe.mT), q_abs.flatten(1, 2), kv.mT,
                               beta=scale, alpha=scale)  # [B, H, S]
             p = s.softmax(-1)
+            if self.hook_attn_row.active:
+                p = self.hook_attn_row(p.view(bsz, 1, h, keys), q_start=start_pos).view(bsz, h, keys)
+                return torch.bmm(p, kv).view(bsz, 1, h, c)
             entropy = s.logsumexp(-1) - torch.linalg.vecdot(p, s)
             stats = torch.stack([entropy.clamp(min=0.0), p.amax(-1), p[..., 0]], -1)
             self.hook_attn_stats(stats.view(bsz, 1, h, 3), q_start=start_pos, received=p.sum(1))

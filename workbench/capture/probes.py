@@ -126,7 +126,7 @@ class AttentionProbe(Probe):
         self.kept_reduced: list[tuple[int, int, torch.Tensor, int]] = []
 
     def listeners(self) -> dict:
-        return {"attn_stats": self.on_stats} if self.adapter.stats_seam else {"attn_probs": self.on_probs}
+        return _attention_seams(self)
 
     def on_probs(self, layer: int, p: torch.Tensor, q_start: int, window: int | None = None) -> None:
         if p.size(0) == 1:  # a decode row: kept, reduced with many others at the next flush
@@ -222,6 +222,16 @@ class RoutingProbe(Probe):
             "margin": np.repeat(rec["margin"], k)})}
 
 
+def _attention_seams(probe) -> dict:
+    """The attention and KV probes' listeners: the model's own reductions (``attn_stats``) where the adapter offers
+    them, a decode step's probabilities kept and reduced at the flush with many others (``attn_row``) where it offers
+    that too, else the probabilities of every row (``attn_probs``)."""
+    a = probe.adapter
+    if not a.stats_seam:
+        return {"attn_probs": probe.on_probs}
+    return {"attn_stats": probe.on_stats, **({"attn_row": probe.on_probs} if getattr(a, "row_seam", False) else {})}
+
+
 def _stack(xs: list[torch.Tensor]) -> torch.Tensor:
     """``torch.stack`` on the first tensor's device (a device-mapped model spreads layers over several)."""
     return torch.stack([x.to(xs[0].device) for x in xs])
@@ -311,7 +321,7 @@ class KVProbe(Probe):
         self.sizes: list[tuple[int, list]] = []  # (step, [(layer, cached tokens, bytes)]) per kept step
 
     def listeners(self) -> dict:
-        return {"attn_stats": self.on_stats} if self.adapter.stats_seam else {"attn_probs": self.on_probs}
+        return _attention_seams(self)
 
     def on_probs(self, layer: int, p: torch.Tensor, q_start: int, window: int | None = None) -> None:
         # key j is position j, or q_end - S + j once a sliding-window cache holds only the newest S

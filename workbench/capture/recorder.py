@@ -427,6 +427,12 @@ def fan_out(rows: list[dict[str, Callable] | None]) -> dict[str, Callable]:
                 d["attn_probs"](layer, probs[b], q_start, *rest)
     attn_probs.batched = True  # type: ignore[attr-defined]
 
+    def attn_row(layer: int, probs: torch.Tensor, q_start: int) -> None:  # [B, 1, H, S]
+        for b, d in enumerate(rows):
+            if d is not None:
+                d["attn_row"](layer, probs[b], q_start)
+    attn_row.batched = True  # type: ignore[attr-defined]
+
     def attn_stats(layer: int, stats: torch.Tensor, received: torch.Tensor, q_start: int, *rest) -> None:
         for b, d in enumerate(rows):  # [B, Tc, H, 3], [B, S]
             if d is not None:
@@ -468,7 +474,8 @@ def fan_out(rows: list[dict[str, Callable] | None]) -> dict[str, Callable]:
             if d is not None and per_row[b]:  # a row calls only the experts it chose
                 d["expert_out"](layer, expert, ys[b], acts[b])
 
-    own = {"attn_probs": attn_probs, "attn_stats": attn_stats, "routed": routed, "expert_out": expert_out}
+    own = {"attn_probs": attn_probs, "attn_stats": attn_stats, "attn_row": attn_row, "routed": routed,
+           "expert_out": expert_out}
     return {seam: own.get(seam) or by_row(seam) for seam in seams}
 
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 # The adapter seams (workbench.capture.adapters.base documents what each hands over), declared once: a
 # signal listens to some of them, interventions edit through the rest.
-SEAMS = ("attn_probs", "attn_stats", "head_out", "route", "routed", "shared_out", "resid_post", "expert_in",
-         "expert_out")
+SEAMS = ("attn_probs", "attn_stats", "attn_row", "head_out", "route", "routed", "shared_out", "resid_post",
+         "expert_in", "expert_out")
 
 
 @dataclass(frozen=True)
@@ -98,14 +98,14 @@ REGISTRY: tuple[Signal, ...] = (
             _c("rope_norm", "DOUBLE", "L2 norm of its cached rope key (transformers models: of its keys)", "tol"),
             _c("attn_received", "DOUBLE", "attention it has received so far, summed over heads and queries", "tol")),
             "step, layer, pos", "per cached token, at the prefill and the final step")),
-        ("attn_stats", "attn_probs"), "KV-cache state"),
+        ("attn_stats", "attn_row", "attn_probs"), "KV-cache state"),
     Signal("attention", (Table("attention", (
         _c("pos", "INTEGER", "query position", "key"), LAYER, _c("head", "INTEGER", "", "key"),
         _c("entropy", "DOUBLE", "nats, over the keys 0..pos", "tol"),
         _c("norm_entropy", "DOUBLE", "entropy / log(pos + 1); NULL at pos 0", "tol"),
         _c("max_weight", "DOUBLE", "", "tol"),
         _c("sink_weight", "DOUBLE", "weight on position 0", "tol")), "pos, layer, head",
-        "per query position x layer x head"),), ("attn_stats", "attn_probs"), "attention entropy"),
+        "per query position x layer x head"),), ("attn_stats", "attn_row", "attn_probs"), "attention entropy"),
     Signal("routing", (Table("routing", (
         POS, LAYER, _c("slot", "INTEGER", "0..K-1, by decreasing gate weight", "key"),
         _c("expert", "INTEGER", "", "exact"),

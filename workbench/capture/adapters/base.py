@@ -24,6 +24,9 @@ replacement where noted, which is how ablations and faults intervene):
   weight on key 0, and per key the attention the block's rows and heads gave it. A model offering it computes
   these in about its plain attention's time; the recorder's probes listen here when the adapter offers it.
   Batched: ``[B, Tc, H, 3]`` and ``[B, S]``.
+- ``attn_row(layer, probs [1, H, S], q_start)`` (adapters with ``row_seam``, listened to with ``attn_stats``): a decode
+  step's probabilities of batch row 0 (``batched``: ``[B, 1, H, S]``), handed over instead of that step's
+  ``attn_stats`` call, so a listener keeps them and reduces many steps at once.
 - ``head_out(layer, z [B, T, H, d]) -> z | None``: each head's output before the output projection.
 - ``route(layer, Route)``: an intervention on one MoE layer's routing. The listener edits the ``Route``
   (``remove`` experts from the choice, ``unbias`` the selection, ``add_selection``, ``freeze`` the choice,
@@ -181,6 +184,7 @@ class Adapter:
     checkpoint_path: str | None = None
     supports_batch = False  # has stream_batch, kv_state(row=) and batched attn_probs listeners
     stats_seam = False  # offers the attn_stats seam (the model reduces attention rows itself)
+    row_seam = False  # offers the attn_row seam (a decode step's probabilities instead of its attn_stats)
     expert_out_seam = False  # offers the expert_out seam (each routed expert's output as the model ran it)
 
     # -- subclasses -------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ class NativeAdapter(Adapter):
 
     supports_batch = True
     stats_seam = True
+    row_seam = True
     expert_out_seam = True
 
     def __init__(self, model: Transformer, family: str = "deepseek_v3"):
@@ -241,6 +242,10 @@ class NativeAdapter(Adapter):
                        for i, l in enumerate(layers)]
             kernel = _stats_kernel(self.module)  # on CUDA: a prefill's statistics from the fused Triton kernel
             return handles + ([_KernelSet(l.attn, kernel) for l in layers] if kernel is not None else [])
+        if seam == "attn_row":
+            rows = slice(None) if getattr(fn, "batched", False) else 0
+            return [_hook(l.attn.hook_attn_row, lambda _m, _a, kw, out, i=i: fn(i, out[rows], kw["q_start"]))
+                    for i, l in enumerate(layers)]
         if seam == "head_out":
             return [_hook(l.attn.hook_z, lambda _m, _a, _kw, z, i=i: fn(i, z)) for i, l in enumerate(layers)]
         if seam == "resid_post":
