@@ -465,3 +465,9 @@ def test_the_token_that_displaced_the_target_has_its_output_row_judged(tiny, ids
         both = dict(row_evidence(a, ctx, target, rival))[("unembed", None, None, None, None)]
     assert both > 2 * SIGNIFICANT and both > abs(alone)
     assert dict(row_evidence(a, ctx, target, target)) == dict(row_evidence(a, ctx, target))  # no rival: unchanged
+
+
+def test_explain_names_the_expert_of_a_router_row():
+    from workbench.commands.explain import _where  # lazy: the CLI's row label, tested without a run
+    assert _where({"kind": "router", "layer": 3, "expert": 7}, {}) == "layer 3 router, expert 7"
+    assert _where({"kind": "router", "layer": 3, "expert": None}, {}) == "layer 3 router"

@@ -128,4 +128,6 @@ def _where(r: dict, texts: dict) -> str:
         return "input embedding"
     if kind == "unembed":
         return "output projection"
+    if kind == "router" and r.get("expert") is not None:  # a row about one expert's routing (its rate or bias)
+        return f"layer {r['layer']} router, expert {r['expert']}"
     return f"layer {r['layer']} {WHAT.get(kind, kind)}"
