@@ -258,9 +258,11 @@ class NativeAdapter(Adapter):
             for i in self.summary.moe_layers:
                 for e, ex in enumerate(layers[i].ffn.experts):
                     seen: dict = {}  # the down projection's input of the call under way (registered last: as used)
+
+                    def out(_m, _a, y, i=i, e=e, seen=seen) -> None:  # observes only: the output is never replaced
+                        fn(i, e, y, seen.pop(0, None))
                     handles.append(ex.w2.register_forward_pre_hook(lambda _m, a, seen=seen: seen.__setitem__(0, a[0])))
-                    handles.append(ex.register_forward_hook(
-                        lambda _m, _a, y, i=i, e=e, seen=seen: fn(i, e, y, seen.pop(0, None))))
+                    handles.append(ex.register_forward_hook(out))
             return handles
         if seam == "shared_out":
             return [_hook(layers[i].ffn.shared_experts.hook_out, lambda _m, _a, _kw, o, i=i: fn(i, o))
