@@ -210,7 +210,7 @@ def markdown(summary: dict, results: list[dict], meta: dict) -> str:
         meta["section"], "",
         f"`benchmarks/root_cause_eval.py` on {meta['checkpoint']} ({meta['when']}, {meta['machine']}, "
         f"{meta['seconds']:.0f} s; {meta['architecture']}): up to {meta['per_kind']} faults of each kind with a "
-        f"symptom (default strengths of `faults.KINDS`), drawn with seed {meta['seed']} over {meta['prompts']} "
+        f"symptom (default strengths of `faults.ALL_KINDS`), drawn with seed {meta['seed']} over {meta['prompts']} "
         f"prompts, greedy generation of {meta['max_new_tokens']} tokens. A fault has a symptom when it moves some "
         f"token's logprob (teacher-forced) by >= {meta['min_effect']:g} nat; that token is explained. \"alone\": "
         f"`run.root_cause(pos)` (IG with {meta['steps']} steps over source tokens, ablation of heads, experts, "

@@ -60,7 +60,8 @@ Context lengths: a run-level z is judged against calibration prefixes of its own
 the 2-token context alone, then 3, 4-5, 6-9, 10-17, 18-31, 32-127, 128-511 and 512 tokens or more); the first
 positions' activations differ from later ones' and a mean over few positions varies more, so a short context is
 never judged by a long one's spread. A profile made with the older wide buckets (``OLD_BUCKETS``) is read with
-them (``run_bucket``).
+them (``run_bucket``). Rate cells (``chosen``) are the exception: a rate's z already scales with the context's
+length, so they pool the wide buckets (``OLD_BUCKETS``: the 2-token context with 3-31 tokens).
 
 How rows are scored and ordered: each component's z is a two-sided normal tail in nats, Bonferroni-adjusted
 within its family (all heads' outputs, all router logits, ...); the input embedding is judged per position
@@ -68,9 +69,10 @@ within its family (all heads' outputs, all router logits, ...); the input embedd
 beyond the largest z that calibration met (``BEYOND``); an unusual MoE block (``BLOCK_NATS``) names the expert
 whose own contribution is far the most unusual (``OWN_Z``), or in a clearly unusual block (``EXPLAINS``) the one
 whose positions carry its excess (``expert_behind``: Welch's t, Bonferroni over the experts); a part downstream of
-an unusual part of its layer (``UPSTREAM``: at least ``EXPLAINS`` and a ``REACH``-th as unusual as the part, or at
-least ``BLOCK_NATS`` and half as unusual), and any part of a later layer than one at least as unusual, is capped at half of it, so the first place
-where the activations went off ranks first.
+an unusual part of its layer (``UPSTREAM``: at least ``BLOCK_NATS``, and at least half as unusual as the part, up to
+a ``REACH``-th for a part of ``EXPLAINS`` nats or more: ``_reach``), and any part of a later layer than one at least
+as unusual, is capped at half of it, so the first place where the activations went off ranks first (the experts'
+own surprise that root cause reads, ``found["experts"]``, under the same two rules).
 """
 from __future__ import annotations
 
@@ -111,8 +113,10 @@ UPSTREAM = {"kv_latent": ("attn_norm",), "rotary": ("attn_norm",), "head": ("att
                       "dense_mlp")}
 BEYOND = 1.5  # embedding and output rows: a z this many times the largest one calibration met
 EXPERT_NATS = 3.0  # the expert behind an unusual MoE block: its positions' excess, after Bonferroni
-EXPLAINS = 10.0  # nats: an upstream part this unusual caps its layer's downstream parts at half its surprise
-REACH = 16.0  # ... those up to this many times as unusual (a z up to 4x its own): a 10-nat part explains no 1000
+EXPLAINS = 10.0  # nats: a clearly unusual part (an earlier layer's caps later layers' parts no more unusual)
+REACH = 16.0  # an upstream part of EXPLAINS nats or more explains parts up to this many times as unusual (a z up to
+# 4x its own), one of BLOCK_NATS parts up to 2x, and in between the reach grows linearly: a 10-nat part explains
+# no 1000-nat part, a 4-nat one no 60-nat head
 MISMATCH_NATS = 10.0  # per context position whose experts differ from what the router's logits select
 BLOCK_NATS = 4.0  # an MoE block this unusual names the expert whose own contribution is far the most unusual
 LAST_WEIGHT = 0.5  # the last context position's z counts at this weight beside the context mean
@@ -372,9 +376,15 @@ def _bucket_runs(runs: dict, k: Key, b: int) -> np.ndarray:
     return np.array([v for c in range(len(RUN_BUCKETS)) if WIDE[c] == WIDE[b] for v in runs.get((k, c), [])])
 
 
+def _reach(up: float) -> float:
+    """How many times its own surprise an upstream part of ``up`` nats explains (``REACH``)."""
+    return 2.0 + (REACH - 2.0) * min(max((up - BLOCK_NATS) / (EXPLAINS - BLOCK_NATS), 0.0), 1.0)
+
+
 def run_bucket(n_ctx: int, n_stats: int) -> int:
     """The length bucket of a context of ``n_ctx`` tokens, as an index into a cell's ``run_*`` lists of ``n_stats``
-    entries (a profile made before the 2-token bucket has one entry fewer: its buckets are ``OLD_BUCKETS``)."""
+    entries: a profile made before the short buckets has 4 (``OLD_BUCKETS``) where a current one has 9
+    (``RUN_BUCKETS``); any other length is read with the current buckets, clamped to its last entry."""
     starts = OLD_BUCKETS if n_stats == len(OLD_BUCKETS) else RUN_BUCKETS
     return min(max(i for i, lo in enumerate(starts) if n_ctx >= lo or i == 0), max(n_stats - 1, 0))
 
@@ -787,9 +797,12 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
     size = {}  # (kind, layer) -> the largest |surprise| of that kind in that layer (any head or expert)
     for key, v in best.items():
         size[key[:2]] = max(size.get(key[:2], 0.0), abs(v))
+    def explains(up: float, v: float) -> bool:  # an upstream part of ``up`` nats explains a part of |v|
+        return up >= BLOCK_NATS and up * _reach(up) >= abs(v)
+
     for key in list(best):  # a part downstream of an unusual part of its layer, of comparable size: explained by it
         up = max([size.get((u, key[1]), 0.0) for u in UPSTREAM.get(key[0], ())], default=0.0)
-        if up >= BLOCK_NATS and up * (REACH if up >= EXPLAINS else 2.0) >= abs(best[key]):
+        if explains(up, best[key]):
             best[key] = math.copysign(min(abs(best[key]), up / 2), best[key])
     layers = sorted({k[1] for k in best if k[1] is not None})
     e0 = ("embed", None, None, None, 0)  # the first token's embedding differs at position 0: before every layer
@@ -801,6 +814,12 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
         up = before.get(key[1], 0.0) if key[0] != "unembed" or why.get(key) != "first" else top  # logits: last
         if up >= max(EXPLAINS, abs(best[key])):
             best[key] = math.copysign(min(abs(best[key]), up / 2), best[key])
+    for key, v in (experts or {}).items():  # the experts' own surprise: under the same two rules as the rows
+        up = max(size.get(("mlp_norm", key[1]), 0.0), size.get(("router", key[1]), 0.0))
+        caps = ([up / 2] if explains(up, v) else []) + (
+            [before.get(key[1], 0.0) / 2] if before.get(key[1], 0.0) >= max(EXPLAINS, abs(v)) else [])
+        if caps:
+            experts[key] = math.copysign(min(abs(v), *caps), v)
     return list(best.items())
 
 

@@ -335,13 +335,16 @@ def noise_expert(model, layer: int, expert: int, amount: float = 1.0,
 
 
 def heat_router(model, layer: int, scale: float = 4.0) -> contextlib.AbstractContextManager:
-    """Multiply one MoE layer's router weight by ``scale``: every router logit scaled (a router temperature gone
-    wrong: gate weights sharpen, and where the router uses a softmax or sigmoid the choice can change)."""
+    """Multiply one MoE layer's router weight by ``scale`` (a router temperature gone wrong): the gate weights
+    sharpen; the experts chosen change only where the choice is not the logits' order alone (a selection bias,
+    group-limited routing). A router with a bias of its own keeps that bias."""
     a = adapter_for(model)
     _check_layer(a, layer)
     router = a.parts(layer)["router"]
     if router is None:
         raise ValueError(f"layer {layer} is a dense layer (no router); MoE layers are {a.summary.moe_layers}")
+    if not isinstance(getattr(router, "weight", None), torch.Tensor):
+        raise ValueError(f"layer {layer}'s router has no weight tensor to scale")
     return _edited(router.weight, lambda w: w.mul_(scale))
 
 
@@ -385,7 +388,7 @@ class FaultKind:
     """One kind of fault. Call it as ``kind(model, layer, index=0, strength=None)`` for a context manager.
 
     Attributes:
-        name: its key in ``KINDS``.
+        name: its key in ``KINDS`` (or ``HELD_OUT``).
         index: what ``index`` selects ("head", "expert", "channel", "token") or None (unused).
         where: the layers it applies to: "any", "moe" (MoE layers), "shared" (MoE layers with shared experts),
             "not_last" (every layer but the last), "model" (not a layer: ``layer`` is ignored, pass 0).

@@ -594,8 +594,9 @@ def row_evidence(model: Adapter, ids: list[int], target: int, rival: int | None 
     token's embedding row, lie from the model's other rows in log norm (a robust z over the vocabulary: median
     and 1.4826 MAD), as signed surprise in nats: an ``unembed`` row, and an ``embed`` row at the context
     position whose token's row is the most unusual. ``rival``: the token the model ranks first at the explained
-    position where that is not the target (what displaced it): its output row is judged too, the more unusual of
-    the two rows giving the ``unembed`` row (less log 2 where two rows were looked at). And each MoE layer's
+    position where that is not the target (what displaced it): where its output row is the most unusual of the
+    whole vocabulary (a frequent token's ordinary row never is) it gives the ``unembed`` row instead, less log 2
+    (two rows were looked at). And each MoE layer's
     selection bias (DeepSeek-V3's balancing term, where the family has one): the expert whose bias lies at least
     ``WEIGHT_Z`` robust stds from the layer's other experts' (balancing moves them a little, together) gives a
     ``router`` row with that expert, z^2 / 2 nats less the log of the number of biases, at most ``WEIGHT_NATS``."""
@@ -616,11 +617,10 @@ def row_evidence(model: Adapter, ids: list[int], target: int, rival: int | None 
                 continue
             z = _robust_z(w.float().norm(dim=1).clamp_min(1e-30).log().cpu().numpy())
             if kind == "unembed":
-                rows = [target] + ([rival] if rival is not None and rival != target else [])
-                t = max(rows, key=lambda r: abs(z[r]))
-                s = float(_surprise(np.array(z[t])))
-                s = float(np.sign(s) * max(abs(s) - np.log(len(rows)), 0.0))
-                out.append((("unembed", None, None, None, None), s))
+                v = float(_surprise(np.array(z[target])))
+                if rival is not None and rival != target and abs(z[rival]) >= np.abs(z).max() > abs(z[target]):
+                    v = float(np.sign(z[rival]) * max(z[rival] ** 2 / 2 - np.log(2), 0.0))  # two rows looked at
+                out.append((("unembed", None, None, None, None), v))
             elif ids:  # the most unusual of the context's rows: Bonferroni over them
                 p = int(np.argmax(np.abs(z[ids])))
                 nats = activations.log_tail(float(z[ids[p]])) - np.log(len(set(ids)))
