@@ -455,6 +455,8 @@ def test_a_selection_bias_far_from_its_siblings_is_a_router_row(tiny, ids):
         rows = {k: v for k, v in row_evidence(a, ctx, 5) if k[0] == "router"}
     assert list(rows) == [("router", layer, None, 3, None)] and rows[("router", layer, None, 3, None)] == WEIGHT_NATS
     assert not [k for k, _ in row_evidence(a, ctx, 5) if k[0] == "router"]  # restored
+    with faults.bias_router(a, layer, 3, amount=0.5), faults.bias_router(a, layer, 4, amount=0.4):
+        assert not [k for k, _ in row_evidence(a, ctx, 5) if k[0] == "router"]  # two far out: a spread, no one bias
 
 
 def test_the_token_that_displaced_the_target_has_its_output_row_judged(tiny, ids):

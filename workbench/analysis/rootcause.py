@@ -598,7 +598,8 @@ def row_evidence(model: Adapter, ids: list[int], target: int, rival: int | None 
     whole vocabulary (a frequent token's ordinary row never is) it gives the ``unembed`` row instead, less log 2
     (two rows were looked at). And each MoE layer's
     selection bias (DeepSeek-V3's balancing term, where the family has one): the expert whose bias lies at least
-    ``WEIGHT_Z`` robust stds from the layer's other experts' (balancing moves them a little, together) gives a
+    ``WEIGHT_Z`` robust stds from the layer's other experts' (balancing moves them a little, together), and twice
+    as far as any other expert's (a layer of many experts with a wide spread has outliers of its own), gives a
     ``router`` row with that expert, z^2 / 2 nats less the log of the number of biases, at most ``WEIGHT_NATS``."""
     out: list[tuple[tuple, float]] = []
     n_bias = model.summary.n_routed_experts * max(len(model.summary.moe_layers), 1)
@@ -608,7 +609,8 @@ def row_evidence(model: Adapter, ids: list[int], target: int, rival: int | None 
             continue
         z = _robust_z(bias.detach().float().cpu().numpy(), floor=1e-3)  # equal biases: a thousandth apart is none
         e = int(np.argmax(np.abs(z)))
-        if abs(z[e]) >= WEIGHT_Z:
+        second = float(np.sort(np.abs(z))[-2])
+        if abs(z[e]) >= max(WEIGHT_Z, 2 * second):  # one bias alone far out, not the tail of a wide spread
             nats = min(z[e] ** 2 / 2 - np.log(n_bias), WEIGHT_NATS)
             out.append((("router", layer, None, e, None), float(np.sign(z[e]) * nats)))
     with torch.no_grad():
