@@ -376,6 +376,11 @@ def _bucket_runs(runs: dict, k: Key, b: int) -> np.ndarray:
     return np.array([v for c in range(len(RUN_BUCKETS)) if WIDE[c] == WIDE[b] for v in runs.get((k, c), [])])
 
 
+def _capped(v: float, up: float) -> float:
+    """``v`` explained by a part ``up`` nats unusual: at most half of it, its sign kept."""
+    return math.copysign(min(abs(v), up / 2), v)
+
+
 def _reach(up: float) -> float:
     """How many times its own surprise an upstream part of ``up`` nats explains (``REACH``)."""
     return 2.0 + (REACH - 2.0) * min(max((up - BLOCK_NATS) / (EXPLAINS - BLOCK_NATS), 0.0), 1.0)
@@ -769,13 +774,11 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
             family[(k[0], k[4])] = family.get((k[0], k[4]), 0) + 1
         own = {k[1:4]: z for k, (z, _) in zs.items() if k[0] == "expert"}  # each expert's own contribution
         for k, (z, sign) in zs.items():  # two-sided tail, Bonferroni over the component's family
-            if k[0] == "expert":  # heavy-tailed (a few positions each): only to name the expert behind a block
-                if experts is not None:
-                    experts[(k[0], k[1], k[2], k[3], None)] = _signed_nats(log_tail(z) - math.log(family[(k[0], k[4])]),
-                                                                           sign)
-                continue
-            put((k[0], k[1], k[2], k[3], None), _signed_nats(log_tail(z) - math.log(family[(k[0], k[4])]), sign),
-                k[4])
+            nats = _signed_nats(log_tail(z) - math.log(family[(k[0], k[4])]), sign)
+            if k[0] != "expert":
+                put((k[0], k[1], k[2], k[3], None), nats, k[4])
+            elif experts is not None:  # heavy-tailed (a few positions each): no row, only for root cause
+                experts[(k[0], k[1], k[2], k[3], None)] = nats
         for r in prof.filter(pl.col("kind") == "mlp_block").iter_rows(named=True):  # the expert behind a block
             nats = best.get(("mlp_block", r["layer"], None, None, None), 0.0)
             idx = got.get(("route", r["layer"], None, None, "indices"))
@@ -800,10 +803,13 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
     def explains(up: float, v: float) -> bool:  # an upstream part of ``up`` nats explains a part of |v|
         return up >= BLOCK_NATS and up * _reach(up) >= abs(v)
 
+    def earlier(up: float, v: float) -> bool:  # an earlier layer broke something of ``up`` nats: it reaches |v|
+        return up >= max(EXPLAINS, abs(v))
+
     for key in list(best):  # a part downstream of an unusual part of its layer, of comparable size: explained by it
         up = max([size.get((u, key[1]), 0.0) for u in UPSTREAM.get(key[0], ())], default=0.0)
         if explains(up, best[key]):
-            best[key] = math.copysign(min(abs(best[key]), up / 2), best[key])
+            best[key] = _capped(best[key], up)
     layers = sorted({k[1] for k in best if k[1] is not None})
     e0 = ("embed", None, None, None, 0)  # the first token's embedding differs at position 0: before every layer
     before, top = {}, abs(best.get(e0, 0.0)) if why.get(e0) == "first" else 0.0  # layer -> the largest |surprise| in the layers before it (and embed)
@@ -812,14 +818,13 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
         top = max([top] + [abs(v) for k, v in best.items() if k[1] == layer])
     for key in list(best):  # what an earlier layer broke at least as clearly reaches every later one
         up = before.get(key[1], 0.0) if key[0] != "unembed" or why.get(key) != "first" else top  # logits: last
-        if up >= max(EXPLAINS, abs(best[key])):
-            best[key] = math.copysign(min(abs(best[key]), up / 2), best[key])
+        if earlier(up, best[key]):
+            best[key] = _capped(best[key], up)
     for key, v in (experts or {}).items():  # the experts' own surprise: under the same two rules as the rows
         up = max(size.get(("mlp_norm", key[1]), 0.0), size.get(("router", key[1]), 0.0))
-        caps = ([up / 2] if explains(up, v) else []) + (
-            [before.get(key[1], 0.0) / 2] if before.get(key[1], 0.0) >= max(EXPLAINS, abs(v)) else [])
-        if caps:
-            experts[key] = math.copysign(min(abs(v), *caps), v)
+        prior = before.get(key[1], 0.0)
+        capped = _capped(v, up) if explains(up, v) else v
+        experts[key] = _capped(capped, prior) if earlier(prior, v) else capped
     return list(best.items())
 
 

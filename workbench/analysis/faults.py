@@ -354,11 +354,11 @@ def shift_attention(model, layer: int, scale: float = 3.0, seed: int = 0) -> con
     a = adapter_for(model)
     _check_layer(a, layer)
     attn = a.parts(layer)["attn"]
-    gen = torch.Generator().manual_seed(seed)
+    direction = torch.randn(a.embedding().weight.size(1), generator=torch.Generator().manual_seed(seed))
 
     def hook(_m, _args, out):
         y = first_output(out)
-        v = torch.randn(y.size(-1), generator=gen.manual_seed(seed)).to(y)
+        v = direction.to(y)
         v = v / v.pow(2).mean().sqrt()
         rms = y.float().pow(2).mean(-1, keepdim=True).sqrt().to(y)
         return replace_first_output(out, y + scale * rms * v)
