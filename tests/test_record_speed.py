@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from helpers import tiny_model
 
+from workbench.capture import batched
 from workbench.capture import probes as P
 from workbench.capture import recorder
 from workbench.capture.experts import expert_internals
@@ -67,16 +68,16 @@ def test_no_stacked_copy_of_experts_past_the_size_bound(monkeypatch):
 
 
 def test_a_batch_reduces_its_rows_together(tmp_path, monkeypatch):
-    """A batch's rows flush together: one ``flush_many`` per probe class over every row (not one call per row),
-    and each row's expert_extremes rows are its own (its positions, all its MoE layers)."""
+    """A batch's rows flush together: one flush of the batch-wide expert_extremes probe over every row (not one
+    call per row), and each row's expert_extremes rows are its own (its positions, all its MoE layers)."""
     ckpt = save_checkpoint(tiny_model(vocab_size=4096), tmp_path / "ckpt", tokenizer=DEFAULT_TOKENIZER)
     sizes: list[int] = []
-    many = P.ExpertExtremesProbe.flush_many.__func__
+    flush = batched.ExpertExtremesBatch.flush
 
-    def spy(cls, probes):
-        sizes.append(len(probes))
-        return many(cls, probes)
-    monkeypatch.setattr(P.ExpertExtremesProbe, "flush_many", classmethod(spy))
+    def spy(self, rows):
+        sizes.append(len(rows))
+        return flush(self, rows)
+    monkeypatch.setattr(batched.ExpertExtremesBatch, "flush", spy)
     monkeypatch.setattr(recorder, "FLUSH_STEPS", 4)  # due by steps: every row stepped so far flushes
     prompts = ["def add(a, b):", "for i in range(10):\n", "class Point:"]
     db = Store(tmp_path / "b.duckdb")

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from workbench.capture.adapters import Adapter, load_adapter
 from workbench.capture.adapters.base import Route
+from workbench.capture.batched import BatchRecorder, batch_probe_names
 from workbench.capture.interventions import applied as intervening
 from workbench.capture.interventions import check as check_interventions
 from workbench.capture.interventions import normalize as interventions_of
@@ -224,10 +225,12 @@ class _Recording:
     writer: Writer  # set once the run's row exists
 
     def __init__(self, run_id: str, adapter, probes: list[str], ids: list[int], tokenizer, max_new_tokens: int,
-                 eos: int | None, topk: int, on_token=None, bar=None, flush_seconds: float = FLUSH_SECONDS):
+                 eos: int | None, topk: int, on_token=None, bar=None, flush_seconds: float = FLUSH_SECONDS,
+                 batch: tuple[BatchRecorder, int] | None = None):
         self.run_id, self.tokenizer, self.eos, self.topk = run_id, tokenizer, eos, topk
         self.flush_seconds = flush_seconds
         self.rec = Recorder(adapter, run_id, probes)
+        self.batch = batch  # (the batch-wide probes of the other signals, this run's row in them)
         self.texts = [tokenizer.decode([i]) for i in ids]
         self.end = len(ids) + max_new_tokens
         self.n_tokens = len(ids)
@@ -252,9 +255,11 @@ class _Recording:
         new_pos = step.start_pos + len(step.input_ids)
         new_text = self.tokenizer.decode([step.next_token])
         final = new_pos + 1 >= self.end or step.next_token == self.eos
-        self.pending.append(self.rec.collect(StepInfo(self.run_id, step.index, step.start_pos, step.input_ids,
-                                                      step.logits, step.next_token, new_text, self.texts, final,
-                                                      wall_ms, self.topk)))
+        info = StepInfo(self.run_id, step.index, step.start_pos, step.input_ids, step.logits, step.next_token,
+                        new_text, self.texts, final, wall_ms, self.topk)
+        self.pending.append(self.rec.collect(info))
+        if self.batch is not None:
+            self.pending.append(self.batch[0].collect(self.batch[1], info))
         self.n_tokens = new_pos + 1
         return final, new_text
 
@@ -277,7 +282,8 @@ class _Recording:
         """Hand the steps collected before an interruption to the writer (they are kept)."""
         if self.pending:
             with torch.inference_mode():  # the kept tensors are the stream's inference tensors
-                self.writer.put(merge_batches(self.pending + [self.rec.flush()]))
+                own = [self.batch[0].flush([self.batch[1]])[0]] if self.batch is not None else []
+                self.writer.put(merge_batches(self.pending + [self.rec.flush()] + own))
             self.pending = []
 
     def finish(self, store: Store, status: str, error: str | None) -> None:
@@ -523,9 +529,14 @@ def record_batch(prompts: list, settings: list[RecordSettings], *, model=None, t
     if not live:
         return errors
     eos = eos_of(tokenizer, adapter)
+    # the signals whose probes take the batch's [B, ...] tensors (one object for all rows); the others keep a probe
+    # per row, fed its slice of every seam
+    whole = batch_probe_names(adapter, probes)
+    batch = BatchRecorder(adapter, [run_ids[b] for b in live], whole)
+    per_row = [p for p in probes if p not in whole]
     # a batch flushes its rows less often by time (the steps rule holds)
-    runs = [_Recording(run_ids[b], _RowView(adapter, r), probes, ids[b], tokenizer, settings[b].max_new_tokens, eos,
-                       first.topk, flush_seconds=BATCH_FLUSH_SECONDS) for r, b in enumerate(live)]
+    runs = [_Recording(run_ids[b], _RowView(adapter, r), per_row, ids[b], tokenizer, settings[b].max_new_tokens, eos,
+                       first.topk, flush_seconds=BATCH_FLUSH_SECONDS, batch=(batch, r)) for r, b in enumerate(live)]
     writer = Writer(store, interval=BATCH_WRITE_SECONDS)
     for run in runs:
         run.writer = writer
@@ -538,12 +549,13 @@ def record_batch(prompts: list, settings: list[RecordSettings], *, model=None, t
                                                   settings[b].seed, None, run_fields[b]) for b in live],
                                         how="diagonal_relaxed")})
         open_runs.update(range(len(live)))
-        with adapter.seams(fan_out(listening)):
+        with adapter.seams(_joined(fan_out(listening), batch.listeners())):
             t0 = [time.perf_counter()] * len(runs)
             rows = [settings[b] for b in live]
             for bstep in adapter.stream_batch([ids[b] for b in live], [s.max_new_tokens for s in rows],
                                               [s.temperature for s in rows], [s.top_p for s in rows],
                                               [s.seed for s in rows], eos):
+                batch.end_forward(bstep.start_pos, bstep.n_fed)
                 stepped, due, final = [], False, []
                 for r, step in enumerate(bstep.steps):
                     if step is None:
@@ -555,16 +567,36 @@ def record_batch(prompts: list, settings: list[RecordSettings], *, model=None, t
                     if last:
                         final.append(r)
                     t0[r] = now
-                # every stepped row at once (each probe class reduces all rows' kept steps together) when one is
-                # due by steps, bytes or time; else the rows that ended (their steps are written before they finish)
-                flush = stepped if due else final
+                due = due or batch.pending_bytes() > FLUSH_BYTES * len(runs)
+                # every row with collected steps at once (each probe reduces all rows' kept steps together) when one
+                # is due by steps, bytes or time, or when a row ended (its steps are written before it finishes)
+                flush = [r for r in sorted(open_runs) if runs[r].pending] if due or final else []
                 if flush:
                     got = Recorder.flush_many([runs[r].rec for r in flush])
-                    writer.put(merge_batches([p for r in flush for p in runs[r].pending] + got))
+                    whole_rows = batch.flush(flush)
+                    writer.put(merge_batches([p for r in flush for p in runs[r].pending] + got + whole_rows))
                     for r in flush:
                         runs[r].flushed()
                 for r in final:
                     listening[r] = None  # the row is still fed until the batch ends: nothing more of it is kept
+                    batch.stop(r)
                     open_runs.discard(r)
                     runs[r].finish(store, "complete", None)
     return errors
+
+
+def _joined(a: dict[str, Callable], b: dict[str, Callable]) -> dict[str, Callable]:
+    """Two sets of batch-level seam listeners as one (a seam both listen to calls both, ``a``'s first)."""
+    out = dict(a)
+    for seam, fn in b.items():
+        if seam not in out:
+            out[seam] = fn
+            continue
+        first = out[seam]
+
+        def both(*args, f=first, g=fn) -> None:
+            f(*args)
+            g(*args)
+        both.batched = True  # type: ignore[attr-defined]
+        out[seam] = both
+    return out

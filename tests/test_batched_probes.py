@@ -1,0 +1,101 @@
+"""Batch-wide probes (issue 29): one probe per signal takes the batch's ``[B, ...]`` tensors at each seam (one call per
+seam and forward, not one per row) and splits its rows by run only when it writes them; every run's tables equal its
+single recording, whatever the flushes cut (rows still in their prompt, rows ended, flushes by steps or bytes)."""
+from __future__ import annotations
+
+import pytest
+from helpers import tiny_model
+from test_batch import assert_same_signals
+
+import workbench
+from workbench.capture import batched, recorder
+from workbench.capture.recorder import RecordSettings, new_run_id, record_batch
+from workbench.data import query
+from workbench.data.store import Store
+from workbench.model import save_checkpoint
+from workbench.model.tokenizer import DEFAULT_TOKENIZER
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+# 1 to ~30 tokens: the longer prompts are fed one token a forward while the shorter rows decode
+PROMPTS = ["x", "def add(a, b):", "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n",
+           "for i in range(10):\n    print(i)"]
+NEW = [5, 3, 8, 6]  # rows end at different forwards
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return str(save_checkpoint(tiny_model(vocab_size=4096), tmp_path_factory.mktemp("bp") / "ckpt",
+                               tokenizer=DEFAULT_TOKENIZER))
+
+
+@pytest.fixture(scope="module")
+def singles(ckpt, tmp_path_factory):
+    db = Store(tmp_path_factory.mktemp("bp_single") / "s.duckdb")
+    return db, [workbench.record(p, model=ckpt, db=db, detect=False, max_new_tokens=n).run_id
+                for p, n in zip(PROMPTS, NEW)]
+
+
+@pytest.mark.parametrize("due", ["steps", "bytes", "end"])
+def test_each_run_of_a_batch_equals_its_single_recording_whatever_the_flushes_cut(due, ckpt, singles, tmp_path,
+                                                                                  monkeypatch):
+    if due == "steps":
+        monkeypatch.setattr(recorder, "FLUSH_STEPS", 2)
+    elif due == "bytes":
+        monkeypatch.setattr(recorder, "FLUSH_BYTES", 1)
+    flushes: list[tuple[list[int], list[bool], list[int]]] = []  # (rows flushed, rows live, rows' last collected)
+    flush = batched.BatchRecorder.flush
+
+    def spy(self, rows):
+        flushes.append((list(rows), list(self.tape.live), list(self.tape.done)))
+        return flush(self, rows)
+    monkeypatch.setattr(batched.BatchRecorder, "flush", spy)
+    db = Store(tmp_path / "b.duckdb")
+    run_ids = [new_run_id() for _ in PROMPTS]
+    errors = record_batch(PROMPTS, [RecordSettings(max_new_tokens=n) for n in NEW], model=ckpt, db=db,
+                          run_ids=run_ids, run_fields=[None] * len(PROMPTS))
+    assert errors == [None] * len(PROMPTS)
+    single_db, single_ids = singles
+    for rid, one in zip(run_ids, single_ids):
+        assert query.run_row(db, rid)["status"] == "complete"
+        assert query.run_row(db, rid)["n_tokens"] == query.run_row(single_db, one)["n_tokens"]
+        assert_same_signals(single_db, one, db, rid)
+    assert flushes
+    if due == "end":  # no flush is due before a row ends: each flush is some row's end
+        assert len(flushes) <= len(PROMPTS)
+    else:  # flushes while the longest prompt's row is still in its prefill (nothing collected of it yet)
+        assert any(done[2] == -1 and live[2] and 2 not in rows for rows, live, done in flushes)
+
+
+def test_a_batch_calls_each_seam_once_per_forward_not_once_per_row(ckpt, tmp_path, monkeypatch):
+    calls: dict[str, int] = {}
+    listeners = batched.BatchRecorder.listeners
+
+    def counted(self):
+        def wrap(seam, fn):
+            def call(*a):
+                calls[seam] = calls.get(seam, 0) + 1
+                fn(*a)
+            call.batched = True
+            return call
+        return {seam: wrap(seam, fn) for seam, fn in listeners(self).items()}
+    monkeypatch.setattr(batched.BatchRecorder, "listeners", counted)
+    row_seams: list[dict] = []
+    row_listeners = recorder.Recorder.listeners
+
+    def spy(self):
+        got = row_listeners(self)
+        row_seams.append(got)
+        return got
+    monkeypatch.setattr(recorder.Recorder, "listeners", spy)
+    forwards = []
+    end_forward = batched.BatchRecorder.end_forward
+    monkeypatch.setattr(batched.BatchRecorder, "end_forward", lambda self, *a: (forwards.append(a), end_forward(self, *a)))
+    db = Store(tmp_path / "b.duckdb")
+    prompts = ["def add(a, b):", "class Point:", "import os\n"]
+    assert record_batch(prompts, [RecordSettings(max_new_tokens=4)] * 3, model=ckpt, db=db,
+                        run_ids=[new_run_id() for _ in prompts], run_fields=[None] * 3) == [None] * 3
+    n_layers = workbench.capture.adapters.load_adapter(ckpt).summary.n_layers
+    assert row_seams and all(not d for d in row_seams)  # no probe of a row listens to a seam itself
+    assert calls["resid_post"] == calls["head_out"] == len(forwards) * n_layers
+    assert calls["attn_stats"] + calls["attn_row"] == len(forwards) * n_layers
