@@ -129,7 +129,8 @@ def names(kind: str, layer: int, index: int, f: dict) -> tuple[bool, bool]:
     if fk is not None and fk.index == "head":
         return at, at and f["component"] == "head" and f["head"] == index
     if fk is not None and fk.index == "expert":
-        return at, at and f["component"] in ("expert", "router") and f["expert"] in (index, None)
+        mine = (index, None) + ((index ^ 1,) if fk.paired else ())  # a swap breaks its partner too
+        return at, at and f["component"] in ("expert", "router") and f["expert"] in mine
     return at, at
 
 

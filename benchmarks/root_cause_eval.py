@@ -121,7 +121,7 @@ def draw_case(kind: str, k: int, rng: random.Random, model: Adapter, routing: di
     layer = rng.choice(fk.layers(model))
     if fk.index == "token":
         return Case(kind, layer, rng.choice(prompts[p][1:]), p)
-    if fk.index == "expert" and kind in ("expert", "expert_flip", "starved", "expert_noise"):  # one the prompt uses
+    if fk.index == "expert" and kind not in ("router_bias", "router_affinity"):  # one the prompt uses
         used = sorted(set(routing[p].filter(pl.col("layer") == layer)["expert"].to_list()))
         return Case(kind, layer, rng.choice(used), p)
     n = fk.n_index(model, layer)

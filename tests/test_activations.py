@@ -268,3 +268,24 @@ def test_a_rate_cell_pools_its_wide_bucket_and_other_cells_keep_their_own():
     got = activations._bucket_runs(runs, ("router", 1, None, 3, "chosen"), 0)
     assert sorted(got[:, 0].tolist()) == [float(b) for b in wide0]
     assert activations._bucket_runs(runs, ("head", 1, 0, None, "out"), 0)[:, 0].tolist() == [0.0]
+
+
+def test_an_output_row_is_named_only_where_it_alone_is_off(tiny, prof):
+    """The ``unembed`` row: one token's logit off at every position, beyond what calibration met, and no other
+    token's: an output row gone wrong moves its own token only; a hidden state gone wrong moves many."""
+    ids = _prompts(1, 30, seed=7)[0]
+    key = ("unembed", None, None, None, None)
+    sr = prof.filter(pl.col("kind") == "unembed_rows").row(0, named=True)
+    cell = prof.filter(pl.col("kind") == "unembed").row(0, named=True)
+    b = activations.run_bucket(len(ids), len(sr["run_norm_mean"]))
+
+    def beyond() -> int:  # tokens whose logit is off beyond every calibration token's
+        y = activations.capture(tiny, ids)[0][("unembed", None, None, None, "logit")][1:]
+        zr = (activations._row_z(y, cell) - sr["run_norm_mean"][b]) / sr["run_norm_std"][b]
+        return int((zr > activations.BEYOND * sr["run_dev_mean"][b]).sum())
+
+    assert key not in dict(activations.evidence(tiny, ids, prof)) and beyond() == 0
+    with faults.scale_unembedding(tiny, ids[5], scale=4.0):
+        assert beyond() == 1 and dict(activations.evidence(tiny, ids, prof))[key] > 2
+    with faults.shift_attention(tiny, tiny.summary.n_layers - 1, scale=30.0):  # the last hidden state moved
+        assert beyond() > 1 and key not in dict(activations.evidence(tiny, ids, prof))

@@ -15,11 +15,13 @@ from workbench.analysis import faults
 from workbench.analysis.rootcause import (
     CORROBORATE,
     SIGNIFICANT,
+    TIE,
     WEIGHT_NATS,
     component_ablation,
     corroborated,
     frozen_routing,
     integrated_gradients,
+    interleave,
     real_routing,
     row_evidence,
     target_fn,
@@ -473,3 +475,32 @@ def test_explain_names_the_expert_of_a_router_row():
     from workbench.commands.explain import _where  # lazy: the CLI's row label, tested without a run
     assert _where({"kind": "router", "layer": 3, "expert": 7}, {}) == "layer 3 router, expert 7"
     assert _where({"kind": "router", "layer": 3, "expert": None}, {}) == "layer 3 router"
+
+
+def test_a_layer_row_shares_its_turn_with_its_part_and_near_ties_put_the_earlier_layer_first():
+    """The profile list's turns (_profile_turns): a layer row and the most unusual of its own parts in the list go
+    together, the part first; rows within TIE of each other rank the earlier layer first; ablation and token rows
+    keep their turns after them."""
+    df = pl.DataFrame({"target_pos": [9] * 3, "kind": ["head", "head", "token"], "layer": [2, 3, None],
+                       "head": [2, 0, None], "expert": [None, None, None], "source_pos": [None, None, 4],
+                       "score": [0.8, 0.5, 2.0], "method": ["ablation"] * 2 + ["ig"], "delta": [None] * 3,
+                       "restored": [None] * 3}, schema_overrides={"layer": pl.Int32, "head": pl.Int32,
+                                                                  "expert": pl.Int32, "source_pos": pl.Int32})
+    resid, expert = ("resid", 1, None, None, None), ("expert", 1, None, 10, None)
+    other = ("attn_norm", 4, None, None, None)
+
+    def order(ev):
+        out = interleave(df, ev)
+        return [(r["kind"], r["layer"], r["head"], r["expert"], r["source_pos"]) for r in out.iter_rows(named=True)]
+
+    # what layer 1 added to the stream is unusual, and inside it one expert: the expert, then the layer, then the
+    # component whose removal matters most, then the token
+    got = order([(resid, 4.4), (other, 3.0), (expert, 2.8)])
+    assert got[:5] == [expert, resid, ("head", 2, 2, None, None), ("token", None, None, None, 4), other]
+    assert order([(resid, 4.4), (other, 3.0)])[:2] == [resid, ("head", 2, 2, None, None)]  # no part: its own turn
+    # an expert of another layer is no part of the layer row
+    assert order([(resid, 4.4), (("expert", 2, None, 1, None), 2.8)])[:2] == [resid, ("head", 2, 2, None, None)]
+    # near ties: the earlier layer first; beyond TIE the larger first
+    late, early = ("expert", 5, None, 0, None), ("expert", 3, None, 9, None)
+    assert order([(late, -3.46), (early, 3.40)])[0] == early
+    assert order([(late, -3.4 / (1 - TIE) - 0.1), (early, 3.4)])[0] == late

@@ -756,7 +756,11 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
                     sr = spread.row(0, named=True)
                     rb = run_bucket(len(ids), len(sr["run_norm_mean"]))
                     zr = (_row_z(y[1:], r) - sr["run_norm_mean"][rb]) / sr["run_norm_std"][rb]
-                    if float(zr.max()) > BEYOND * sr["run_dev_mean"][rb]:  # beyond every calibration token's
+                    top2 = zr.topk(min(2, zr.numel())).values
+                    beyond = BEYOND * sr["run_dev_mean"][rb]  # every calibration token's z, and then some
+                    # one row alone beyond it: an output row gone wrong moves its own token's logit only; a hidden
+                    # state gone wrong (anything upstream) moves the logits of every token aligned with the change
+                    if float(top2[0]) > beyond and (top2.numel() < 2 or float(top2[1]) <= beyond):
                         nats = log_tail(float(zr.max())) - math.log(zr.numel())
                         put(("unembed", None, None, None, None), _signed_nats(nats, 1.0))
                 continue

@@ -379,6 +379,64 @@ def scale_unembedding(model, token: int, scale: float = 3.0) -> contextlib.Abstr
     return _edited(a.unembedding().weight[token], lambda w: w.mul_(scale))
 
 
+def partner(expert: int, n_experts: int) -> int:
+    """The expert ``swap_expert_down`` pairs with ``expert``: its neighbour in pairs (0-1, 2-3, ...); the last
+    expert of an odd count pairs with the one before it."""
+    return expert ^ 1 if expert ^ 1 < n_experts else expert - 1
+
+
+def swap_expert_down(model, layer: int, expert: int) -> contextlib.AbstractContextManager:
+    """Swap one routed expert's down projection with its partner's (``partner``): a checkpoint loaded with two
+    experts' tensors in the wrong order. Both experts are then at fault."""
+    a = adapter_for(model)
+    _check_moe(a, layer, expert)
+    other = partner(expert, a.summary.n_routed_experts)
+    w, v = a.expert_down(layer, expert), a.expert_down(layer, other)
+    if w.shape != v.shape:
+        raise ValueError(f"experts {expert} and {other} of layer {layer} have down projections of different shapes")
+    return _swapped(w, v)
+
+
+@contextlib.contextmanager
+def _swapped(w: torch.Tensor, v: torch.Tensor) -> Iterator[None]:
+    """Exchange two parameters' values for the block; both come back on exit."""
+    saved_w, saved_v = w.detach().clone(), v.detach().clone()
+    try:
+        with torch.no_grad():
+            w.copy_(saved_v)
+            v.copy_(saved_w)
+        yield
+    finally:
+        with torch.no_grad():
+            w.copy_(saved_w)
+            v.copy_(saved_v)
+
+
+def noise_router(model, layer: int, amount: float = 1.0, seed: int = 0) -> contextlib.AbstractContextManager:
+    """Add Gaussian noise to one MoE layer's router weight (standard deviation ``amount`` times its RMS): a
+    corrupted router, which sends tokens to experts that were not trained on them."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    router = a.parts(layer)["router"]
+    if router is None or not isinstance(getattr(router, "weight", None), torch.Tensor):
+        raise ValueError(f"layer {layer} has no router weight (MoE layers are {a.summary.moe_layers})")
+    w = router.weight
+    noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(seed)).to(w)
+    return _edited(w, lambda t: t.add_(amount * t.float().pow(2).mean().sqrt().to(t) * noise))
+
+
+def noise_kv(model, layer: int, amount: float = 1.0, seed: int = 0) -> contextlib.AbstractContextManager:
+    """Multiply every channel of block ``layer``'s cached KV latent by its own random factor ``1 + amount * g``
+    (g standard normal; through the weight whose output is cached, as ``scale_kv_channel``): a badly quantised
+    KV cache."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    w = a.parts(layer)["kv"].weight
+    g = 1 + amount * torch.randn(w.size(0), generator=torch.Generator().manual_seed(seed))
+    g = g.to(w) if w.ndim == 1 else g.to(w)[:, None]
+    return _edited(w, lambda t: t.mul_(g))
+
+
 # -- the registry -------------------------------------------------------------------------------------------
 LAYER_ROWS = ("attn_block", "mlp_block", "resid")  # root-cause rows that name a whole layer
 
@@ -395,6 +453,7 @@ class FaultKind:
         strength: the default scale, amount or factor.
         culprit: the root-cause kinds (``root_cause``'s ``kind`` column) that name it, at its layer and index.
         layer_wide: a whole-layer fault: a row of ``LAYER_ROWS`` at its layer names it too.
+        paired: the fault changes two experts, ``index`` and its ``partner``: a row naming either names it.
     """
 
     name: str
@@ -405,6 +464,7 @@ class FaultKind:
     culprit: tuple[str, ...]
     layer_wide: bool = False
     doc: str = ""
+    paired: bool = False
 
     def __call__(self, model, layer: int = 0, index: int = 0, strength: float | None = None):
         s = self.strength if strength is None else strength
@@ -454,7 +514,8 @@ class FaultKind:
         if kind == "head":
             return row["head"] == index
         if kind == "expert":
-            return row["expert"] == index
+            return row["expert"] == index or (self.paired and row["expert"] is not None
+                                              and row["expert"] ^ 1 == index)  # index's partner (or index - 1)
         return True
 
 
@@ -500,5 +561,22 @@ HELD_OUT: dict[str, FaultKind] = {k.name: k for k in [
               doc="one MoE layer's router logits multiplied"),
     FaultKind("attn_shift", lambda m, l, i, s: shift_attention(m, l, scale=s), None, "any", 3.0, ("attn_block",),
               True, doc="a fixed direction added to one layer's attention output"),
+    # added 2026-12-03 (session 13), measured before any rule looked at them
+    FaultKind("dead_expert", lambda m, l, i, s: break_expert(m, l, i, scale=s), "expert", "moe", 0.0, ("expert",),
+              doc="one routed expert outputs nothing"),
+    FaultKind("weak_expert", lambda m, l, i, s: break_expert(m, l, i, scale=s), "expert", "moe", 4.0, ("expert",),
+              doc="one routed expert's output multiplied by a small factor"),
+    FaultKind("expert_swap", lambda m, l, i, s: swap_expert_down(m, l, i), "expert", "moe", None, ("expert",),
+              doc="one expert's down projection swapped with its partner's (0-1, 2-3, ...)", paired=True),
+    FaultKind("dead_head", lambda m, l, i, s: break_head(m, l, i, scale=s), "head", "any", 0.0, ("head",),
+              doc="one attention head outputs nothing"),
+    FaultKind("head_noise", lambda m, l, i, s: break_head(m, l, i, scale=1.0, noise=s), "head", "any", 3.0,
+              ("head",), doc="Gaussian noise on one attention head's output"),
+    FaultKind("mlp_norm", lambda m, l, i, s: scale_norm(m, l, scale=s, which="mlp_norm"), None, "any", 4.0,
+              ("mlp_norm",), True, doc="the MLP input norm's weight multiplied"),
+    FaultKind("router_noise", lambda m, l, i, s: noise_router(m, l, amount=s), None, "moe", 1.0,
+              ("router", "mlp_block"), doc="Gaussian noise on one MoE layer's router weight"),
+    FaultKind("kv_noise", lambda m, l, i, s: noise_kv(m, l, amount=s), None, "any", 0.5, ("kv_latent",), True,
+              doc="every channel of one layer's cached KV latent multiplied by its own random factor"),
 ]}
 ALL_KINDS: dict[str, FaultKind] = KINDS | HELD_OUT

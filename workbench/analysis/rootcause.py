@@ -43,7 +43,9 @@ one) one teacher-forced forward over the context measures every component agains
 heads and their attention's reach, attention / MLP blocks, shared experts, what each layer adds to the
 stream, each expert's router logit; run-level calibrated, two-sided, Bonferroni within each family of rows, a
 part downstream of a clearly unusual part of its layer capped below it), and routing that disagrees with the
-router's own logits is named; of the recorded signals' profile only the never-chosen experts are then used.
+router's own logits is named; of the recorded signals' profile only the never-chosen experts are then used, and
+only where the activation profile has no selection-rate cells (``chosen``: calibrated on clean contexts of each
+length, they judge an expert that is never chosen too).
 Otherwise, against the model's baseline profile (workbench.analysis.baseline, ``load_profile``; rows of method ``profile``), two-sided,
 from the signals the run recorded over the explained token's context: a head's output norm (``head_norm``,
 too large or too small, a dead head), its attention's normalised entropy (``norm_entropy``: collapsed or
@@ -72,6 +74,11 @@ profile rows under 2 nats follow at the end). A token's +6 nats can then never p
 the top 3, nor a component every token. One addition to the profile list: a routed expert whose own contribution
 is unusual (too heavy-tailed over its few positions to be a row alone) becomes a profile row where its ablation
 moves the target by at least a quarter of what the most important component's does (``corroborated``).
+Inside the profile list (``_profile_turns``): rows within a quarter of each other's surprise (``TIE``) put the
+earlier layer first, since a fault upstream shows downstream too and a surprise read off a few positions is that
+noisy; and a layer row (attention or MLP block, what the layer adds to the stream) shares its turn with the most
+unusual of its own parts in the list (a head, an expert, the router, an input norm, the block under ``resid``),
+the part first: the part says where in the layer, the layer row how much.
 
 Against a reference (``reference=``: a known-good run, module or checkpoint of the same architecture,
 e.g. the model before a fine-tune, quantisation or routing change) the default is activation patching
@@ -595,8 +602,9 @@ def row_evidence(model: Adapter, ids: list[int], target: int, rival: int | None 
     and 1.4826 MAD), as signed surprise in nats: an ``unembed`` row, and an ``embed`` row at the context
     position whose token's row is the most unusual. ``rival``: the token the model ranks first at the explained
     position where that is not the target (what displaced it): where its output row is the most unusual of the
-    whole vocabulary (a frequent token's ordinary row never is) it gives the ``unembed`` row instead, less log 2
-    (two rows were looked at). And each MoE layer's
+    whole vocabulary and twice as far out as any other row (a frequent token's ordinary row never is; the most
+    extreme of a wide spread is no fault) it gives the ``unembed`` row instead, less log 2 (two rows were looked
+    at). And each MoE layer's
     selection bias (DeepSeek-V3's balancing term, where the family has one): the expert whose bias lies at least
     ``WEIGHT_Z`` robust stds from the layer's other experts' (balancing moves them a little, together), and twice
     as far as any other expert's (a layer of many experts with a wide spread has outliers of its own), gives a
@@ -620,7 +628,9 @@ def row_evidence(model: Adapter, ids: list[int], target: int, rival: int | None 
             z = _robust_z(w.float().norm(dim=1).clamp_min(1e-30).log().cpu().numpy())
             if kind == "unembed":
                 v = float(_surprise(np.array(z[target])))
-                if rival is not None and rival != target and abs(z[rival]) >= np.abs(z).max() > abs(z[target]):
+                second = float(np.sort(np.abs(z))[-2]) if z.size >= 2 else 0.0
+                if (rival is not None and rival != target and abs(z[rival]) >= np.abs(z).max() > abs(z[target])
+                        and abs(z[rival]) >= 2 * second):  # alone far out, not the tail of a wide spread
                     v = float(np.sign(z[rival]) * max(z[rival] ** 2 / 2 - np.log(2), 0.0))  # two rows looked at
                 out.append((("unembed", None, None, None, None), v))
             elif ids:  # the most unusual of the context's rows: Bonferroni over them
@@ -659,6 +669,50 @@ def strongest(evidence: list[tuple[tuple, float]]) -> list[tuple[tuple, float]]:
     return list(best.items())
 
 
+TIE = 0.25  # profile rows this close in surprise (a fraction of the larger) rank the earlier layer first
+
+
+def _parts(kind: str) -> set[str]:
+    """Every kind below ``kind`` in ``PARENTS`` (a layer row's parts, their parts, ...)."""
+    out, todo = set(), [kind]
+    while todo:
+        for c in PARENTS.get(todo.pop(), ()):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def _profile_turns(rows: list[dict]) -> list[list[dict]]:
+    """The profile list's turns (rows ordered by |score|, all at least ``SIGNIFICANT``): near ties (``TIE``) put
+    the earlier layer first (a fault upstream shows downstream too, and a surprise read off a few positions is
+    this noisy); a layer row (``PARENTS``) shares its turn with the most unusual of its own parts in the list,
+    the part first (the part says where in the layer, the layer row how much)."""
+    rows = list(rows)
+    moved = True
+    while moved:
+        moved = False
+        for i in range(len(rows) - 1):
+            a, b = rows[i], rows[i + 1]
+            if (a["layer"] is not None and b["layer"] is not None and b["layer"] < a["layer"]
+                    and abs(b["score"]) >= (1 - TIE) * abs(a["score"])):
+                rows[i], rows[i + 1], moved = b, a, True
+    turns, taken = [], set()
+    for i, r in enumerate(rows):
+        if i in taken:
+            continue
+        taken.add(i)
+        turn = [r]
+        parts = _parts(r["kind"])
+        for j in range(i + 1, len(rows)):
+            if j not in taken and rows[j]["kind"] in parts and rows[j]["layer"] == r["layer"]:
+                turn = [rows[j], r]
+                taken.add(j)
+                break
+        turns.append(turn)
+    return turns
+
+
 def interleave(df: pl.DataFrame, evidence: list[tuple[tuple, float]]) -> pl.DataFrame:
     """The no-reference ranking rule (module doc): profile rows, components and tokens take turns."""
     prof = pl.DataFrame({
@@ -669,17 +723,19 @@ def interleave(df: pl.DataFrame, evidence: list[tuple[tuple, float]]) -> pl.Data
         "restored": [None] * len(evidence)}, schema=_SCHEMA)
     key = pl.col("score").fill_nan(None).abs()
     prof = prof.sort(key, descending=True, nulls_last=True, maintain_order=True)
-    lists = [prof.filter(key >= SIGNIFICANT),
-             df.filter(pl.col("kind") != "token").sort(key, descending=True, nulls_last=True, maintain_order=True),
-             df.filter(pl.col("kind") == "token").sort(key, descending=True, nulls_last=True, maintain_order=True)]
+    lists = [_profile_turns(list(prof.filter(key >= SIGNIFICANT).iter_rows(named=True))),
+             [[r] for r in df.filter(pl.col("kind") != "token").sort(
+                 key, descending=True, nulls_last=True, maintain_order=True).iter_rows(named=True)],
+             [[r] for r in df.filter(pl.col("kind") == "token").sort(
+                 key, descending=True, nulls_last=True, maintain_order=True).iter_rows(named=True)]]
     order, at = [], [0, 0, 0]
-    while any(at[i] < lists[i].height for i in range(3)):
+    while any(at[i] < len(lists[i]) for i in range(3)):
         for i in range(3):
-            if at[i] < lists[i].height:
-                order.append(lists[i][at[i]])
+            if at[i] < len(lists[i]):
+                order.extend(lists[i][at[i]])
                 at[i] += 1
-    order.append(prof.filter(~(key >= SIGNIFICANT) | key.is_null()))
-    frame = pl.concat([f.select(list(_SCHEMA)) for f in order], how="vertical")
+    order.extend(prof.filter(~(key >= SIGNIFICANT) | key.is_null()).iter_rows(named=True))
+    frame = pl.DataFrame(order, schema=_SCHEMA, orient="row") if order else prof.select(list(_SCHEMA)).clear()
     return frame.with_columns(pl.arange(1, frame.height + 1, dtype=pl.Int32).alias("rank")).select(COLUMNS)
 
 
@@ -782,9 +838,12 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
         sha = info.get("checkpoint_sha256")
         profile = load_profile(store, sha)
         aprof = activations.load(store, sha)
-        # the components' own activations supersede the recorded signals' statistics where a model has both
+        # the components' own activations supersede the recorded signals' statistics where a model has both; and
+        # where they judge how often each expert is chosen (against clean contexts of this length), a never-chosen
+        # expert is judged by that, not by a Poisson count (routing's overdispersion makes that far too sure)
+        rates = aprof is not None and aprof.filter(pl.col("signal") == "chosen").height > 0
         evidence = profile_evidence(store, run_id, pos, profile, only_routing=aprof is not None) \
-            if profile is not None else []
+            if profile is not None and not rates else []
         found: dict = {}  # the same forward: each expert's own surprise, and the token the model ranks first
         evidence += activations.evidence(model, ids_all[:pos], aprof, found=found)
         evidence += corroborated(df, found.get("experts", {}))
