@@ -99,3 +99,33 @@ def test_a_batch_calls_each_seam_once_per_forward_not_once_per_row(ckpt, tmp_pat
     assert row_seams and all(not d for d in row_seams)  # no probe of a row listens to a seam itself
     assert calls["resid_post"] == calls["head_out"] == len(forwards) * n_layers
     assert calls["attn_stats"] + calls["attn_row"] == len(forwards) * n_layers
+
+
+def test_a_row_that_ended_before_a_failing_forward_is_complete_and_the_others_failed(tmp_path):
+    """A row that ended waits for the batch's next flush to be written and finished; a forward failing before that
+    flush leaves it complete, with all its steps, and fails the rows still generating."""
+    model = tiny_model(vocab_size=4096)
+    calls = []
+
+    def boom(*_):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("boom")
+    handle = model.register_forward_pre_hook(boom)
+    db = Store(tmp_path / "f.duckdb")
+    run_ids = [new_run_id() for _ in range(3)]
+    prompts = ["import os\n", "class Point:", "def add(a, b):"]  # 3, 5 and 7 tokens: row 0 ends at the 2nd forward
+    with pytest.raises(RuntimeError, match="boom"):
+        record_batch(prompts, [RecordSettings(max_new_tokens=n) for n in (2, 8, 8)], model=model,
+                     tokenizer=DEFAULT_TOKENIZER, db=db, run_ids=run_ids, run_fields=[None] * 3)
+    handle.remove()
+    got = {r: query.run_row(db, r) for r in run_ids}
+    assert got[run_ids[0]]["status"] == "complete" and got[run_ids[0]]["error"] is None
+    assert [got[r]["status"] for r in run_ids[1:]] == ["failed", "failed"]
+    assert all("boom" in got[r]["error"] for r in run_ids[1:])
+    single = Store(tmp_path / "s.duckdb")
+    one = workbench.record(prompts[0], model=model, tokenizer=DEFAULT_TOKENIZER, db=single, detect=False,
+                           max_new_tokens=2)
+    assert_same_signals(single, one.run_id, db, run_ids[0])
+    for r in run_ids:
+        assert got[r]["n_tokens"] == query.tokens(db, r).height

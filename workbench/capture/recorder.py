@@ -549,39 +549,59 @@ def record_batch(prompts: list, settings: list[RecordSettings], *, model=None, t
                                                   settings[b].seed, None, run_fields[b]) for b in live],
                                         how="diagonal_relaxed")})
         open_runs.update(range(len(live)))
+        ended: list[int] = []  # rows that ended: written and finished at the next flush (one commit for several)
+
+        def write(flush: list[int]) -> None:
+            """Every row of ``flush`` with collected steps, at once (each probe reduces all their kept steps
+            together)."""
+            flush = [r for r in flush if runs[r].pending]
+            if flush:
+                got = Recorder.flush_many([runs[r].rec for r in flush])
+                whole_rows = batch.flush(flush)
+                writer.put(merge_batches([p for r in flush for p in runs[r].pending] + got + whole_rows))
+                for r in flush:
+                    runs[r].flushed()
+
+        def close(done: list[int]) -> None:
+            for r in done:  # after its last steps were handed to the writer: complete once they are committed
+                open_runs.discard(r)
+                runs[r].finish(store, "complete", None)
+
         with adapter.seams(_joined(fan_out(listening), batch.listeners())):
             t0 = [time.perf_counter()] * len(runs)
             rows = [settings[b] for b in live]
-            for bstep in adapter.stream_batch([ids[b] for b in live], [s.max_new_tokens for s in rows],
-                                              [s.temperature for s in rows], [s.top_p for s in rows],
-                                              [s.seed for s in rows], eos):
-                batch.end_forward(bstep.start_pos, bstep.n_fed)
-                stepped, due, final = [], False, []
-                for r, step in enumerate(bstep.steps):
-                    if step is None:
-                        continue
-                    now = time.perf_counter()
-                    last, _ = runs[r].collect(step, (now - t0[r]) * 1e3)
-                    stepped.append(r)
-                    due = due or runs[r].due_batched()
-                    if last:
-                        final.append(r)
-                    t0[r] = now
-                due = due or batch.pending_bytes() > FLUSH_BYTES * len(runs)
-                # every row with collected steps at once (each probe reduces all rows' kept steps together) when one
-                # is due by steps, bytes or time, or when a row ended (its steps are written before it finishes)
-                flush = [r for r in sorted(open_runs) if runs[r].pending] if due or final else []
-                if flush:
-                    got = Recorder.flush_many([runs[r].rec for r in flush])
-                    whole_rows = batch.flush(flush)
-                    writer.put(merge_batches([p for r in flush for p in runs[r].pending] + got + whole_rows))
-                    for r in flush:
-                        runs[r].flushed()
-                for r in final:
-                    listening[r] = None  # the row is still fed until the batch ends: nothing more of it is kept
-                    batch.stop(r)
-                    open_runs.discard(r)
-                    runs[r].finish(store, "complete", None)
+            try:
+                for bstep in adapter.stream_batch([ids[b] for b in live], [s.max_new_tokens for s in rows],
+                                                  [s.temperature for s in rows], [s.top_p for s in rows],
+                                                  [s.seed for s in rows], eos):
+                    batch.end_forward(bstep.start_pos, bstep.n_fed)
+                    due = False
+                    for r, step in enumerate(bstep.steps):
+                        if step is None:
+                            continue
+                        now = time.perf_counter()
+                        last, _ = runs[r].collect(step, (now - t0[r]) * 1e3)
+                        due = due or runs[r].due_batched()
+                        if last:  # the row is still fed until the batch ends: nothing more of it is kept
+                            listening[r] = None
+                            batch.stop(r)
+                            ended.append(r)
+                        t0[r] = now
+                    due = due or batch.pending_bytes() > FLUSH_BYTES * len(runs)
+                    # the rows flush together when one is due by steps, bytes or time, and when every row has ended;
+                    # a row that ended waits for that flush (a commit and a status per row cost the writer tens of ms)
+                    if due or len(ended) == len(open_runs):
+                        write(sorted(open_runs))
+                        close(ended)
+                        ended = []
+            except BaseException:
+                if ended:  # the rows that ended before the failure are complete: written and finished as such
+                    with contextlib.suppress(BaseException), torch.inference_mode():
+                        write(ended)
+                        close(ended)
+                raise
+            write(ended)  # none: the last forward ends every row
+            close(ended)
     return errors
 
 
