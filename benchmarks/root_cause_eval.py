@@ -70,6 +70,15 @@ CALIBRATION = [
     "    except KeyError:\n        return default\n    finally:\n",
     "for x, y in zip(xs, ys):\n    total += x * y\n",
 ]
+CALIBRATION_FILE = ROOT / "data" / "prompts" / "calibration.jsonl"  # the rest: as a user's `workbench profile` set
+CALIBRATION_TOKENS = 64  # each calibration prompt's first tokens (the tiny models hold 128 positions)
+
+
+def calibration_ids(tok, n: int) -> list[list[int]]:
+    """``n`` calibration prompts' ids: ``CALIBRATION``, then data/prompts/calibration.jsonl's, each cut at
+    ``CALIBRATION_TOKENS`` (none is a prompt the faults are drawn on)."""
+    texts = CALIBRATION + [json.loads(line)["prompt"] for line in CALIBRATION_FILE.read_text().splitlines() if line]
+    return [tok.encode(t).ids[:CALIBRATION_TOKENS] for t in texts[:n]]
 
 
 @dataclass
@@ -292,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--top-layers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--calibration", type=int, default=48,
+                    help="prompts a model without a profile is calibrated on (the tiny models; was 8 before 12-03)")
     ap.add_argument("--machine", default="shared 2-core CPU")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: on a shared machine more threads mostly wait for each other)")
@@ -335,11 +346,11 @@ def main(argv: list[str] | None = None) -> int:
         sha = clean[0].info["checkpoint_sha256"]
         profiled = load_profile(db, sha) is not None
         if not profiled:  # root cause alone compares with the model's profile: calibrate one on other prompts
-            calib = [workbench.record(tok.encode(p).ids, model=model, tokenizer=tok,
-                                      max_new_tokens=args.max_new_tokens, db=db) for p in CALIBRATION]
+            calib = [workbench.record(ids, model=model, tokenizer=tok, max_new_tokens=args.max_new_tokens, db=db)
+                     for ids in calibration_ids(tok, args.calibration)]
             save_profile(db, sha, build_profile(db, [r.run_id for r in calib]), "root_cause_eval calibration")
         if activations.load(db, sha) is None:  # and the components' activations, on the same other prompts
-            activations.save(db, sha, activations.build(model, [tok.encode(p).ids for p in CALIBRATION]),
+            activations.save(db, sha, activations.build(model, calibration_ids(tok, args.calibration)),
                              "root_cause_eval calibration")
         for n_kind, kind in enumerate(kinds):
             rng = random.Random(args.seed * 1000 + list(faults.ALL_KINDS).index(kind))
@@ -375,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             "min_effect": args.min_effect, "architecture": model.summary.describe(),
             "section": SECTION if demo else f"{SECTION}: tiny random {model.summary.family}",
             "target_ref": 0.9 if demo else 0.8, "target_alone": 0.7 if demo else 0.8,
-            "profile": "the bundled profile" if profiled else f"a profile calibrated on {len(CALIBRATION)} other prompts",
+            "profile": "the bundled profile" if profiled else f"a profile calibrated on {args.calibration} other prompts",
             "notes": NOTES if demo else TINY_NOTES}
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "results": results}, indent=1))
@@ -414,8 +425,9 @@ rows, after seeing their misses): read those rates as optimistic; the sections "
 "held-out kinds" (faults.HELD_OUT: kinds made before those rules were tried on them) are the check. Counts are
 small: a rate is k of n."""
 
-TINY_NOTES = """How to read it: as for the demo model (a profile and an activation profile for "alone" calibrated on 8
-prompts the faults are not drawn on)."""
+TINY_NOTES = """How to read it: as for the demo model (a profile and an activation profile for "alone" calibrated on
+`--calibration` prompts the faults are not drawn on: the script's 8, then data/prompts/calibration.jsonl's, each cut at
+64 tokens; 8 until 2026-12-03, 48 since, as a user's `workbench profile` set would be)."""
 
 
 if __name__ == "__main__":

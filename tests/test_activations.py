@@ -289,3 +289,20 @@ def test_an_output_row_is_named_only_where_it_alone_is_off(tiny, prof):
         assert beyond() == 1 and dict(activations.evidence(tiny, ids, prof))[key] > 2
     with faults.shift_attention(tiny, tiny.summary.n_layers - 1, scale=30.0):  # the last hidden state moved
         assert beyond() > 1 and key not in dict(activations.evidence(tiny, ids, prof))
+
+
+def test_an_expert_that_outputs_nothing_is_a_row_of_its_own(tiny, prof):
+    """An expert's own contribution is heavy-tailed over its few positions (no row by itself), except far past
+    anything clean (OWN_ALONE_Z): a dead expert has nothing left for its ablation to remove, so it must be named
+    from its activations alone."""
+    ids = _prompts(1, 30, seed=7)[0]
+    layer = tiny.summary.moe_layers[-1]
+    idx = activations.capture(tiny, ids)[0][("route", layer, None, None, "indices")][1:]
+    e = int(torch.bincount(idx.flatten()).argmax())  # an expert the context's positions choose
+    assert not [k for k, _ in activations.evidence(tiny, ids, prof) if k[0] == "expert"]
+    with faults.HELD_OUT["dead_expert"](tiny, layer, index=e):
+        ev = activations.evidence(tiny, ids, prof)
+        rows = activations.anomaly_rows(tiny, ids, prof)
+    assert _top(ev, 1) == [("expert", layer, None, e, None)] and dict(ev)[("expert", layer, None, e, None)] < 0
+    named = [r for r in rows if r["layer"] == layer and r["expert"] == e]
+    assert named and "unusually small" in named[0]["explanation"]

@@ -123,6 +123,9 @@ LAST_WEIGHT = 0.5  # the last context position's z counts at this weight beside 
 FIT_TOL = 1e-3  # experts are profiled one by one only where their contributions add up to the block's output
 ANGLE_TOL = 1e-2  # radians: a position whose rotation is further than this from the clean one is rotated wrongly
 OWN_Z = 4.0  # an expert's own contribution this unusual (and twice any other's) is the one behind its block
+# an expert's own contribution this unusual is a row by itself: twice the largest z that the demo's clean contexts of
+# every length and four kinds of prompt met (15.6 over 24k expert-contexts); a dead expert (nothing out) is ~140
+OWN_ALONE_Z = 30.0
 RATE_FLOOR = 1.0  # a selection rate varies between clean contexts at least as much as a binomial count's
 # the first position: what a causal model computes there depends on the first token alone, so for the tokens a
 # context often begins with the profile holds each component's exact output (signal ``first:<signal>:<token>``)
@@ -686,7 +689,8 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
     ``found``, when given, gets what the forward saw besides the rows: ``"experts"``, each routed expert's own
     surprise (its weighted contribution at the positions that chose it; signed nats, Bonferroni over every expert:
     over a few positions it is heavy-tailed, so it is no row of its own here, only through the block it makes
-    unusual; root cause uses it where the expert's ablation says it also matters to the explained token), and
+    unusual, unless its z is past ``OWN_ALONE_Z``, e.g. an expert that outputs nothing; root cause uses it where
+    the expert's ablation says it also matters to the explained token), and
     ``"top_token"``, the token the model ranks first after the last position."""
     got, lost = capture(a, list(ids))
     experts: dict | None = None
@@ -779,9 +783,9 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
         own = {k[1:4]: z for k, (z, _) in zs.items() if k[0] == "expert"}  # each expert's own contribution
         for k, (z, sign) in zs.items():  # two-sided tail, Bonferroni over the component's family
             nats = _signed_nats(log_tail(z) - math.log(family[(k[0], k[4])]), sign)
-            if k[0] != "expert":
+            if k[0] != "expert" or z >= OWN_ALONE_Z:  # an expert's far beyond anything clean: a row of its own
                 put((k[0], k[1], k[2], k[3], None), nats, k[4])
-            elif experts is not None:  # heavy-tailed (a few positions each): no row, only for root cause
+            if k[0] == "expert" and experts is not None:  # heavy-tailed (a few positions each): for root cause
                 experts[(k[0], k[1], k[2], k[3], None)] = nats
         for r in prof.filter(pl.col("kind") == "mlp_block").iter_rows(named=True):  # the expert behind a block
             nats = best.get(("mlp_block", r["layer"], None, None, None), 0.0)
@@ -874,7 +878,7 @@ def anomaly_rows(a: Adapter, ids: list[int], prof: pl.DataFrame | None) -> list[
             how = "sends tokens to other experts than its own logits select"
         elif kind == "expert" and signals.get(key) == "behind":
             how = "is chosen where the MoE block's output is unusual"
-        elif kind == "expert":
+        elif kind == "expert" and signals.get(key) == "mismatch":
             how = "loses tokens that its router's logits give it"
         elif kind == "embed":
             how = "is unusually small" if nats < 0 else "is unusually large"
