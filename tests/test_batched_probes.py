@@ -129,3 +129,24 @@ def test_a_row_that_ended_before_a_failing_forward_is_complete_and_the_others_fa
     assert_same_signals(single, one.run_id, db, run_ids[0])
     for r in run_ids:
         assert got[r]["n_tokens"] == query.tokens(db, r).height
+
+
+def test_a_transformers_batch_flushed_mid_prefill_equals_its_single_recordings(tmp_path, monkeypatch):
+    """The same on a tiny transformers Mixtral (attention probabilities, experts run again at the flush), flushed
+    every two steps while the longest prompt is still being fed."""
+    pytest.importorskip("transformers")
+    from test_hf_batch import assert_same_signals as hf_same
+
+    from workbench.capture.adapters import load_adapter
+    from workbench.capture.tiny import make_folder
+
+    adapter = load_adapter(str(make_folder("mixtral", tmp_path / "mixtral")))
+    monkeypatch.setattr(recorder, "FLUSH_STEPS", 2)
+    db = Store(tmp_path / "b.duckdb")
+    run_ids = [new_run_id() for _ in PROMPTS]
+    assert record_batch(PROMPTS, [RecordSettings(max_new_tokens=n) for n in NEW], model=adapter, db=db,
+                        run_ids=run_ids, run_fields=[None] * len(PROMPTS)) == [None] * len(PROMPTS)
+    single = Store(tmp_path / "s.duckdb")
+    for p, n, rid in zip(PROMPTS, NEW, run_ids):
+        one = workbench.record(p, model=adapter, db=single, detect=False, max_new_tokens=n)
+        hf_same(single, one.run_id, db, rid)

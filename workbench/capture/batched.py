@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from workbench.capture.adapters.base import Adapter, Route
-from workbench.capture.probes import StepInfo, _extremes, _LAST, _on_cpu, _stack
+from workbench.capture.experts import expert_internals
+from workbench.capture.probes import StepInfo, _extremes, _grouped_internals, _LAST, _on_cpu, _stack
 from workbench.capture.rows import attention_rows, kv_rows, kv_token_cols
 from workbench.data.rows import Rows
 from workbench.data.store import merge_batches
@@ -292,21 +293,7 @@ class ExpertExtremesBatch(BatchProbe):
                 continue
             g = np.concatenate([starts[fwd[f][0]] + np.arange(fwd[f][1][0].size(0)) for f in where])
             per_layer.append((layer, g, every))
-        out = []
-        for b, mask in zip(rows, masks):
-            cols = []
-            for layer, g, every in per_layer:
-                sel = np.flatnonzero((row[g] == b) & mask[ent[g]])
-                if sel.size:
-                    gs = g[sel]
-                    t0 = gs - starts[ent[gs]]  # the row's place in its forward: b * T + t
-                    e = ent[gs]
-                    pos = np.array([got[j][1] for j in e], np.int32) + (t0 - b * np.array([got[j][2] for j in e]))
-                    cols.append({"pos": pos.astype(np.int32), "layer": np.full(sel.size, layer, np.int32),
-                                 **{k: v[sel] for k, v in every.items()}})
-            out.append({"expert_extremes": Rows(self.run_ids[b], {k: np.concatenate([c[k] for c in cols])
-                                                                  for k in cols[0]})} if cols else {})
-        return out
+        return _split_extremes(self, got, rows, masks, row, ent, starts, per_layer)
 
     def pending_bytes(self) -> int:
         return self.kept_bytes
@@ -314,6 +301,85 @@ class ExpertExtremesBatch(BatchProbe):
     def entry_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for e in self.entries for _, c in e[3].values() for _, y, a in c
                    for t in (y, a))
+
+
+class ExpertRerunBatch(BatchProbe):
+    """expert_extremes where the model's expert calls are not handed over (transformers models): each forward's
+    expert input rows (``expert_in``) and choice (``routed``) kept, and at the flush every kept row of a layer run
+    through its experts once (``_grouped_internals`` or ``expert_internals``, as ``ExpertExtremesProbe``), the
+    results split by row."""
+
+    def __init__(self, adapter, run_ids, tape):
+        super().__init__(adapter, run_ids, tape)
+        self._x: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self._idx: dict[int, list[torch.Tensor]] = defaultdict(list)
+
+    def listeners(self) -> dict:
+        def on_in(layer: int, x: torch.Tensor) -> None:
+            self._x[layer].append(x.detach().reshape(-1, x.size(-1)))
+
+        def on_route(layer: int, r: Route) -> None:
+            self._idx[layer].append(r.indices.detach())
+        return {"routed": on_route, "expert_in": on_in}
+
+    def seen(self):
+        xs, idxs = self._x, self._idx
+        self._x, self._idx = defaultdict(list), defaultdict(list)
+        got = {}
+        for layer in sorted(xs):
+            if len(xs[layer]) != 1 or len(idxs.get(layer, ())) != 1:  # a forward we cannot pair up: no rows
+                continue
+            x, idx = xs[layer][0], idxs[layer][0].to(xs[layer][0].device)
+            if x.size(0) == idx.size(0):
+                got[layer] = (x, idx)
+                self.kept_bytes += x.numel() * x.element_size()
+        return got or None
+
+    def entry_bytes(self) -> int:
+        return sum(x.numel() * x.element_size() for e in self.entries for x, _ in e[3].values())
+
+    def flush(self, rows: list[int]) -> list[dict]:
+        got, masks = self.ranges(rows)
+        if not got:
+            return [{} for _ in rows]
+        row, ent = _row_index(got, self.tape.n)
+        starts = np.concatenate([[0], np.cumsum([self.tape.n * e[2] for e in got])])
+        per_layer = []
+        for layer in sorted({layer for e in got for layer in e[3]}):
+            fwd = [j for j, e in enumerate(got) if layer in e[3]]
+            xs = [got[j][3][layer][0] for j in fwd]
+            x = torch.cat([xi.to(xs[0].device) for xi in xs])
+            idx = torch.cat([got[j][3][layer][1].to(xs[0].device) for j in fwd])
+            try:
+                experts = self.adapter.parts(layer).get("experts")
+                res = _grouped_internals(experts, x, idx) or expert_internals(experts, x, idx)
+            except Exception:  # noqa: BLE001 - an experts module we cannot run: nothing, never a wrong row
+                res = None
+            if res is None:
+                continue
+            g = np.concatenate([starts[j] + np.arange(got[j][3][layer][0].size(0)) for j in fwd])
+            per_layer.append((layer, g, _extremes(*res, idx)))
+        return _split_extremes(self, got, rows, masks, row, ent, starts, per_layer)
+
+
+def _split_extremes(probe: BatchProbe, got: list, rows: list[int], masks: list, row: np.ndarray, ent: np.ndarray,
+                    starts: np.ndarray, per_layer: list) -> list[dict]:
+    """Each row's expert_extremes rows of the layers' columns over the entries' routed rows ``g``."""
+    p0 = np.array([e[1] for e in got], np.int64)
+    t = np.array([e[2] for e in got], np.int64)
+    out = []
+    for b, mask in zip(rows, masks):
+        cols = []
+        for layer, g, every in per_layer:
+            sel = np.flatnonzero((row[g] == b) & mask[ent[g]])
+            if sel.size:
+                e = ent[g[sel]]
+                pos = p0[e] + (g[sel] - starts[e] - b * t[e])  # routed row b * T + i of its forward: position p0 + i
+                cols.append({"pos": pos.astype(np.int32), "layer": np.full(sel.size, layer, np.int32),
+                             **{k: v[sel] for k, v in every.items()}})
+        out.append({"expert_extremes": Rows(probe.run_ids[b], {k: np.concatenate([c[k] for c in cols])
+                                                                 for k in cols[0]})} if cols else {})
+    return out
 
 
 def _own_extremes(idxs: list[torch.Tensor], calls: list[list], n_e: int):
@@ -357,9 +423,11 @@ class _AttentionSeams(BatchProbe):
 
     def __init__(self, adapter, run_ids, tape):
         super().__init__(adapter, run_ids, tape)
-        self._blocks: list = []  # (layer, stats [B, Tc, H, 3], received [B, S], q_start)
-        self._rows: list = []  # (layer, probabilities [B, H, S] or received [B, 1, S], q_start, key count)
-        self._reduced: list = []  # (layer, stats [B, H, 3], q_start, key count)
+        # a longer forward's blocks: (layer, Tc, stats: [B, Tc, H, 3] as the model reduced them, the statistics
+        # already reduced from probabilities, or None, received [B, S] or None, q_start)
+        self._blocks: list = []
+        self._rows: list = []  # decode rows: (layer, probabilities [B, H, S], q_start, window)
+        self._reduced: list = []  # decode rows the model reduced: (layer, stats [B, H, 3], received [B, S], q_start)
         self.kept_bytes = 0
 
     def listeners(self) -> dict:
@@ -372,20 +440,32 @@ class _AttentionSeams(BatchProbe):
             if st.size(1) == 1:
                 self._reduced.append((layer, st[:, 0].detach(), received.detach(), q_start))
             else:
-                self._blocks.append((layer, st.detach(), received.detach(), q_start))
+                self._blocks.append((layer, st.size(1), st.detach(), received.detach(), q_start))
 
         @_batched
         def on_row(layer: int, p: torch.Tensor, q_start: int) -> None:
-            self._rows.append((layer, p[:, 0].detach(), q_start))
+            self._rows.append((layer, p[:, 0].detach(), q_start, None))
+
+        @_batched
+        def on_probs(layer: int, p: torch.Tensor, q_start: int, window: int | None = None) -> None:
+            if p.size(1) == 1:  # a decode row: kept, reduced with many others at the flush
+                self._rows.append((layer, p[:, 0].detach(), q_start, window))
+            else:  # a block of prefill rows: reduced at once, so nothing O(T x S) outlives it
+                self._blocks.append((layer, p.size(1), *self.block(p.detach(), q_start, window), q_start))
+        if not a.stats_seam:
+            return {"attn_probs": on_probs}
         return {"attn_stats": on_stats, **({"attn_row": on_row} if getattr(a, "row_seam", False) else {})}
+
+    def block(self, p: torch.Tensor, q_start: int, window: int | None) -> tuple:
+        """(statistics, received) this probe keeps of a block of probabilities [B, Tc, H, S]."""
+        raise NotImplementedError
 
     def seen(self):
         if not (self._blocks or self._rows or self._reduced):
             return None
         got = (self._blocks, self._rows, self._reduced)
         self._blocks, self._rows, self._reduced = [], [], []
-        self.kept_bytes += sum(x.numel() * x.element_size() for part in got[1:] for r in part for x in r[1:3]
-                               if isinstance(x, torch.Tensor))
+        self.kept_bytes += sum(x.numel() * x.element_size() for part in got[1:] for r in part for x in r[1:2])
         return got
 
     def pending_bytes(self) -> int:
@@ -393,7 +473,7 @@ class _AttentionSeams(BatchProbe):
 
     def entry_bytes(self) -> int:
         return sum(x.numel() * x.element_size() for e in self.entries for part in e[3][1:] for r in part
-                   for x in r[1:3] if isinstance(x, torch.Tensor))
+                   for x in r[1:2])
 
 
 class AttentionBatch(_AttentionSeams):
@@ -405,19 +485,23 @@ class AttentionBatch(_AttentionSeams):
         recs: list[list[dict]] = [[] for _ in rows]
         # longer forwards' blocks: every row's in one call per block
         for j, (_, _, _, (blocks, _, _)) in enumerate(got):
-            for layer, st, received, q_start in blocks:
-                tc, n_keys = st.size(1), received.size(-1)
+            for layer, tc, stats, received, q_start in blocks:
                 pos = np.arange(q_start, q_start + tc, dtype=np.int32)
-                stats = reduced_row_stats(st.flatten(0, 1), np.tile(pos, n_b), max(0, q_start + tc - n_keys))
+                if isinstance(stats, torch.Tensor):  # as the model reduced them
+                    stats = reduced_row_stats(stats.flatten(0, 1), np.tile(pos, n_b),
+                                              max(0, q_start + tc - received.size(-1)))
                 for r, (b, mask) in enumerate(zip(rows, masks)):
                     if mask[j]:
                         recs[r].append({"pos": pos, "layer": np.full(tc, layer, np.int32),
                                         **{k: v[b * tc:(b + 1) * tc] for k, v in stats.items()}})
-        # decode forwards: every kept row of every row and layer in one reduction
-        for part, reduce in ((1, self._probs), (2, self._reduced_rows)):
-            items = [(j, item) for j, e in enumerate(got) for item in e[3][part]]
-            if not items:
-                continue
+        # decode forwards: every kept row of every row and layer in one reduction (per sliding window)
+        groups: dict = defaultdict(list)
+        for j, e in enumerate(got):
+            for item in e[3][1]:
+                groups[(self._probs, item[3])].append((j, item))
+            for item in e[3][2]:
+                groups[(self._reduced_rows, None)].append((j, item))
+        for (reduce, _), items in groups.items():
             stats, pos, layer = reduce([item for _, item in items])  # [n * B, H] each, n items x B rows
             ent = np.array([j for j, _ in items])
             for r, (b, mask) in enumerate(zip(rows, masks)):
@@ -427,15 +511,20 @@ class AttentionBatch(_AttentionSeams):
                     recs[r].append({"pos": pos[sel], "layer": layer[sel], **{k: v[at] for k, v in stats.items()}})
         return [{"attention": attention_rows(self.run_ids[b], rec)} if rec else {} for b, rec in zip(rows, recs)]
 
+    def block(self, p: torch.Tensor, q_start: int, window: int | None) -> tuple:
+        tc, s = p.size(1), p.size(-1)
+        pos = np.arange(q_start, q_start + tc, dtype=np.int32)
+        return attention_row_stats(p.flatten(0, 1), np.tile(pos, p.size(0)), max(0, q_start + tc - s), window), None
+
     def _probs(self, items: list) -> tuple[dict, np.ndarray, np.ndarray]:
-        s_max = max(p.size(-1) for _, p, _ in items)
+        s_max = max(p.size(-1) for _, p, _, _ in items)
         probs = torch.cat([torch.nn.functional.pad(p, (0, s_max - p.size(-1))).to(items[0][1].device)
-                           for _, p, _ in items])  # [n * B, H, S]
-        pos = np.array([q for _, _, q in items], np.int32)
-        key0 = np.maximum(0, pos + 1 - np.array([p.size(-1) for _, p, _ in items]))
+                           for _, p, _, _ in items])  # [n * B, H, S]
+        pos = np.array([q for _, _, q, _ in items], np.int32)
+        key0 = np.maximum(0, pos + 1 - np.array([p.size(-1) for _, p, _, _ in items]))
         n_b = items[0][1].size(0)
-        return (attention_row_stats(probs, np.repeat(pos, n_b), np.repeat(key0, n_b)), pos,
-                np.array([lay for lay, _, _ in items], np.int32))
+        return (attention_row_stats(probs, np.repeat(pos, n_b), np.repeat(key0, n_b), items[0][3]), pos,
+                np.array([lay for lay, _, _, _ in items], np.int32))
 
     def _reduced_rows(self, items: list) -> tuple[dict, np.ndarray, np.ndarray]:
         pos = np.array([q for _, _, _, q in items], np.int32)
@@ -472,9 +561,9 @@ class KVBatch(_AttentionSeams):
         per run of the same key count)."""
         new, self.entries, self.kept_bytes = self.entries, [], 0
         for _, _, _, (blocks, _, _) in new:
-            for layer, st, received, q_start in blocks:
-                self._add(layer, received, max(0, q_start + st.size(1) - received.size(-1)))
-        items = [(lay, x, q) for e in new for lay, x, q in e[3][1]]
+            for layer, tc, _, received, q_start in blocks:
+                self._add(layer, received, max(0, q_start + tc - received.size(-1)))
+        items = [(lay, x, q) for e in new for lay, x, q, _ in e[3][1]]
         items += [(lay, rc[:, None], q) for e in new for lay, _, rc, q in e[3][2]]
         by: dict = defaultdict(list)
         for lay, x, q in items:
@@ -484,6 +573,9 @@ class KVBatch(_AttentionSeams):
             lays = np.array([lay for lay, _ in group])
             for layer in dict.fromkeys(lays.tolist()):
                 self._add(layer, got[torch.from_numpy(np.flatnonzero(lays == layer))].sum(0), offset)
+
+    def block(self, p: torch.Tensor, q_start: int, window: int | None) -> tuple:
+        return None, p.float().sum(dim=(1, 2))  # [B, S]: what each key received from the block's rows and heads
 
     def end_forward(self, start_pos: int, n_fed: int) -> None:
         super().end_forward(start_pos, n_fed)
@@ -517,11 +609,15 @@ BATCH_CLASSES: dict[str, type[BatchProbe]] = {"attention": AttentionBatch, "kv":
 
 
 def batch_probe_names(adapter: Adapter, names: list[str]) -> list[str]:
-    """The probes of ``names`` that record a batch of this adapter as one object (our model's seams: the model's own
-    attention statistics and expert calls); the others keep one probe per row."""
-    if not (adapter.stats_seam and getattr(adapter, "expert_out_seam", False)):
-        return []
+    """The probes of ``names`` that record a batch of this adapter as one object: every signal (a model's seams hand
+    the batch over batch-major: ``[B, T, ...]``, a route's B * T rows)."""
     return [n for n in names if n in BATCH_CLASSES]
+
+
+def _class(adapter: Adapter, name: str) -> type[BatchProbe]:
+    if name == "expert_extremes" and not getattr(adapter, "expert_out_seam", False):
+        return ExpertRerunBatch
+    return BATCH_CLASSES[name]
 
 
 class BatchRecorder:
@@ -529,7 +625,7 @@ class BatchRecorder:
 
     def __init__(self, adapter: Adapter, run_ids: list[str], names: list[str]):
         self.tape = BatchTape(len(run_ids))
-        self.probes = [BATCH_CLASSES[n](adapter, run_ids, self.tape) for n in names]
+        self.probes = [_class(adapter, n)(adapter, run_ids, self.tape) for n in names]
 
     def listeners(self) -> dict[str, Callable]:
         by_seam: dict[str, list[Callable]] = defaultdict(list)
