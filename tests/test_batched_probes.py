@@ -150,3 +150,32 @@ def test_a_transformers_batch_flushed_mid_prefill_equals_its_single_recordings(t
     for p, n, rid in zip(PROMPTS, NEW, run_ids):
         one = workbench.record(p, model=adapter, db=single, detect=False, max_new_tokens=n)
         hf_same(single, one.run_id, db, rid)
+
+
+def test_rows_that_end_together_are_finished_in_one_update_and_one_checkpoint(ckpt, tmp_path, monkeypatch):
+    """``Store.update_runs``: the batch's rows that end together get their final fields in one transaction and one
+    checkpoint; a store that overrides ``update_run`` (the background relay) still gets one call per run."""
+    checkpoints = []
+    checkpoint = Store.checkpoint
+    monkeypatch.setattr(Store, "checkpoint", lambda self: (checkpoints.append(1), checkpoint(self))[1])
+    db = Store(tmp_path / "b.duckdb")
+    prompts = ["def add(a, b):", "class Point:", "import os\n"]
+    run_ids = [new_run_id() for _ in prompts]
+    assert record_batch(prompts, [RecordSettings(max_new_tokens=n) for n in (2, 3, 4)], model=ckpt, db=db,
+                        run_ids=run_ids, run_fields=[None] * 3) == [None] * 3
+    assert len(checkpoints) == 1  # the rows ended at three forwards; one flush, one update, one checkpoint
+    for rid in run_ids:
+        info = query.run_row(db, rid)
+        assert info["status"] == "complete" and info["finished_at"] is not None
+        assert info["n_tokens"] == query.tokens(db, rid).height
+
+    calls = []
+
+    class Relay(Store):
+        def update_run(self, run_id, **fields):
+            calls.append(run_id)
+            super().update_run(run_id, **fields)
+    relay = Relay(tmp_path / "b.duckdb")
+    relay.update_runs([(rid, {"error": "x"}) for rid in run_ids])
+    assert calls == run_ids
+    assert [query.run_row(db, r)["error"] for r in run_ids] == ["x"] * 3

@@ -288,11 +288,13 @@ class _Recording:
 
     def finish(self, store: Store, status: str, error: str | None) -> None:
         """The run's final row, set once the writer has committed everything before it (a failed write fails it)."""
-        def update(write_error: BaseException | None) -> None:
-            store.update_run(self.run_id, status=status if write_error is None else "failed",
-                             error=error if write_error is None else f"StoreError: {write_error}",
-                             n_tokens=self.n_tokens, finished_at=datetime.now(timezone.utc).replace(tzinfo=None))
-        self.writer.then(update)
+        self.writer.then(lambda write_error: store.update_run(self.run_id, **self.final(status, error, write_error)))
+
+    def final(self, status: str, error: str | None, write_error: BaseException | None) -> dict:
+        """The fields of the run's final update."""
+        return {"status": status if write_error is None else "failed",
+                "error": error if write_error is None else f"StoreError: {write_error}", "n_tokens": self.n_tokens,
+                "finished_at": datetime.now(timezone.utc).replace(tzinfo=None)}
 
 
 def _open(model, tokenizer, db, settings: RecordSettings, device_map=None, text: bool = True):
@@ -563,9 +565,22 @@ def record_batch(prompts: list, settings: list[RecordSettings], *, model=None, t
                     runs[r].flushed()
 
         def close(done: list[int]) -> None:
-            for r in done:  # after its last steps were handed to the writer: complete once they are committed
-                open_runs.discard(r)
-                runs[r].finish(store, "complete", None)
+            """The rows complete once their last steps, handed to the writer, are committed: one update for all
+            (``Store.update_runs``: one checkpoint; a stand-in store without it updates them one by one)."""
+            if not done:
+                return
+            ended_runs = [runs[r] for r in done]
+            open_runs.difference_update(done)
+            many = getattr(store, "update_runs", None)
+
+            def update(write_error: BaseException | None) -> None:
+                got = [(run.run_id, run.final("complete", None, write_error)) for run in ended_runs]
+                if many is not None:
+                    many(got)
+                else:
+                    for rid, fields in got:
+                        store.update_run(rid, **fields)
+            writer.then(update)
 
         with adapter.seams(_joined(fan_out(listening), batch.listeners())):
             t0 = [time.perf_counter()] * len(runs)
