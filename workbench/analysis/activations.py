@@ -65,8 +65,10 @@ length, so they pool the wide buckets (``OLD_BUCKETS``: the 2-token context with
 
 How rows are scored and ordered: each component's z is a two-sided normal tail in nats, Bonferroni-adjusted
 within its family (all heads' outputs, all router logits, ...); the input embedding is judged per position
-(one token's row) and the logits per vocabulary token (one output row off at every position), each only
-beyond the largest z that calibration met (``BEYOND``); an unusual MoE block (``BLOCK_NATS``) names the expert
+(one token's row) and the logits per vocabulary token (one output row off at every position, and no other
+token's: a hidden state gone wrong moves many), each only beyond the largest z that calibration met (``BEYOND``);
+an expert's own contribution is a row by itself only far past anything clean (``OWN_ALONE_Z``: a dead expert);
+an unusual MoE block (``BLOCK_NATS``) names the expert
 whose own contribution is far the most unusual (``OWN_Z``), or in a clearly unusual block (``EXPLAINS``) the one
 whose positions carry its excess (``expert_behind``: Welch's t, Bonferroni over the experts); a part downstream of
 an unusual part of its layer (``UPSTREAM``: at least ``BLOCK_NATS``, and at least half as unusual as the part, up to
