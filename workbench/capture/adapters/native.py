@@ -13,7 +13,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-from workbench.model import MoE, Transformer, state_sha256, stream, stream_batch
+from workbench.model import MLP, MoE, Transformer, state_sha256, stream, stream_batch
 
 from .base import Adapter, Listener, ModelSummary, QuantPoints
 from .routing import RouterMath
@@ -40,6 +40,13 @@ def _stats_kernel(module: nn.Module):
         return None
     from workbench.probes import triton_attention  # optional: triton, imported only for a model on CUDA
     return triton_attention.mla_stats if triton_attention.available() else None
+
+
+def _bare_expert(ex: nn.Module) -> bool:
+    """An expert whose output is its down projection's output as it stands: ``MLP.forward`` with no hook on the
+    expert or its ``hook_out`` (a fault's output hook there is seen only by a hook on the expert itself)."""
+    return (isinstance(ex, MLP) and type(ex).forward is MLP.forward and "forward" not in ex.__dict__
+            and not any(m._forward_hooks or m._forward_pre_hooks for m in (ex, ex.hook_out)))
 
 
 class NativeAdapter(Adapter):
@@ -257,6 +264,9 @@ class NativeAdapter(Adapter):
             handles = []
             for i in self.summary.moe_layers:
                 for e, ex in enumerate(layers[i].ffn.experts):
+                    if _bare_expert(ex):  # its output is its down projection's: one hook sees both (one dispatch)
+                        handles.append(ex.w2.register_forward_hook(lambda _m, a, y, i=i, e=e: fn(i, e, y, a[0])))
+                        continue
                     seen: dict = {}  # the down projection's input of the call under way (registered last: as used)
 
                     def out(_m, _a, y, i=i, e=e, seen=seen) -> None:  # observes only: the output is never replaced
