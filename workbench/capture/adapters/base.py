@@ -356,6 +356,12 @@ class Adapter:
     def _dispatch_route(self, layer: int, logits: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor):
         """Called by the adapter's routing hook: edits, then observers; (indices, weights) to use, or None."""
         lists = self._routing_listeners()
+        if not lists["route"]:  # observers only (a recording): one Route, nothing to edit
+            if lists["routed"]:
+                final = Route(layer, logits, indices, weights, self.router(layer))
+                for fn in lists["routed"]:
+                    fn(layer, final)
+            return None
         r = Route(layer, logits, indices, weights, self.router(layer))
         for fn in lists["route"]:
             fn(layer, r)
