@@ -138,10 +138,10 @@ def _finished(store: Store, run_id: str, item: dict, error: str | None, label: s
     if error is None:
         run_after(after_run, store, run_id, adapter)
     try:
-        query.run_row(store, run_id)
+        info = query.run_row(store, run_id)
     except query.RunNotFound:  # it failed before the recorder made its row
         _failed_row(store, run_id, item, label, error or "no run recorded", seed, batch_id)
-    info = query.run_row(store, run_id)
+        info = query.run_row(store, run_id)
     return {"run_id": run_id, "key": item["key"], "status": info["status"], "n_tokens": info["n_tokens"] or 0,
             "error": info["error"]}
 
