@@ -306,3 +306,18 @@ def test_an_expert_that_outputs_nothing_is_a_row_of_its_own(tiny, prof):
     assert _top(ev, 1) == [("expert", layer, None, e, None)] and dict(ev)[("expert", layer, None, e, None)] < 0
     named = [r for r in rows if r["layer"] == layer and r["expert"] == e]
     assert named and "unusually small" in named[0]["explanation"]
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "deepseek_v3"])
+def test_the_experts_contributions_add_up_to_the_block_in_transformers_families(family):
+    """Experts are profiled one by one only where their contributions (and the shared experts') add up to the MoE
+    block's output; Qwen2-MoE gates its shared expert after the module that is read (a per-position sigmoid)."""
+    pytest.importorskip("transformers")
+    from workbench.capture.tiny import tiny_family  # lazy: transformers is optional
+
+    torch.manual_seed(0)
+    a = adapter_for(tiny_family(family))
+    got = activations.capture(a, [5, 17, 42, 99, 123, 7, 250, 64])[0]
+    fits = {k[1]: float(v) for k, v in got.items() if k[0] == "expert_fit"}
+    assert fits and all(f <= activations.FIT_TOL for f in fits.values()), fits
+    assert any(k[0] == "expert" for k in got)

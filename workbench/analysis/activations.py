@@ -250,6 +250,13 @@ def expert_slots(a: Adapter, layer: int, x: torch.Tensor, indices: torch.Tensor,
     return None if out is None else torch.nan_to_num(out) * weights.float().cpu()[..., None]
 
 
+def _gated(a: Adapter, layer: int) -> bool:
+    """Whether the layer's MoE block scales its shared experts' output by a gate of its own (Qwen2-MoE's
+    ``shared_expert_gate``) after the shared module returns."""
+    block = a.parts(layer).get("mlp")
+    return isinstance(getattr(block, "shared_expert_gate", None), torch.nn.Module)
+
+
 def _expert_rows(a: Adapter, layer: int, x, route, block, shared) -> dict[Key, torch.Tensor]:
     """Per routed expert of one layer: its weighted contribution at the positions that chose it (rows of the
     others NaN: ``("expert", layer, None, e, "out")`` [T, D]), whether each position chose it (``("router", layer,
@@ -265,8 +272,12 @@ def _expert_rows(a: Adapter, layer: int, x, route, block, shared) -> dict[Key, t
         slots = expert_slots(a, layer, x, *route)
     if slots is None or block is None:
         return rows
-    total = slots.sum(1) + (shared.float().cpu() if shared is not None else 0.0)
     b = block.float().cpu()
+    total = slots.sum(1)
+    if shared is not None:  # the shared experts' output, gated per position where the family gates it (Qwen2-MoE's
+        sh = shared.float().cpu()  # sigmoid gate acts after the module we read): the least-squares gate, else 1
+        gate = ((b - total) * sh).sum(-1, keepdim=True) / sh.pow(2).sum(-1, keepdim=True).clamp_min(1e-12)
+        total = total + (gate if _gated(a, layer) else 1.0) * sh
     fit = float((b - total).norm() / b.norm().clamp_min(1e-12))
     rows[("expert_fit", layer, None, None, "fit")] = torch.tensor([[fit]])
     for e in idx.unique().tolist():
