@@ -17,6 +17,7 @@ from workbench.analysis.rootcause import (
     SIGNIFICANT,
     TIE,
     WEIGHT_NATS,
+    behind_block,
     component_ablation,
     corroborated,
     frozen_routing,
@@ -504,3 +505,21 @@ def test_a_layer_row_shares_its_turn_with_its_part_and_near_ties_put_the_earlier
     late, early = ("expert", 5, None, 0, None), ("expert", 3, None, 9, None)
     assert order([(late, -3.46), (early, 3.40)])[0] == early
     assert order([(late, -3.4 / (1 - TIE) - 0.1), (early, 3.4)])[0] == late
+
+
+def test_an_unusual_block_names_the_one_expert_whose_removal_matters():
+    """behind_block: an MoE block unusual against the profile, and of its layer's experts one whose removal moves the
+    explained token by a real share of the top component's and twice any other expert's of the layer: that expert
+    takes the block's surprise (a swapped expert's outputs keep their size: its own activations do not single it
+    out)."""
+    df = pl.DataFrame({"kind": ["head", "expert", "expert", "expert", "token"], "layer": [4, 4, 4, 2, None],
+                       "head": [2, None, None, None, None], "expert": [None, 7, 13, 1, None],
+                       "source_pos": [None, None, None, None, 3], "score": [-5.4, -2.4, 0.1, 3.0, 40.0]})
+    block = ("mlp_block", 4, None, None, None)
+    assert behind_block(df, [(block, 3.05)]) == [(("expert", 4, None, 7, None), 3.05)]
+    assert behind_block(df, [(block, SIGNIFICANT / 2)]) == []  # an ordinary block names nobody
+    assert behind_block(df, [(("mlp_block", 3, None, None, None), 3.05)]) == []  # no expert of layer 3 matters
+    two = df.with_columns(pl.when(pl.col("expert") == 13).then(-1.5).otherwise(pl.col("score")).alias("score"))
+    assert behind_block(two, [(block, 3.05)]) == []  # two experts of the layer matter alike: neither alone
+    small = df.with_columns(pl.when(pl.col("expert") == 7).then(-1.0).otherwise(pl.col("score")).alias("score"))
+    assert 1.0 < CORROBORATE * 5.4 and behind_block(small, [(block, 3.05)]) == []  # too small beside the head

@@ -73,7 +73,9 @@ target most, rank 3 the most responsible token, then round again (a list that ru
 profile rows under 2 nats follow at the end). A token's +6 nats can then never push every component out of
 the top 3, nor a component every token. One addition to the profile list: a routed expert whose own contribution
 is unusual (too heavy-tailed over its few positions to be a row alone) becomes a profile row where its ablation
-moves the target by at least a quarter of what the most important component's does (``corroborated``).
+moves the target by at least a quarter of what the most important component's does (``corroborated``), and
+an unusual MoE block names the one expert of its layer whose removal moves the target that much and twice any
+other expert of the layer (``behind_block``: a swapped or sign-flipped expert keeps its outputs' size).
 Inside the profile list (``_profile_turns``): rows within a quarter of each other's surprise (``TIE``) put the
 earlier layer first, since a fault upstream shows downstream too and a surprise read off a few positions is that
 noisy; and a layer row (attention or MLP block, what the layer adds to the stream) shares its turn with the most
@@ -660,6 +662,28 @@ def corroborated(df: pl.DataFrame, own: dict) -> list[tuple[tuple, float]]:
     return out
 
 
+def behind_block(df: pl.DataFrame, evidence: list[tuple[tuple, float]]) -> list[tuple[tuple, float]]:
+    """Profile rows for the expert behind an unusual MoE block that no expert's own activations single out (a
+    swapped or sign-flipped expert keeps its outputs' size): where the block is a profile row (at least
+    ``SIGNIFICANT``) and, of its layer's experts, one's removal moves the explained token by at least ``CORROBORATE``
+    of the most any component's does and twice any other expert's of the layer, that expert gets the block's
+    surprise (the ranking then puts it beside the block, ``_profile_turns``)."""
+    comps = df.filter(pl.col("kind") != "token")
+    top = float(comps["score"].abs().max() or 0.0) if comps.height else 0.0
+    out = []
+    for key, v in strongest(evidence):
+        if key[0] != "mlp_block" or abs(v) < SIGNIFICANT or top <= 0:
+            continue
+        ex = comps.filter((pl.col("kind") == "expert") & (pl.col("layer") == key[1])).sort(
+            pl.col("score").abs(), descending=True)
+        if not ex.height:
+            continue
+        first, second = abs(ex["score"][0]), abs(ex["score"][1]) if ex.height > 1 else 0.0
+        if first >= CORROBORATE * top and first >= 2 * second:
+            out.append((("expert", key[1], None, int(ex["expert"][0]), None), v))
+    return out
+
+
 def strongest(evidence: list[tuple[tuple, float]]) -> list[tuple[tuple, float]]:
     """One row per component: where several kinds of evidence name it, the largest surprise."""
     best: dict[tuple, float] = {}
@@ -847,6 +871,7 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
         found: dict = {}  # the same forward: each expert's own surprise, and the token the model ranks first
         evidence += activations.evidence(model, ids_all[:pos], aprof, found=found)
         evidence += corroborated(df, found.get("experts", {}))
+        evidence += behind_block(df, evidence)
         if progress is not None:
             progress("profile evidence", 1, 1)
         rival = found["top_token"]  # the token that displaced the target, if any: its output row is a suspect too
