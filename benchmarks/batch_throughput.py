@@ -204,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         *[f"| {k} | {tokens[k]} | {med(tps[k]):.0f} | {med(speedup[k]):.2f}x | "
           f"{f'{med(cpu_ratio[k]):.2f}x' if cpu_ratio[k] else ''} |" for k in configs],
         "",
+        "CPU vs plain per repetition: " + "; ".join(f"{k}: {', '.join(f'{x:.2f}' for x in v)}"
+                                                   for k, v in cpu_ratio.items() if v) + ".",
+        "",
     ]
     print("\n".join(lines))
     if args.write:
