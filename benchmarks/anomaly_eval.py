@@ -50,6 +50,12 @@ from workbench.model.tokenizer import load_tokenizer  # noqa: E402
 from results_md import write_section  # noqa: E402
 
 SECTION = "## Anomaly detectors (calibrated)"
+
+
+def section(args) -> str:
+    """The RESULTS section: its own for a run of held-out fault kinds only (faults.HELD_OUT, by --kinds)."""
+    kinds = [k for k in args.kinds.split(",") if k]
+    return f"{SECTION}: held-out fault kinds" if kinds and all(k in faults.HELD_OUT for k in kinds) else SECTION
 CALIBRATION = ROOT / "data" / "prompts" / "calibration.jsonl"
 CLEAN = ROOT / "data" / "prompts" / "clean_kinds.jsonl"
 LENGTHS = ((1, 32), (32, 128), (128, 512), (512, 1025))  # prompt tokens [lo, hi)
@@ -218,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                         max(p.get("seconds", 0) for p in parts), max(p.get("threads", 1) for p in parts))
         print(text)
         if not args.no_write:
-            write_section(ROOT / "benchmarks" / "RESULTS.md", SECTION, text)
+            write_section(ROOT / "benchmarks" / "RESULTS.md", section(args), text)
         return 0
     skip = set(filter(None, args.skip.split(",")))
     t0 = time.perf_counter()
@@ -259,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({"clean": clean, "tiny": tiny, "faults": results, "loop": loop,
                                                "seconds": seconds, "threads": torch.get_num_threads()}))
     if not args.no_write:
-        write_section(ROOT / "benchmarks" / "RESULTS.md", SECTION, text)
+        write_section(ROOT / "benchmarks" / "RESULTS.md", section(args), text)
         print("wrote the anomaly section of benchmarks/RESULTS.md")
     return 0
 
@@ -285,7 +291,7 @@ def markdown(clean, tiny, results, loop, args, seconds, threads) -> str:
         n_cal = json.loads(pl.read_parquet(BUNDLED, columns=["source"])["source"][0])["runs"]
     except (OSError, ValueError, KeyError, IndexError):
         n_cal = n_all
-    lines = [SECTION, "",
+    lines = [section(args), "",
              f"`benchmarks/anomaly_eval.py` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {seconds:.0f} s, "
              f"{platform.machine()} {os.cpu_count()} CPU cores shared with other work, {threads} torch "
              f"thread{'s' if threads != 1 else ''}; the slowest part's time where parts ran in parallel). Demo model with its bundled profile (data/demo/profile.parquet: {n_cal} calibration prompts "
@@ -329,8 +335,11 @@ def markdown(clean, tiny, results, loop, args, seconds, threads) -> str:
         kinds = list(dict.fromkeys(r["kind"] for r in results))
         named = sum(r["layer_named"] for r in results) / len(results)
         comp = sum(r["component_named"] for r in results) / len(results)
+        which = ("`faults.HELD_OUT` (kinds outside `faults.KINDS`; which of them shaped a rule afterwards: "
+                 "the notes of \"Root cause (fault injection)\")" if section(args) != SECTION
+                 else "`faults.KINDS` plus NaN and a scaled KV entry")
         lines += [f"**Injected faults with a symptom** ({len(results)} faults, up to {args.per_kind} per kind of "
-                  f"`faults.KINDS` plus NaN and a scaled KV entry, each moving some token's logprob by >= "
+                  f"{which}, each moving some token's logprob by >= "
                   f"{args.min_effect:g} nats teacher-forced, {args.fault_tokens} generated tokens): a finding names "
                   f"the faulted layer in **{named:.0%}** (target >= 90%: {'met' if named >= 0.9 else 'missed'}); "
                   f"it names the faulted component (head, expert; the layer for layer-wide kinds) in {comp:.0%}.", "",
@@ -341,7 +350,8 @@ def markdown(clean, tiny, results, loop, args, seconds, threads) -> str:
             ranks = sorted(r["rank"] for r in rs if r["rank"] is not None)
             lines.append(f"| {kind} | {len(rs)} | {sum(r['layer_named'] for r in rs)}/{len(rs)} | "
                          f"{sum(r['component_named'] for r in rs)}/{len(rs)} | {ranks[len(ranks) // 2] if ranks else '-'} |")
-        missing = [k for k in list(faults.KINDS) + list(EXTRA) if k not in kinds]
+        asked = [k for k in args.kinds.split(",") if k] or list(faults.KINDS) + list(EXTRA)
+        missing = [k for k in asked if k not in kinds]
         if missing:
             lines += ["", f"No draw of {', '.join(missing)} moved a token by {args.min_effect:g} nats "
                       f"(within {args.max_draws} draws): not in the table."]

@@ -417,13 +417,20 @@ token by a quarter of the top component's; a selection bias far from its layer's
 row of the token that displaced the target), ablation and IG take turns (rootcause module doc); contexts are
 judged against calibration prefixes of their own length bucket, down to 2 tokens. The first-position check is
 the clean model's own output on a known input (a stored forward of one token): it names weight faults the first
-position passes through, and nothing on a run beginning with another token. Where it still misses: a flipped
-expert (its outputs keep a clean size and spread; only a reference shows the change); a 2-token context, where
-one position's statistics are weak and a rare pair of tokens ranks first. The rules were chosen while looking
-at this evaluation's misses and at seed 2's (the 2-token bucket, the corroborated expert, the bias and rival
-rows, after seeing their misses): read those rates as optimistic; the sections "alone only, seed 5" and
-"held-out kinds" (faults.HELD_OUT: kinds made before those rules were tried on them) are the check. Counts are
-small: a rate is k of n."""
+position passes through, and nothing on a run beginning with another token. Also: an expert that outputs
+nothing (its own contribution far past anything clean); an unusual MoE block with the one expert of its layer
+whose removal moves the token; a layer row ranks beside its most unusual part, near ties the earlier layer
+first. Where it still misses: an expert that computes the wrong function at its usual size (half its output
+projection sign-flipped, a swapped or a weakened expert: its outputs keep a clean size and spread; only a
+reference shows the change); a 2-token context, where one position's statistics are weak and a rare pair of
+tokens ranks first. The rules were chosen while looking at this evaluation's misses and at seed 2's (the 2-token
+bucket, the corroborated expert, the bias and rival rows, after seeing their misses): read those rates as
+optimistic; the sections "alone only, seed 5" and "held-out kinds" are the check. faults.HELD_OUT: expert_noise,
+router_heat and attn_shift were made before session 12's rules were tried on them; the other eight on 2026-12-03
+and measured once before any rule looked at them (demo seed 0, alone, a swap naming its index only: 17 of 23;
+tiny Mixtral 18 of 24); their misses then led to the layer-row turns, the earlier-layer tie rule, OWN_ALONE_Z
+(dead_expert), behind_block (expert_swap) and the "alone" output row: read held-out seed 0 as partly tuned too.
+Counts are small: a rate is k of n."""
 
 TINY_NOTES = """How to read it: as for the demo model (a profile and an activation profile for "alone" calibrated on
 `--calibration` prompts the faults are not drawn on: the script's 8, then data/prompts/calibration.jsonl's, each cut at
