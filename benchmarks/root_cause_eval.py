@@ -362,7 +362,11 @@ def main(argv: list[str] | None = None) -> int:
                 if (case.layer, case.index, case.prompt) in seen:  # the same fault on the same prompt: no news
                     continue
                 seen.add((case.layer, case.index, case.prompt))
-                r = run_case(case, model, reference, tok, prompts[case.prompt], db, args)
+                try:
+                    r = run_case(case, model, reference, tok, prompts[case.prompt], db, args)
+                except ValueError as e:  # a kind this model has no such part for (e.g. a rotary layout we cannot scale)
+                    print(f"{kind}: not applicable to {model.summary.family}: {e}", flush=True)
+                    break
                 results.append(r)
                 found += r["symptom"]
                 ranks = (f"rank alone {r['rank_all'] or '-':>3} vs reference {r['rank_ref'] or '-':>3} "

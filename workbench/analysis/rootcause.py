@@ -604,9 +604,8 @@ def row_evidence(model: Adapter, ids: list[int], target: int, rival: int | None 
     and 1.4826 MAD), as signed surprise in nats: an ``unembed`` row, and an ``embed`` row at the context
     position whose token's row is the most unusual. ``rival``: the token the model ranks first at the explained
     position where that is not the target (what displaced it): where its output row is the most unusual of the
-    whole vocabulary and twice as far out as any other row (a frequent token's ordinary row never is; the most
-    extreme of a wide spread is no fault) it gives the ``unembed`` row instead, less log 2 (two rows were looked
-    at). And each MoE layer's
+    whole vocabulary (a frequent token's ordinary row never is) it gives the ``unembed`` row instead, less log 2
+    (two rows were looked at). And each MoE layer's
     selection bias (DeepSeek-V3's balancing term, where the family has one): the expert whose bias lies at least
     ``WEIGHT_Z`` robust stds from the layer's other experts' (balancing moves them a little, together), and twice
     as far as any other expert's (a layer of many experts with a wide spread has outliers of its own), gives a
@@ -630,9 +629,7 @@ def row_evidence(model: Adapter, ids: list[int], target: int, rival: int | None 
             z = _robust_z(w.float().norm(dim=1).clamp_min(1e-30).log().cpu().numpy())
             if kind == "unembed":
                 v = float(_surprise(np.array(z[target])))
-                second = float(np.sort(np.abs(z))[-2]) if z.size >= 2 else 0.0
-                if (rival is not None and rival != target and abs(z[rival]) >= np.abs(z).max() > abs(z[target])
-                        and abs(z[rival]) >= 2 * second):  # alone far out, not the tail of a wide spread
+                if rival is not None and rival != target and abs(z[rival]) >= np.abs(z).max() > abs(z[target]):
                     v = float(np.sign(z[rival]) * max(z[rival] ** 2 / 2 - np.log(2), 0.0))  # two rows looked at
                 out.append((("unembed", None, None, None, None), v))
             elif ids:  # the most unusual of the context's rows: Bonferroni over them
