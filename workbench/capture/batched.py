@@ -24,7 +24,7 @@ import torch
 
 from workbench.capture.adapters.base import Adapter, Route
 from workbench.capture.experts import expert_internals
-from workbench.capture.probes import StepInfo, _extremes, _grouped_internals, _LAST, _on_cpu, _stack
+from workbench.capture.probes import StepInfo, _extremes, _grouped_internals, _on_cpu, _own_extremes, _stack, dispatch
 from workbench.capture.rows import attention_rows, kv_rows, kv_token_cols
 from workbench.data.rows import Rows
 from workbench.data.store import merge_batches
@@ -382,41 +382,6 @@ def _split_extremes(probe: BatchProbe, got: list, rows: list[int], masks: list, 
     return out
 
 
-def _own_extremes(idxs: list[torch.Tensor], calls: list[list], n_e: int):
-    """``ExpertExtremesProbe._flush_own``'s reduction of one layer's forwards (their choices [N, K] and expert
-    calls): (the extremes columns over the forwards whose calls hold their choice's rows, those forwards' numbers),
-    or (None, []) when none does."""
-    dev = idxs[0].device
-    n_f = len(idxs)
-    flat = torch.cat([i.reshape(-1).to(dev) for i in idxs])
-    fid = torch.repeat_interleave(torch.arange(n_f, device=dev), torch.tensor([i.numel() for i in idxs], device=dev))
-    valid = (flat >= 0) & (flat < n_e)
-    key = torch.where(valid, fid * n_e + flat, _LAST)
-    want = torch.bincount(key[valid], minlength=n_f * n_e).view(n_f, n_e)
-    have = torch.zeros(n_f * n_e, dtype=want.dtype)
-    slots = [f * n_e + e for f, fwd in enumerate(calls) for e, _, _ in fwd]
-    have[slots] = torch.tensor([y.size(0) for fwd in calls for _, y, _ in fwd], dtype=want.dtype)
-    good = (want.cpu() == have.view(n_f, n_e)).all(1)
-    where = list(range(n_f))
-    if not bool(good.all()):
-        where = good.nonzero().squeeze(1).tolist()
-        if not where:
-            return None, []
-        idxs, calls = [idxs[f] for f in where], [calls[f] for f in where]
-        keep = good.to(dev)[fid]
-        key, valid = key[keep], valid[keep]
-    idx = torch.cat([i.to(dev) for i in idxs])
-    ys = [y for fwd in calls for _, y, _ in fwd]
-    acts = [a for fwd in calls for _, _, a in fwd]
-    norm = torch.full((key.numel(),), float("nan"), device=dev)
-    act = torch.full((key.numel(),), float("nan"), device=dev)
-    if ys:
-        order = torch.argsort(key, stable=True)[:int(valid.sum())]
-        norm[order] = torch.cat(ys).float().norm(dim=-1).to(dev)
-        act[order] = torch.cat(acts).float().abs().amax(dim=-1).to(dev)
-    return _extremes(norm.view(idx.shape).cpu(), act.view(idx.shape).cpu(), idx), where
-
-
 class _AttentionSeams(BatchProbe):
     """What the attention and KV probes keep: a longer forward's blocks as the model reduced them (``attn_stats``),
     a decode forward's probabilities (``attn_row``) or its reduced rows (``attn_stats`` with one query)."""
@@ -628,21 +593,7 @@ class BatchRecorder:
         self.probes = [_class(adapter, n)(adapter, run_ids, self.tape) for n in names]
 
     def listeners(self) -> dict[str, Callable]:
-        by_seam: dict[str, list[Callable]] = defaultdict(list)
-        for p in self.probes:
-            for seam, fn in p.listeners().items():
-                by_seam[seam].append(fn)
-
-        def fan(fns: list[Callable]) -> Callable:
-            if len(fns) == 1:
-                return fns[0]
-
-            def call(*a) -> None:
-                for f in fns:
-                    f(*a)
-            call.batched = True  # type: ignore[attr-defined]
-            return call
-        return {seam: fan(fns) for seam, fns in by_seam.items()}
+        return dispatch(self.probes, batched=True)
 
     def end_forward(self, start_pos: int, n_fed: int) -> None:
         """A forward ran to its end: what its seams handed over becomes one kept entry per probe."""

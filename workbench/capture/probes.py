@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from itertools import groupby
+from typing import Callable
 
 import numpy as np
 import torch
@@ -497,43 +498,39 @@ class ExpertExtremesProbe(Probe):
                     calls.append(fwd)
             if not idxs:
                 continue
-            dev = idxs[0].device
-            n_f = len(idxs)
-            flat = torch.cat([i.reshape(-1).to(dev) for i in idxs])
-            fid = torch.repeat_interleave(torch.arange(n_f, device=dev),
-                                          torch.tensor([i.numel() for i in idxs], device=dev))
-            valid = (flat >= 0) & (flat < n_e)
-            key = torch.where(valid, fid * n_e + flat, _LAST)  # forward by forward, expert by expert, row order
-            # each forward's row count per expert against what its calls hold
-            want = torch.bincount(key[valid], minlength=n_f * n_e).view(n_f, n_e)
-            got = torch.zeros(n_f * n_e, dtype=want.dtype)
-            slots = [f * n_e + e for f, fwd in enumerate(calls) for e, _, _ in fwd]
-            got[slots] = torch.tensor([y.size(0) for fwd in calls for _, y, _ in fwd], dtype=want.dtype)
-            good = (want.cpu() == got.view(n_f, n_e)).all(1)
-            if not bool(good.all()):  # only the forwards whose calls match
-                keep = good.nonzero().squeeze(1).tolist()
-                if not keep:
-                    continue
-                pos, idxs, calls = [pos[f] for f in keep], [idxs[f] for f in keep], [calls[f] for f in keep]
-                rows = good.to(dev)[fid]
-                flat, key, valid = flat[rows], key[rows], valid[rows]
-            idx = torch.cat([i.to(dev) for i in idxs])
-            ys = [y for fwd in calls for _, y, _ in fwd]
-            acts = [a for fwd in calls for _, _, a in fwd]
-            norm = torch.full((key.numel(),), float("nan"), device=dev)
-            act = torch.full((key.numel(),), float("nan"), device=dev)
-            if ys:
-                order = torch.argsort(key, stable=True)[:int(valid.sum())]
-                norm[order] = torch.cat(ys).float().norm(dim=-1).to(dev)
-                act[order] = torch.cat(acts).float().abs().amax(dim=-1).to(dev)
-            every = _extremes(norm.view(idx.shape).cpu(), act.view(idx.shape).cpu(), idx)
-            cols.append({"pos": np.concatenate(pos), "layer": np.full(idx.size(0), layer, np.int32), **every})
+            every, where = _own_extremes(idxs, calls, n_e)
+            if every is None:
+                continue
+            pos = np.concatenate([pos[f] for f in where])  # only the forwards whose calls match
+            cols.append({"pos": pos, "layer": np.full(pos.size, layer, np.int32), **every})
         if not cols:
             return {}
         return {"expert_extremes": Rows(self.run_id, {k: np.concatenate([c[k] for c in cols]) for k in cols[0]})}
 
     def pending_bytes(self) -> int:
         return self.kept_bytes
+
+
+def dispatch(probes, batched: bool = False) -> dict[str, Callable]:
+    """One dispatching listener per seam, calling every probe that listens there (a seam one probe listens on gets
+    that probe's own listener). ``batched``: the dispatcher takes the batch's every row (``batched = True``, as a
+    batch-wide probe's listeners do)."""
+    by_seam: dict[str, list[Callable]] = defaultdict(list)
+    for probe in probes:
+        for seam, fn in probe.listeners().items():
+            by_seam[seam].append(fn)
+
+    def fan(fns: list[Callable]) -> Callable:
+        if len(fns) == 1:
+            return fns[0]
+
+        def call(*a) -> None:
+            for f in fns:
+                f(*a)
+        if batched:
+            call.batched = True  # type: ignore[attr-defined]
+        return call
+    return {seam: fan(fns) for seam, fns in by_seam.items()}
 
 
 _LAST = torch.iinfo(torch.int64).max
@@ -546,6 +543,44 @@ def _extremes(norm: torch.Tensor, act: torch.Tensor, idx: torch.Tensor) -> dict[
     rows, idx = torch.arange(idx.size(0)), idx.cpu()
     return {"max_out_norm": norm[rows, ie].double().numpy(), "max_out_expert": idx[rows, ie].numpy().astype(np.int32),
             "max_act": act[rows, ia].double().numpy(), "max_act_expert": idx[rows, ia].numpy().astype(np.int32)}
+
+
+def _own_extremes(idxs: list[torch.Tensor], calls: list[list], n_e: int):
+    """One layer's expert_extremes from the expert calls its forwards kept (their choices [N, K] and, per forward,
+    the calls (expert, output, down projection input) in ``MoE.forward``'s order): (the columns over the forwards
+    whose calls hold their choice's rows, those forwards' numbers), or (None, []) when none does. Each output's
+    norm and each input's max are placed at their (row, slot): an expert's rows come in row order, the experts in
+    increasing order, so a stable sort of (forward, expert) keys gives every call row its slot."""
+    dev = idxs[0].device
+    n_f = len(idxs)
+    flat = torch.cat([i.reshape(-1).to(dev) for i in idxs])
+    fid = torch.repeat_interleave(torch.arange(n_f, device=dev), torch.tensor([i.numel() for i in idxs], device=dev))
+    valid = (flat >= 0) & (flat < n_e)
+    key = torch.where(valid, fid * n_e + flat, _LAST)
+    want = torch.bincount(key[valid], minlength=n_f * n_e).view(n_f, n_e)
+    have = torch.zeros(n_f * n_e, dtype=want.dtype)
+    slots = [f * n_e + e for f, fwd in enumerate(calls) for e, _, _ in fwd]
+    have[slots] = torch.tensor([y.size(0) for fwd in calls for _, y, _ in fwd], dtype=want.dtype)
+    good = (want.cpu() == have.view(n_f, n_e)).all(1)
+    where = list(range(n_f))
+    if not bool(good.all()):
+        where = good.nonzero().squeeze(1).tolist()
+        if not where:
+            return None, []
+        idxs, calls = [idxs[f] for f in where], [calls[f] for f in where]
+        keep = good.to(dev)[fid]
+        key, valid = key[keep], valid[keep]
+    idx = torch.cat([i.to(dev) for i in idxs])
+    ys = [y for fwd in calls for _, y, _ in fwd]
+    acts = [a for fwd in calls for _, _, a in fwd]
+    norm = torch.full((key.numel(),), float("nan"), device=dev)
+    act = torch.full((key.numel(),), float("nan"), device=dev)
+    if ys:
+        order = torch.argsort(key, stable=True)[:int(valid.sum())]
+        norm[order] = torch.cat(ys).float().norm(dim=-1).to(dev)
+        act[order] = torch.cat(acts).float().abs().amax(dim=-1).to(dev)
+    return _extremes(norm.view(idx.shape).cpu(), act.view(idx.shape).cpu(), idx), where
+
 
 
 def _plain_mlp(m: nn.Module) -> bool:

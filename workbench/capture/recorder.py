@@ -30,7 +30,7 @@ from workbench.capture.interventions import applied as intervening
 from workbench.capture.interventions import check as check_interventions
 from workbench.capture.interventions import normalize as interventions_of
 from workbench.capture.interventions import rows as intervention_rows
-from workbench.capture.probes import PROBE_CLASSES, Probe, StepInfo
+from workbench.capture.probes import PROBE_CLASSES, Probe, StepInfo, dispatch
 from workbench.capture.resolve import check_folder, tokenizer_for, tokenizer_path
 from workbench.capture.settings import RecordSettings, check_generation
 from workbench.data.schema import columns
@@ -59,20 +59,7 @@ class Recorder:
 
     def listeners(self) -> dict[str, Callable]:
         """One dispatching listener per seam, calling every probe that listens there."""
-        by_seam: dict[str, list[Callable]] = {}
-        for p in self.probes:
-            for seam, fn in p.listeners().items():
-                by_seam.setdefault(seam, []).append(fn)
-
-        def fan(fns: list[Callable]) -> Callable:
-            if len(fns) == 1:
-                return fns[0]
-
-            def call(*a) -> None:
-                for f in fns:
-                    f(*a)
-            return call
-        return {seam: fan(fns) for seam, fns in by_seam.items()}
+        return dispatch(self.probes)
 
     def collect(self, step: StepInfo) -> dict:
         return merge_batches([p.collect(step) for p in self.probes])
