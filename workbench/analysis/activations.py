@@ -274,10 +274,11 @@ def _expert_rows(a: Adapter, layer: int, x, route, block, shared) -> dict[Key, t
         return rows
     b = block.float().cpu()
     total = slots.sum(1)
-    if shared is not None:  # the shared experts' output, gated per position where the family gates it (Qwen2-MoE's
-        sh = shared.float().cpu()  # sigmoid gate acts after the module we read): the least-squares gate, else 1
-        gate = ((b - total) * sh).sum(-1, keepdim=True) / sh.pow(2).sum(-1, keepdim=True).clamp_min(1e-12)
-        total = total + (gate if _gated(a, layer) else 1.0) * sh
+    if shared is not None:
+        sh = shared.float().cpu()
+        if _gated(a, layer):  # Qwen2-MoE's sigmoid gate acts after the module we read: the least-squares gate
+            sh = sh * ((b - total) * sh).sum(-1, keepdim=True) / sh.pow(2).sum(-1, keepdim=True).clamp_min(1e-12)
+        total = total + sh
     fit = float((b - total).norm() / b.norm().clamp_min(1e-12))
     rows[("expert_fit", layer, None, None, "fit")] = torch.tensor([[fit]])
     for e in idx.unique().tolist():

@@ -515,7 +515,7 @@ class FaultKind:
             return row["head"] == index
         if kind == "expert":
             return row["expert"] == index or (self.paired and row["expert"] is not None
-                                              and row["expert"] ^ 1 == index)  # index's partner (or index - 1)
+                                              and row["expert"] ^ 1 == index)  # pairs 0-1, 2-3 (odd counts: not the last)
         return True
 
 
