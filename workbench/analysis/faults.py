@@ -515,7 +515,7 @@ class FaultKind:
             return row["head"] == index
         if kind == "expert":
             return row["expert"] == index or (self.paired and row["expert"] is not None
-                                              and row["expert"] ^ 1 == index)  # pairs 0-1, 2-3 (odd counts: not the last)
+                                              and row["expert"] ^ 1 == index)  # pairs 0-1, 2-3; odd count: not the last
         return True
 
 
