@@ -48,8 +48,9 @@ def test_profile_cells_are_the_calibration_moments(tiny, prof):
     kinds = set(prof["kind"])
     assert {"attn_norm", "kv_latent", "head", "attn_block", "mlp_norm", "resid", "router"} <= kinds
     assert prof.filter(pl.col("signal") == "pos_distance").height == s.n_layers * s.n_heads
-    cells = prof.filter(~pl.col("kind").is_in(["router_check", "unembed_rows", "embed", "first_check"])
-                        & ~pl.col("signal").is_in(["angle", "chosen"]) & ~pl.col("signal").str.starts_with("first:"))
+    cells = prof.filter(~pl.col("kind").is_in(["router_check", "unembed_rows", "embed", "first_check", "known_input"])
+                        & ~pl.col("signal").is_in(["angle", "chosen", "known"])
+                        & ~pl.col("signal").str.starts_with("first:"))
     spread = np.array(cells["run_norm_std"].to_list() + cells["run_dev_std"].to_list())
     assert spread.shape == (2 * cells.height, len(activations.RUN_BUCKETS)) and (spread >= 0.1).all()
     assert prof.filter(pl.col("kind") == "router_check")["n"].to_list() == [0]  # RouterMath agrees with the model
@@ -321,3 +322,58 @@ def test_the_experts_contributions_add_up_to_the_block_in_transformers_families(
     fits = {k[1]: float(v) for k, v in got.items() if k[0] == "expert_fit"}
     assert fits and all(f <= activations.FIT_TOL for f in fits.values()), fits
     assert any(k[0] == "expert" for k in got)
+
+
+def _known(model, ids, prof) -> dict:
+    why: dict = {}
+    ev = dict(activations.evidence(model, ids, prof, signals=why))
+    return {k: v for k, v in ev.items() if why.get(k) == "known"}
+
+
+def test_known_answers_name_an_expert_whose_weights_changed(tiny, prof):
+    """Each routed expert's and the shared experts' outputs on a few fixed inputs of their layer (the MLP input norm's
+    output on calibration prompts) are held in the profile, projected: an expert that computes another function at
+    its usual size (half its down projection sign-flipped, swapped with another's, noisy) differs there, wherever
+    the context starts, and is named, by itself and not capped by what it changed downstream."""
+    s = tiny.summary
+    held = prof.filter(pl.col("signal") == "known")
+    assert set(held.filter(pl.col("kind") == "expert")["layer"]) == set(s.moe_layers)
+    assert held.filter(pl.col("kind") == "expert").height == len(s.moe_layers) * s.n_routed_experts
+    assert held.filter(pl.col("kind") == "shared_expert").height == len(s.moe_layers)
+    assert held["mean"].list.len().unique().to_list() == [activations.KNOWN_INPUTS * activations.KNOWN_DIMS]
+    ids = _prompts(1, 30, seed=5)[0]  # a first token nobody profiled at position 0 is as good as any
+    assert _known(tiny, ids, prof) == {}  # the clean model gives exactly the held answers
+    layer = s.moe_layers[0]
+    idx = activations.capture(tiny, ids)[0][("route", layer, None, None, "indices")]
+    used = set(idx.unique().tolist())
+    e = min(used)
+    for kind in ("expert_flip", "expert_noise"):
+        with faults.ALL_KINDS[kind](tiny, layer, index=e):
+            got = _known(tiny, ids, prof)
+            rows = activations.anomaly_rows(tiny, ids, prof)
+        assert got == {("expert", layer, None, e, None): activations.KNOWN_NATS}, (kind, got)
+        named = [r for r in rows if r["layer"] == layer and r["expert"] == e]
+        assert named and named[0]["severity"] == "critical" and "no longer computes" in named[0]["explanation"]
+    with faults.HELD_OUT["expert_swap"](tiny, layer, index=e):  # both experts of the pair compute another function
+        got = _known(tiny, ids, prof)
+    pair = {e, faults.partner(e, s.n_routed_experts)}
+    assert {k[3] for k in got} == pair & used
+    unused = [x for x in range(s.n_routed_experts) if x not in used]
+    if unused:  # an expert no position chose took no part in this context
+        with faults.ALL_KINDS["expert_flip"](tiny, layer, index=unused[0]):
+            assert _known(tiny, ids, prof) == {}
+    w = tiny.parts(layer)["shared"]
+    lin = next(m for m in w.modules() if isinstance(m, torch.nn.Linear))
+    with torch.no_grad():
+        lin.weight.mul_(-1)
+        try:
+            got = _known(tiny, ids, prof)
+        finally:
+            lin.weight.mul_(-1)
+    assert got == {("shared_expert", layer, None, None, None): activations.KNOWN_NATS}
+    with faults.KINDS["expert"](tiny, layer, index=e):  # a mixing weight scaled: the expert's function is the same
+        assert _known(tiny, ids, prof) == {}
+    other_dtype = prof.with_columns(pl.when(pl.col("kind") == "first_check").then(pl.lit("bfloat16"))
+                                    .otherwise(pl.col("signal")).alias("signal"))
+    with faults.ALL_KINDS["expert_flip"](tiny, layer, index=e):  # a profile of another dtype is not compared
+        assert _known(tiny, ids, other_dtype) == {}

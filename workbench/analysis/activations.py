@@ -45,6 +45,16 @@ known input, so it names any weight change the first position passes through (a 
 expert chosen there, a dead shared expert) on the shortest context, but nothing where the run begins with
 another token or the fault spares the first position (an expert not chosen there, a cached entry later on).
 
+Known answers: each routed expert's, the shared experts' and a dense layer's MLP's output on a few fixed inputs of
+its layer (``KNOWN_INPUTS``: the MLP input norm's output at the middle of the first calibration prompts, held in
+the profile as ``known_input`` rows), projected on ``KNOWN_DIMS`` fixed random directions (signal ``known``). The
+module is called on those inputs again when a run is judged: an expert that computes another function at its usual
+size (half its down projection sign-flipped, its weights swapped with another's, noisy or badly quantised), which
+keeps its outputs' size and spread on real contexts, answers differently there, wherever the context begins. The
+row scores up to ``KNOWN_NATS`` (a critical finding), a routed expert only where some context position chose it,
+and is never capped by upstream rows (its inputs are fixed); only in the dtype the profile was made in. What acts
+outside the module (a mixing weight, the router's choice) leaves its answers as they were.
+
 A run is scored on the context of one token (positions 1 .. pos - 1, every position the target's forward
 sees): each component's z of the log norm and of the deviation, averaged over the context, and at the last
 position (the one whose output is the target's distribution) at half weight. The score is the larger of
@@ -509,10 +519,11 @@ def build(a: Adapter, prompts: list[list[int]], seed: int = 0, first_tokens: lis
                                    for g in captured)]
     out_rows = _row_spread(captured, prompts, cells.get(("unembed", None, None, None, "logit")), rng)
     first_rows = _first_cells(a, prompts, captured, cells, first_tokens)
+    known_rows = _known_cells(a, prompts, captured)
     check = {"kind": "router_check", "layer": None, "head": None, "expert": None, "signal": "disagree",
              "n": disagree, "mean": [], "std": [], "log_norm_mean": 0.0, "log_norm_std": 1.0, "dev_mean": 0.0,
              "dev_std": 1.0, "run_norm_mean": [], "run_norm_std": [], "run_dev_mean": [], "run_dev_std": []}
-    return pl.DataFrame([*cells.values(), check, *out_rows, *first_rows], schema=COLUMNS)
+    return pl.DataFrame([*cells.values(), check, *out_rows, *first_rows, *known_rows], schema=COLUMNS)
 
 
 def _first_tokens(prompts: list[list[int]]) -> list[int]:
@@ -601,6 +612,121 @@ def _first_evidence(got: dict, first: int, prof: pl.DataFrame, dtype: torch.dtyp
     up = UPSTREAM | {"expert": ("mlp_norm", "router")}  # an expert's weighted output follows the router's choice
     return {key: v / 2 if depth[key] > first or any(u in kinds for u in up.get(key[0], ())) else v
             for key, v in off.items()}
+
+
+# known answers: each routed expert's, shared expert's and dense MLP's output on a few fixed inputs of its layer
+KNOWN_INPUTS = 4  # inputs per layer: the MoE or MLP block's input at the middle of the first calibration prompts
+KNOWN_DIMS = 16  # each output is held as its projection on this many fixed random directions (a profile stays small)
+KNOWN_TOL = 0.05  # a projection off by this fraction of the clean one's RMS: the component computes another function
+KNOWN_FULL = 0.5  # off by this fraction or more: ``KNOWN_NATS``; in between, proportionally
+KNOWN_NATS = 60.0  # a component that no longer computes what it did when profiled (its weights or its code changed)
+
+
+def _known_projection(d: int) -> torch.Tensor:
+    """The fixed directions the known answers are held on, [D, KNOWN_DIMS] (the same for every profile of width D)."""
+    return torch.randn(d, KNOWN_DIMS, generator=torch.Generator().manual_seed(d)) / math.sqrt(d)
+
+
+def _known_outputs(a: Adapter, layer: int, x: torch.Tensor) -> dict[Key, torch.Tensor]:
+    """Each callable component of ``layer`` run on ``x`` [N, D] (float32, CPU): ``(kind, layer, None, expert,
+    "known")`` -> its output projected on ``_known_projection``, [N, KNOWN_DIMS]. Routed experts through
+    ``expert_outputs`` (None where the family's experts module is not one we run exactly), the shared experts' and
+    a dense layer's MLP module called on ``x`` (skipped where the module does not take a [N, D] input)."""
+    parts, out = a.parts(layer), {}
+    proj = _known_projection(x.size(-1))
+
+    def held(y) -> torch.Tensor | None:
+        y = y[0] if isinstance(y, tuple) else y
+        if not torch.is_tensor(y) or y.shape != x.shape:
+            return None
+        return torch.nan_to_num(y.detach().float().cpu(), nan=0.0) @ proj
+
+    with torch.no_grad():
+        ex = parts.get("experts")
+        if ex is not None:
+            n_e = a.summary.n_routed_experts
+            idx = torch.arange(n_e).repeat_interleave(x.size(0))[:, None]  # every expert on every input
+            ys = expert_outputs(ex, x.repeat(n_e, 1), idx)
+            if ys is not None:
+                for e in range(n_e):
+                    y = held(ys[e * x.size(0):(e + 1) * x.size(0), 0])
+                    if y is not None:
+                        out[("expert", layer, None, e, "known")] = y
+        mods = {"shared_expert": parts.get("shared")}
+        if layer not in a.summary.moe_layers:
+            mods["dense_mlp"] = parts.get("mlp")
+        for kind, m in mods.items():
+            if isinstance(m, torch.nn.Module):
+                p = next(m.parameters(), None)
+                try:
+                    y = held(m(x.to(p.device, p.dtype) if p is not None else x))
+                except Exception:  # a module that takes more than the hidden states: no known answer
+                    y = None
+                if y is not None:
+                    out[(kind, layer, None, None, "known")] = y
+    return out
+
+
+def _known_cells(a: Adapter, prompts: list[list[int]], captured: list[dict]) -> list[dict]:
+    """Rows ``("known_input", layer, ..., "in")`` (the layer's fixed inputs, [N * D] flattened) and ``(kind, layer,
+    None, expert, "known")`` (a component's projected outputs on them, [N * KNOWN_DIMS]): the MLP input norm's
+    output at the middle position of the first ``KNOWN_INPUTS`` calibration prompts (real inputs: every hidden
+    unit in its usual range). A component is kept only where a second call gives the same answer."""
+    rows = []
+    base = {"n": 0, "std": [], "log_norm_mean": 0.0, "log_norm_std": 1.0, "dev_mean": 0.0, "dev_std": 1.0,
+            "run_norm_mean": [], "run_norm_std": [], "run_dev_mean": [], "run_dev_std": []}
+    for layer in range(a.summary.n_layers):
+        xs = [got[("mlp_norm", layer, None, None, "out")][len(ids) // 2] for got, ids in zip(captured, prompts)
+              if ("mlp_norm", layer, None, None, "out") in got][:KNOWN_INPUTS]
+        if not xs:
+            continue
+        x = torch.stack(xs).float()
+        first, again = _known_outputs(a, layer, x), _known_outputs(a, layer, x)
+        kept = {k: y for k, y in first.items() if k in again and _known_dev(again[k], y) <= KNOWN_TOL / 10}
+        if not kept:
+            continue
+        rows.append(base | {"kind": "known_input", "layer": layer, "head": None, "expert": None, "signal": "in",
+                            "n": x.size(0), "mean": x.flatten().tolist()})
+        rows += [base | {"kind": k[0], "layer": k[1], "head": None, "expert": k[3], "signal": "known",
+                         "n": y.size(0), "mean": y.flatten().tolist()} for k, y in kept.items()]
+    return rows
+
+
+def _known_dev(y: torch.Tensor, v: torch.Tensor) -> float:
+    """How far projected outputs ``y`` are from the clean ``v``: the RMS of the difference over the RMS of ``v``."""
+    y, v = y.double().flatten(), v.double().flatten()
+    if bool(torch.isnan(y).any()):
+        return math.inf
+    return float((y - v).pow(2).mean().sqrt() / v.pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+def _known_evidence(a: Adapter, got: dict, prof: pl.DataFrame) -> dict[tuple, float]:
+    """Components of the context's path whose output on their layer's fixed inputs differs from the clean model's
+    (only where the model runs in the dtype the profile was made in): ``KNOWN_NATS`` times how far off, up to all
+    of it. A routed expert counts only where some context position chose it (else it took no part)."""
+    made = prof.filter(pl.col("kind") == "first_check")["signal"].to_list()
+    if made != [str(a.dtype).split(".")[-1]]:
+        return {}
+    inputs = prof.filter(pl.col("kind") == "known_input")
+    cells = prof.filter(pl.col("signal") == "known")
+    off: dict[tuple, float] = {}
+    for r in inputs.iter_rows(named=True):
+        layer, n = r["layer"], r["n"]
+        mine = cells.filter(pl.col("layer") == layer)
+        if not mine.height or n < 1:
+            continue
+        x = torch.tensor(r["mean"], dtype=torch.float32).view(n, -1)
+        now = _known_outputs(a, layer, x)
+        idx = got.get(("route", layer, None, None, "indices"))
+        chosen = set(idx.unique().tolist()) if idx is not None else set()
+        for c in mine.iter_rows(named=True):
+            k = (c["kind"], layer, None, c["expert"], "known")
+            if k not in now or (c["kind"] == "expert" and c["expert"] not in chosen):
+                continue
+            dev = _known_dev(now[k], torch.tensor(c["mean"]).view(now[k].shape))
+            if dev > KNOWN_TOL:
+                off[(c["kind"], layer, None, c["expert"], None)] = KNOWN_NATS * min(1.0, dev / KNOWN_FULL)
+    return off
 
 
 def _row_z(logits: torch.Tensor, cell: dict) -> torch.Tensor:
@@ -727,10 +853,13 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
             put(("router", layer, None, None, None), MISMATCH_NATS * float(bad.sum()), "mismatch")
             e = int(m.sum(0).argmax())
             put(("expert", layer, None, e, None), MISMATCH_NATS * float(m[:, e].sum()), "mismatch")
-    firsts = {}
+    firsts, known = {}, {}
     if prof is not None and len(ids) >= 1:
         firsts = _first_evidence(got, int(ids[0]), prof, a.dtype)
-        prof = prof.filter(~pl.col("signal").str.starts_with("first:") & (pl.col("kind") != "first_check"))
+        known = _known_evidence(a, got, prof)
+        prof = prof.filter(~pl.col("signal").str.starts_with("first:") & ~pl.col("kind").is_in(["first_check",
+                                                                                               "known_input"])
+                           & (pl.col("signal") != "known"))
     if prof is not None and len(ids) >= 2:
         zs: dict[tuple, tuple[float, float]] = {}  # component -> (|z|, sign)
         positional: dict[int, list[float]] = {}
@@ -819,6 +948,8 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
             put(("rotary", layer, None, None, None), _signed_nats(nats, 1.0))
     for key, v in firsts.items():  # after the statistics (an expert behind a block reads only those)
         put(key, v, "first")
+    for key, v in known.items():
+        put(key, v, "known")
     size = {}  # (kind, layer) -> the largest |surprise| of that kind in that layer (any head or expert)
     for key, v in best.items():
         size[key[:2]] = max(size.get(key[:2], 0.0), abs(v))
@@ -847,6 +978,9 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
         prior = before.get(key[1], 0.0)
         capped = _capped(v, up) if explains(up, v) else v
         experts[key] = _capped(capped, prior) if earlier(prior, v) else capped
+    for key, v in known.items():  # an answer on fixed inputs is no consequence of anything upstream: never capped
+        if abs(v) >= abs(best.get(key, 0.0)):
+            best[key], why[key] = v, "known"
     return list(best.items())
 
 
@@ -883,6 +1017,9 @@ def anomaly_rows(a: Adapter, ids: list[int], prof: pl.DataFrame | None) -> list[
             what = f"the router's output for expert {expert}" if kind == "router" and expert is not None else what
             how = ("differs at position 0 from what the clean model computes for this first token (the profile holds "
                    "its exact output)")
+        elif signals.get(key) == "known":
+            how = ("no longer computes what it computed when the profile was made (its output on the profile's fixed "
+                   "inputs differs: its weights or its code changed)")
         elif kind == "router" and expert is not None and signals.get(key) == "chosen":
             what = f"expert {expert}"
             how = f"is chosen {'more' if nats > 0 else 'less'} often than on clean text of this length"
