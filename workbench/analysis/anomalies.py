@@ -600,7 +600,8 @@ def component_rows(store, info: dict, tokens: pl.DataFrame, model, meta: dict) -
         return empty()
     ids = tokens.sort("pos")["token_id"].to_list()
     first = pl.col("signal").str.starts_with("first:")  # exact first-position outputs: those of this first token
-    meta["component_tests"] = int(prof.filter(~pl.col("kind").is_in(["router_check", "first_check"]) & (
+    tests = ~pl.col("kind").is_in(["router_check", "first_check", "known_input"])  # not the checks' own rows
+    meta["component_tests"] = int(prof.filter(tests & (
         ~first | pl.col("signal").str.ends_with(f":{ids[0] if ids else -1}"))).height)
     # a loop is a repetition row of its own, and what the model computes once it loops (and as it falls into it)
     # is outside any clean range: the components are judged on the run before its first repeated span
