@@ -623,15 +623,18 @@ KNOWN_NATS = 60.0  # a component that no longer computes what it did when profil
 
 
 def _known_projection(d: int) -> torch.Tensor:
-    """The fixed directions the known answers are held on, [D, KNOWN_DIMS] (the same for every profile of width D)."""
-    return torch.randn(d, KNOWN_DIMS, generator=torch.Generator().manual_seed(d)) / math.sqrt(d)
+    """The fixed directions the known answers are held on, [D, KNOWN_DIMS] (the same for every profile of width D,
+    in every release: NumPy's legacy generator, whose stream is frozen)."""
+    return torch.from_numpy(np.random.RandomState(d).standard_normal((d, KNOWN_DIMS)) / math.sqrt(d)).float()
 
 
-def _known_outputs(a: Adapter, layer: int, x: torch.Tensor) -> dict[Key, torch.Tensor]:
+def _known_outputs(a: Adapter, layer: int, x: torch.Tensor,
+                   experts: list[int] | None = None) -> dict[Key, torch.Tensor]:
     """Each callable component of ``layer`` run on ``x`` [N, D] (float32, CPU): ``(kind, layer, None, expert,
     "known")`` -> its output projected on ``_known_projection``, [N, KNOWN_DIMS]. Routed experts through
     ``expert_outputs`` (None where the family's experts module is not one we run exactly), the shared experts' and
-    a dense layer's MLP module called on ``x`` (skipped where the module does not take a [N, D] input)."""
+    a dense layer's MLP module called on ``x`` (skipped where the module does not take a [N, D] input); ``experts``:
+    only these routed experts (default: all)."""
     parts, out = a.parts(layer), {}
     proj = _known_projection(x.size(-1))
 
@@ -644,12 +647,12 @@ def _known_outputs(a: Adapter, layer: int, x: torch.Tensor) -> dict[Key, torch.T
     with torch.no_grad():
         ex = parts.get("experts")
         if ex is not None:
-            n_e = a.summary.n_routed_experts
-            idx = torch.arange(n_e).repeat_interleave(x.size(0))[:, None]  # every expert on every input
-            ys = expert_outputs(ex, x.repeat(n_e, 1), idx)
+            which = list(range(a.summary.n_routed_experts)) if experts is None else list(experts)
+            idx = torch.tensor(which, dtype=torch.long).repeat_interleave(x.size(0))[:, None]  # each on every input
+            ys = expert_outputs(ex, x.repeat(len(which), 1), idx) if which else None
             if ys is not None:
-                for e in range(n_e):
-                    y = held(ys[e * x.size(0):(e + 1) * x.size(0), 0])
+                for j, e in enumerate(which):
+                    y = held(ys[j * x.size(0):(j + 1) * x.size(0), 0])
                     if y is not None:
                         out[("expert", layer, None, e, "known")] = y
         mods = {"shared_expert": parts.get("shared")}
@@ -716,9 +719,9 @@ def _known_evidence(a: Adapter, got: dict, prof: pl.DataFrame) -> dict[tuple, fl
         if not mine.height or n < 1:
             continue
         x = torch.tensor(r["mean"], dtype=torch.float32).view(n, -1)
-        now = _known_outputs(a, layer, x)
         idx = got.get(("route", layer, None, None, "indices"))
         chosen = set(idx.unique().tolist()) if idx is not None else set()
+        now = _known_outputs(a, layer, x, sorted(chosen))
         for c in mine.iter_rows(named=True):
             k = (c["kind"], layer, None, c["expert"], "known")
             if k not in now or (c["kind"] == "expert" and c["expert"] not in chosen):
