@@ -340,7 +340,9 @@ def test_known_answers_name_an_expert_whose_weights_changed(tiny, prof):
     assert set(held.filter(pl.col("kind") == "expert")["layer"]) == set(s.moe_layers)
     assert held.filter(pl.col("kind") == "expert").height == len(s.moe_layers) * s.n_routed_experts
     assert held.filter(pl.col("kind") == "shared_expert").height == len(s.moe_layers)
-    assert held["mean"].list.len().unique().to_list() == [activations.KNOWN_INPUTS * activations.KNOWN_DIMS]
+    assert held.filter(pl.col("kind") == "router").height == len(s.moe_layers)
+    assert held.filter(pl.col("kind") != "router")["mean"].list.len().unique().to_list() == [
+        activations.KNOWN_INPUTS * activations.KNOWN_DIMS]
     ids = _prompts(1, 30, seed=5)[0]  # a first token nobody profiled at position 0 is as good as any
     assert _known(tiny, ids, prof) == {}  # the clean model gives exactly the held answers
     layer = s.moe_layers[0]
@@ -371,6 +373,8 @@ def test_known_answers_name_an_expert_whose_weights_changed(tiny, prof):
         finally:
             lin.weight.mul_(-1)
     assert got == {("shared_expert", layer, None, None, None): activations.KNOWN_NATS}
+    with faults.KINDS["router_affinity"](tiny, layer, index=e):  # one router row pushed toward another's
+        assert _known(tiny, ids, prof) == {("router", layer, None, None, None): activations.KNOWN_NATS}
     with faults.KINDS["expert"](tiny, layer, index=e):  # a mixing weight scaled: the expert's function is the same
         assert _known(tiny, ids, prof) == {}
     other_dtype = prof.with_columns(pl.when(pl.col("kind") == "first_check").then(pl.lit("bfloat16"))

@@ -45,9 +45,9 @@ known input, so it names any weight change the first position passes through (a 
 expert chosen there, a dead shared expert) on the shortest context, but nothing where the run begins with
 another token or the fault spares the first position (an expert not chosen there, a cached entry later on).
 
-Known answers: each routed expert's, the shared experts' and a dense layer's MLP's output on a few fixed inputs of
-its layer (``KNOWN_INPUTS``: the MLP input norm's output at the middle of the first calibration prompts, held in
-the profile as ``known_input`` rows), projected on ``KNOWN_DIMS`` fixed random directions (signal ``known``). The
+Known answers: each routed expert's, the shared experts', a dense layer's MLP's and the router weight's output on a
+few fixed inputs of its layer (``KNOWN_INPUTS``: the MLP input norm's output at the middle of the first calibration prompts, held in
+the profile as ``known_input`` rows), projected on ``KNOWN_DIMS`` fixed random directions (signal ``known``; the router's logits as they are). The
 module is called on those inputs again when a run is judged: an expert that computes another function at its usual
 size (half its down projection sign-flipped, its weights swapped with another's, noisy or badly quantised), which
 keeps its outputs' size and spread on real contexts, answers differently there, wherever the context begins. The
@@ -631,7 +631,8 @@ def _known_projection(d: int) -> torch.Tensor:
 def _known_outputs(a: Adapter, layer: int, x: torch.Tensor,
                    experts: list[int] | None = None) -> dict[Key, torch.Tensor]:
     """Each callable component of ``layer`` run on ``x`` [N, D] (float32, CPU): ``(kind, layer, None, expert,
-    "known")`` -> its output projected on ``_known_projection``, [N, KNOWN_DIMS]. Routed experts through
+    "known")`` -> its output projected on ``_known_projection``, [N, KNOWN_DIMS] (the router: its weight's logits
+    for every expert, [N, E]). Routed experts through
     ``expert_outputs`` (None where the family's experts module is not one we run exactly), the shared experts' and
     a dense layer's MLP module called on ``x`` (skipped where the module does not take a [N, D] input); ``experts``:
     only these routed experts (default: all)."""
@@ -655,6 +656,9 @@ def _known_outputs(a: Adapter, layer: int, x: torch.Tensor,
                     y = held(ys[j * x.size(0):(j + 1) * x.size(0), 0])
                     if y is not None:
                         out[("expert", layer, None, e, "known")] = y
+        w = getattr(parts.get("router"), "weight", None)  # the router's logits for every expert (not projected)
+        if torch.is_tensor(w) and w.dim() == 2 and w.size(1) == x.size(1):
+            out[("router", layer, None, None, "known")] = (x.to(w.device, w.dtype) @ w.T).float().cpu()
         mods = {"shared_expert": parts.get("shared")}
         if layer not in a.summary.moe_layers:
             mods["dense_mlp"] = parts.get("mlp")
