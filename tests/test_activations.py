@@ -49,7 +49,7 @@ def test_profile_cells_are_the_calibration_moments(tiny, prof):
     assert {"attn_norm", "kv_latent", "head", "attn_block", "mlp_norm", "resid", "router"} <= kinds
     assert prof.filter(pl.col("signal") == "pos_distance").height == s.n_layers * s.n_heads
     cells = prof.filter(~pl.col("kind").is_in(["router_check", "unembed_rows", "embed", "first_check", "known_input"])
-                        & ~pl.col("signal").is_in(["angle", "chosen", "known"])
+                        & ~pl.col("signal").is_in(["angle", "chosen"]) & ~pl.col("signal").str.starts_with("known")
                         & ~pl.col("signal").str.starts_with("first:"))
     spread = np.array(cells["run_norm_std"].to_list() + cells["run_dev_std"].to_list())
     assert spread.shape == (2 * cells.height, len(activations.RUN_BUCKETS)) and (spread >= 0.1).all()
@@ -343,6 +343,10 @@ def test_known_answers_name_an_expert_whose_weights_changed(tiny, prof):
     assert held.filter(pl.col("kind") == "router").height == len(s.moe_layers)
     assert held.filter(pl.col("kind") != "router")["mean"].list.len().unique().to_list() == [
         activations.KNOWN_INPUTS * activations.KNOWN_DIMS]
+    attn = prof.filter(pl.col("signal").str.starts_with("known:"))  # the attention's linear maps, head by head
+    assert set(attn.filter(pl.col("kind") == "head")["head"]) == set(range(s.n_heads))
+    assert attn.filter(pl.col("kind") == "head").height == s.n_layers * s.n_heads * 3  # wo's columns, wq's, wkv_b's rows
+    assert attn.filter(pl.col("kind") == "kv_latent").height == s.n_layers  # wkv_a
     ids = _prompts(1, 30, seed=5)[0]  # a first token nobody profiled at position 0 is as good as any
     assert _known(tiny, ids, prof) == {}  # the clean model gives exactly the held answers
     layer = s.moe_layers[0]
@@ -375,6 +379,16 @@ def test_known_answers_name_an_expert_whose_weights_changed(tiny, prof):
     assert got == {("shared_expert", layer, None, None, None): activations.KNOWN_NATS}
     with faults.KINDS["router_affinity"](tiny, layer, index=e):  # one router row pushed toward another's
         assert _known(tiny, ids, prof) == {("router", layer, None, None, None): activations.KNOWN_NATS}
+    wo = tiny.parts(layer)["attn"].wo.weight  # one head's columns of the output projection zeroed: that head
+    d = wo.size(1) // s.n_heads
+    with faults._edited(wo, lambda w: w[:, 2 * d:3 * d].zero_()):
+        assert _known(tiny, ids, prof) == {("head", layer, 2, None, None): activations.KNOWN_NATS}
+    wkv_b = tiny.parts(layer)["attn"].wkv_b.weight  # every head's part of a per-head map: the map's block
+    with faults._edited(wkv_b, lambda w: w.mul_(1.5)):
+        assert _known(tiny, ids, prof) == {("attn_block", layer, None, None, None): activations.KNOWN_NATS}
+    wkv = tiny.parts(layer)["attn"].wkv_a.weight
+    with faults._edited(wkv, lambda w: w.mul_(1.5)):
+        assert list(_known(tiny, ids, prof)) == [("kv_latent", layer, None, None, None)]
     with faults.KINDS["expert"](tiny, layer, index=e):  # a mixing weight scaled: the expert's function is the same
         assert _known(tiny, ids, prof) == {}
     other_dtype = prof.with_columns(pl.when(pl.col("kind") == "first_check").then(pl.lit("bfloat16"))

@@ -53,7 +53,12 @@ size (half its down projection sign-flipped, its weights swapped with another's,
 keeps its outputs' size and spread on real contexts, answers differently there, wherever the context begins. The
 row scores up to ``KNOWN_NATS`` (a critical finding), a routed expert only where some context position chose it,
 and is never capped by upstream rows (its inputs are fixed); only in the dtype the profile was made in. What acts
-outside the module (a mixing weight, the router's choice) leaves its answers as they were.
+outside the module (a mixing weight, the router's choice) leaves its answers as they were. The attention's linear
+maps are held the same way on fixed standard-normal inputs (``_known_attention``; nothing stored but the answers):
+the output projection's columns and a query or per-head KV projection's rows head by head (a ``head`` row; every
+head of one map differing: the ``attn_block``), MLA's KV latent projection as ``kv_latent``, any other map as the
+``attn_block``. A component known to compute another function explains whatever is unusual after it on a token's
+path (``FLOW``: later layers, and later parts of its own), whatever its size: those rows are capped at half of it.
 
 A run is scored on the context of one token (positions 1 .. pos - 1, every position the target's forward
 sees): each component's z of the log norm and of the deviation, averaged over the context, and at the last
@@ -628,6 +633,51 @@ def _known_projection(d: int) -> torch.Tensor:
     return torch.from_numpy(np.random.RandomState(d).standard_normal((d, KNOWN_DIMS)) / math.sqrt(d)).float()
 
 
+OUT_NAMES = ("o_proj", "out_proj", "wo", "dense")  # an attention's output projection: its columns are per head
+HEAD_ROWS = ("q_proj", "wq", "wq_b", "wkv_b", "q_b_proj", "kv_b_proj", "query")  # projections whose rows are per head, head by head
+LATENT_NAMES = ("wkv_a", "kv_a_proj_with_mqa")  # MLA's shared KV latent: the ``kv_latent`` component
+
+
+def _held(y: torch.Tensor) -> torch.Tensor:
+    """An answer [N, W] as held: projected on ``_known_projection`` where it is wider than ``KNOWN_DIMS``."""
+    y = torch.nan_to_num(y.detach().float().cpu(), nan=0.0)
+    return y @ _known_projection(y.size(1)) if y.size(1) > KNOWN_DIMS else y
+
+
+def _known_attention(a: Adapter, layer: int) -> dict[Key, torch.Tensor]:
+    """The attention's linear maps on fixed inputs (``KNOWN_INPUTS`` standard normal rows per input width, NumPy's
+    frozen stream: a linear map shows any change of its weight on any input), named by what they feed: the output
+    projection's columns and a query or per-head KV projection's rows head by head (``("head", layer, h, None,
+    "known:<module>")``), MLA's KV latent projection as ``kv_latent``, any other linear map (GQA's key and value
+    projections, a low-rank query's first half) as the ``attn_block``."""
+    attn = a.parts(layer).get("attn")
+    h_n = a.summary.n_heads
+    out: dict[Key, torch.Tensor] = {}
+    if not isinstance(attn, torch.nn.Module):
+        return out
+    with torch.no_grad():
+        for name, lin in attn.named_modules():
+            if not isinstance(lin, torch.nn.Linear):
+                continue
+            leaf, w = name.split(".")[-1], lin.weight
+            u = torch.from_numpy(np.random.RandomState(lin.in_features).standard_normal(
+                (KNOWN_INPUTS, lin.in_features))).to(w.device, w.dtype)
+            if leaf in OUT_NAMES and lin.in_features % h_n == 0:
+                d = lin.in_features // h_n
+                for h in range(h_n):
+                    cols = slice(h * d, (h + 1) * d)
+                    out[("head", layer, h, None, f"known:{name}")] = _held(u[:, cols] @ w[:, cols].T)
+            elif leaf in HEAD_ROWS and lin.out_features % h_n == 0:
+                y = torch.nn.functional.linear(u, w, lin.bias)
+                k = lin.out_features // h_n
+                for h in range(h_n):
+                    out[("head", layer, h, None, f"known:{name}")] = _held(y[:, h * k:(h + 1) * k])
+            else:
+                kind = "kv_latent" if leaf in LATENT_NAMES else "attn_block"
+                out[(kind, layer, None, None, f"known:{name}")] = _held(torch.nn.functional.linear(u, w, lin.bias))
+    return out
+
+
 def _known_outputs(a: Adapter, layer: int, x: torch.Tensor,
                    experts: list[int] | None = None) -> dict[Key, torch.Tensor]:
     """Each callable component of ``layer`` run on ``x`` [N, D] (float32, CPU): ``(kind, layer, None, expert,
@@ -688,13 +738,14 @@ def _known_cells(a: Adapter, prompts: list[list[int]], captured: list[dict]) -> 
         if not xs:
             continue
         x = torch.stack(xs).float()
-        first, again = _known_outputs(a, layer, x), _known_outputs(a, layer, x)
+        first = _known_outputs(a, layer, x) | _known_attention(a, layer)
+        again = _known_outputs(a, layer, x) | _known_attention(a, layer)
         kept = {k: y for k, y in first.items() if k in again and _known_dev(again[k], y) <= KNOWN_TOL / 10}
         if not kept:
             continue
         rows.append(base | {"kind": "known_input", "layer": layer, "head": None, "expert": None, "signal": "in",
                             "n": x.size(0), "mean": x.flatten().tolist()})
-        rows += [base | {"kind": k[0], "layer": k[1], "head": None, "expert": k[3], "signal": "known",
+        rows += [base | {"kind": k[0], "layer": k[1], "head": k[2], "expert": k[3], "signal": k[4],
                          "n": y.size(0), "mean": y.flatten().tolist()} for k, y in kept.items()]
     return rows
 
@@ -715,7 +766,7 @@ def _known_evidence(a: Adapter, got: dict, prof: pl.DataFrame) -> dict[tuple, fl
     if made != [str(a.dtype).split(".")[-1]]:
         return {}
     inputs = prof.filter(pl.col("kind") == "known_input")
-    cells = prof.filter(pl.col("signal") == "known")
+    cells = prof.filter(pl.col("signal").str.starts_with("known"))
     off: dict[tuple, float] = {}
     for r in inputs.iter_rows(named=True):
         layer, n = r["layer"], r["n"]
@@ -726,13 +777,30 @@ def _known_evidence(a: Adapter, got: dict, prof: pl.DataFrame) -> dict[tuple, fl
         idx = got.get(("route", layer, None, None, "indices"))
         chosen = set(idx.unique().tolist()) if idx is not None else set()
         now = _known_outputs(a, layer, x, sorted(chosen))
+        if mine["signal"].str.starts_with("known:").any():
+            now |= _known_attention(a, layer)
+        heads: dict[str, dict[int, float]] = {}  # a per-head map: the heads whose part of it differs
         for c in mine.iter_rows(named=True):
-            k = (c["kind"], layer, None, c["expert"], "known")
+            k = (c["kind"], layer, c["head"], c["expert"], c["signal"])
             if k not in now or (c["kind"] == "expert" and c["expert"] not in chosen):
                 continue
+            if now[k].numel() != len(c["mean"]):
+                continue
             dev = _known_dev(now[k], torch.tensor(c["mean"]).view(now[k].shape))
-            if dev > KNOWN_TOL:
-                off[(c["kind"], layer, None, c["expert"], None)] = KNOWN_NATS * min(1.0, dev / KNOWN_FULL)
+            if dev <= KNOWN_TOL:
+                continue
+            nats = KNOWN_NATS * min(1.0, dev / KNOWN_FULL)
+            if c["kind"] == "head":
+                heads.setdefault(c["signal"], {})[c["head"]] = nats
+                continue
+            key = (c["kind"], layer, c["head"], c["expert"], None)
+            off[key] = max(off.get(key, 0.0), nats)
+        for signal, got_h in heads.items():  # every head's part of one map differs: the map, i.e. the block
+            n_h = mine.filter((pl.col("kind") == "head") & (pl.col("signal") == signal)).height
+            keys = [("head", layer, h, None, None) for h in got_h] if len(got_h) < n_h or n_h < 2 else [
+                ("attn_block", layer, None, None, None)]
+            for key in keys:
+                off[key] = max(off.get(key, 0.0), max(got_h.values()) if key[0] == "attn_block" else got_h[key[2]])
     return off
 
 
@@ -866,7 +934,7 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
         known = _known_evidence(a, got, prof)
         prof = prof.filter(~pl.col("signal").str.starts_with("first:") & ~pl.col("kind").is_in(["first_check",
                                                                                                "known_input"])
-                           & (pl.col("signal") != "known"))
+                           & ~pl.col("signal").str.starts_with("known"))
     if prof is not None and len(ids) >= 2:
         zs: dict[tuple, tuple[float, float]] = {}  # component -> (|z|, sign)
         positional: dict[int, list[float]] = {}
@@ -988,7 +1056,31 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
     for key, v in known.items():  # an answer on fixed inputs is no consequence of anything upstream: never capped
         if abs(v) >= abs(best.get(key, 0.0)):
             best[key], why[key] = v, "known"
+    if known:  # and a component known to compute another function explains whatever is unusual after it, any size
+        first = min(known, key=_flow)
+        top = max(abs(v) for v in known.values())
+        for key in list(best):
+            if key not in known and _flow(key) > _flow(first):
+                best[key] = _capped(best[key], top)
+        for key, v in (experts or {}).items():
+            if key not in known and _flow(key) > _flow(first):
+                experts[key] = _capped(v, top)
     return list(best.items())
+
+
+FLOW = ("attn_norm", "kv_latent", "rotary", "head", "attn_block", "mlp_norm", "router", "expert", "mlp_block",
+        "resid")  # within a layer, the order a token's hidden state passes the parts (siblings share a place)
+FLOW_AT = {k: i for i, k in enumerate(FLOW)} | {"shared_expert": FLOW.index("expert"), "dense_mlp": FLOW.index(
+    "expert")}
+
+
+def _flow(key: tuple) -> tuple[float, int]:
+    """Where a row's component sits on a token's path: (layer, place in it); the embedding first, logits last."""
+    if key[0] == "embed":
+        return (-1.0, 0)
+    if key[1] is None:
+        return (math.inf, 0)
+    return (float(key[1]), FLOW_AT.get(key[0], len(FLOW)))
 
 
 BUNDLED = Path(__file__).resolve().parents[2] / "data" / "demo" / "activations.parquet"

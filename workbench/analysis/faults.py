@@ -437,6 +437,86 @@ def noise_kv(model, layer: int, amount: float = 1.0, seed: int = 0) -> contextli
     return _edited(w, lambda t: t.mul_(g))
 
 
+
+def _linear(module, names: tuple[str, ...], what: str, where: str) -> torch.nn.Linear:
+    """The first of ``names`` that is an ``nn.Linear`` child of ``module``; a ValueError naming ``what`` else (the
+    family has no such weight: evaluations skip the kind there)."""
+    for n in names:
+        m = getattr(module, n, None)
+        if isinstance(m, torch.nn.Linear):
+            return m
+    raise ValueError(f"{where} has no {what} ({' / '.join(names)})")
+
+
+def _noised(w: torch.Tensor, amount: float, seed: int) -> Callable[[torch.Tensor], None]:
+    noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(seed)).to(w)
+    return lambda t: t.add_(amount * t.float().pow(2).mean().sqrt().to(t) * noise)
+
+
+def break_head_weights(model, layer: int, head: int, scale: float = 0.0, noise: float = 0.0,
+                       seed: int = 0) -> contextlib.AbstractContextManager:
+    """One head's columns of the attention's output projection multiplied by ``scale``, plus Gaussian noise
+    (``noise`` times their RMS): a head whose output weights went wrong while its own output is as it was."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    lin = _linear(a.parts(layer)["attn"], ("o_proj", "out_proj", "wo", "dense"), "output projection",
+                  f"layer {layer}'s attention")
+    h_n = a.summary.n_heads
+    if not 0 <= head < h_n or lin.in_features % h_n:
+        raise ValueError(f"head {head}: layer {layer}'s output projection is not {h_n} heads side by side")
+    d = lin.in_features // h_n
+    cols = lin.weight[:, head * d:(head + 1) * d]
+    add = _noised(cols, noise, seed)
+    return _edited(cols, lambda t: (t.mul_(scale), add(t) if noise else None))
+
+
+def noise_query(model, layer: int, amount: float = 1.0, seed: int = 0) -> contextlib.AbstractContextManager:
+    """Gaussian noise (``amount`` times its RMS) on one layer's query projection (the last one, where it is
+    low-rank)."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    lin = _linear(a.parts(layer)["attn"], ("q_proj", "wq", "wq_b", "q_b_proj", "query"), "query projection",
+                  f"layer {layer}'s attention")
+    return _edited(lin.weight, _noised(lin.weight, amount, seed))
+
+
+def noise_expert_up(model, layer: int, expert: int, amount: float = 2.0,
+                    seed: int = 0) -> contextlib.AbstractContextManager:
+    """Gaussian noise on one routed expert's gate projection (its input side; ``noise_expert`` is the output side;
+    with transformers' fused experts, its gate and up projections together)."""
+    a = adapter_for(model)
+    _check_moe(a, layer, expert)
+    experts = a.parts(layer)["experts"]
+    fused = getattr(experts, "gate_up_proj", None)  # transformers 5: every expert's gate and up projections stacked
+    if isinstance(fused, torch.Tensor) and fused.dim() == 3 and not isinstance(experts, torch.nn.ModuleList):
+        w = fused[expert]
+        return _edited(w, _noised(w, amount, seed))
+    if not isinstance(experts, torch.nn.ModuleList):
+        raise ValueError(f"layer {layer}'s experts are one fused module without a stacked gate projection")
+    lin = _linear(experts[expert], ("w1", "gate_proj", "w3", "up_proj"), "gate projection", f"expert {expert}")
+    return _edited(lin.weight, _noised(lin.weight, amount, seed))
+
+
+def flip_shared(model, layer: int, fraction: float = 0.5) -> contextlib.AbstractContextManager:
+    """The first ``fraction`` of the shared experts' down projection (its hidden units) sign-flipped."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    shared = a.parts(layer).get("shared")
+    if shared is None:
+        raise ValueError(f"layer {layer} has no shared experts")
+    w = _linear(shared, ("w2", "down_proj"), "down projection", f"layer {layer}'s shared experts").weight
+    k = max(1, int(round(w.size(1) * fraction)))
+    return _edited(w, lambda t: t[:, :k].neg_())
+
+
+def noise_kv_weight(model, layer: int, amount: float = 1.0, seed: int = 0) -> contextlib.AbstractContextManager:
+    """Gaussian noise on one layer's key/value up-projection (MLA's ``wkv_b``) or value projection."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    lin = _linear(a.parts(layer)["attn"], ("wkv_b", "kv_b_proj", "v_proj", "value"), "key/value projection",
+                  f"layer {layer}'s attention")
+    return _edited(lin.weight, _noised(lin.weight, amount, seed))
+
 # -- the registry -------------------------------------------------------------------------------------------
 LAYER_ROWS = ("attn_block", "mlp_block", "resid")  # root-cause rows that name a whole layer
 
@@ -578,5 +658,20 @@ HELD_OUT: dict[str, FaultKind] = {k.name: k for k in [
               ("router", "mlp_block"), doc="Gaussian noise on one MoE layer's router weight"),
     FaultKind("kv_noise", lambda m, l, i, s: noise_kv(m, l, amount=s), None, "any", 0.5, ("kv_latent",), True,
               doc="every channel of one layer's cached KV latent multiplied by its own random factor"),
+    # added 2026-12-03 (session 14) as an outside check would: weight edits outside the experts' down projection.
+    # Measured once with the experts' and routers' known answers and before the attention's (16 on the demo model:
+    # 7 named; the heads' output weights 0 of 6); the attention's known answers came from those misses
+    FaultKind("head_weights_dead", lambda m, l, i, s: break_head_weights(m, l, i, scale=s), "head", "any", 0.0,
+              ("head",), doc="one head's columns of the output projection zeroed (its own output unchanged)"),
+    FaultKind("head_weights_noise", lambda m, l, i, s: break_head_weights(m, l, i, scale=1.0, noise=s), "head",
+              "any", 2.0, ("head",), doc="Gaussian noise on one head's columns of the output projection"),
+    FaultKind("query_noise", lambda m, l, i, s: noise_query(m, l, amount=s), None, "any", 1.0,
+              ("attn_block", "head"), True, doc="Gaussian noise on one layer's query projection"),
+    FaultKind("expert_up_noise", lambda m, l, i, s: noise_expert_up(m, l, i, amount=s), "expert", "moe", 2.0,
+              ("expert",), doc="Gaussian noise on one routed expert's gate projection"),
+    FaultKind("shared_flip", lambda m, l, i, s: flip_shared(m, l, fraction=s), None, "shared", 0.5,
+              ("shared_expert",), doc="half of the shared experts' down projection sign-flipped"),
+    FaultKind("kv_weight_noise", lambda m, l, i, s: noise_kv_weight(m, l, amount=s), None, "any", 1.0,
+              ("attn_block", "head", "kv_latent"), True, doc="Gaussian noise on one layer's key/value projection"),
 ]}
 ALL_KINDS: dict[str, FaultKind] = KINDS | HELD_OUT
