@@ -660,6 +660,8 @@ def _known_attention(a: Adapter, layer: int) -> dict[Key, torch.Tensor]:
             if not isinstance(lin, torch.nn.Linear):
                 continue
             leaf, w = name.split(".")[-1], lin.weight
+            if w.is_meta:  # offloaded (a device map's hooks bring it in only inside the model's own forward)
+                continue
             u = torch.from_numpy(np.random.RandomState(lin.in_features).standard_normal(
                 (KNOWN_INPUTS, lin.in_features))).to(w.device, w.dtype)
             if leaf in OUT_NAMES and lin.in_features % h_n == 0:
@@ -687,13 +689,10 @@ def _known_outputs(a: Adapter, layer: int, x: torch.Tensor,
     a dense layer's MLP module called on ``x`` (skipped where the module does not take a [N, D] input); ``experts``:
     only these routed experts (default: all)."""
     parts, out = a.parts(layer), {}
-    proj = _known_projection(x.size(-1))
 
     def held(y) -> torch.Tensor | None:
         y = y[0] if isinstance(y, tuple) else y
-        if not torch.is_tensor(y) or y.shape != x.shape:
-            return None
-        return torch.nan_to_num(y.detach().float().cpu(), nan=0.0) @ proj
+        return _held(y) if torch.is_tensor(y) and y.shape == x.shape else None
 
     with torch.no_grad():
         ex = parts.get("experts")
@@ -707,7 +706,7 @@ def _known_outputs(a: Adapter, layer: int, x: torch.Tensor,
                     if y is not None:
                         out[("expert", layer, None, e, "known")] = y
         w = getattr(parts.get("router"), "weight", None)  # the router's logits for every expert (not projected)
-        if torch.is_tensor(w) and w.dim() == 2 and w.size(1) == x.size(1):
+        if torch.is_tensor(w) and w.dim() == 2 and w.size(1) == x.size(1) and not w.is_meta:
             out[("router", layer, None, None, "known")] = (x.to(w.device, w.dtype) @ w.T).float().cpu()
         mods = {"shared_expert": parts.get("shared")}
         if layer not in a.summary.moe_layers:
