@@ -424,17 +424,26 @@ the clean model's own output on a known input (a stored forward of one token): i
 position passes through, and nothing on a run beginning with another token. Also: an expert that outputs
 nothing (its own contribution far past anything clean); an unusual MoE block with the one expert of its layer
 whose removal moves the token; a layer row ranks beside its most unusual part, near ties the earlier layer
-first. Where it still misses: an expert that computes the wrong function at its usual size (half its output
-projection sign-flipped, a swapped or a weakened expert: its outputs keep a clean size and spread; only a
-reference shows the change); a 2-token context, where one position's statistics are weak and a rare pair of
-tokens ranks first. The rules were chosen while looking at this evaluation's misses and at seed 2's (the 2-token
-bucket, the corroborated expert, the bias and rival rows, after seeing their misses): read those rates as
-optimistic; the sections "alone only, seed 5" and "held-out kinds" are the check. faults.HELD_OUT: expert_noise,
-router_heat and attn_shift were made before session 12's rules were tried on them; the other eight on 2026-12-03
-and measured once before any rule looked at them (demo seed 0, alone, a swap naming its index only: 17 of 23;
-tiny Mixtral 18 of 24); their misses then led to the layer-row turns, the earlier-layer tie rule, OWN_ALONE_Z
-(dead_expert), behind_block (expert_swap) and the "alone" output row: read held-out seed 0 as partly tuned too.
-Counts are small: a rate is k of n."""
+first. Known answers (since 2026-12-03 afternoon): each routed expert, shared expert, dense MLP, router weight and
+attention linear map (head by head where its rows or columns are per head) is run on a few fixed inputs and
+compared with what the profile holds; a component that answers otherwise is named (60 nats) and caps what is
+unusual after it. This names any weight edit of those components (a sign-flipped, swapped or noisy expert, a
+pushed or noisy router row, a head's output weights), provided the profile was made from the good weights in the
+same dtype; a profile made from the faulty model, or a fault outside the weights (a mixing weight, the cache,
+the residual), leaves it to the statistics above. Where it still misses: an expert whose mixing weight is scaled
+x4 (weak_expert: 6 of 9 on the demo model over three seeds, 14 of 18 in all); a 2-token context, where one position's statistics are weak and
+a rare pair of tokens ranks first; rotary scaling on the tiny DeepSeek-V3 / Qwen2-MoE (2 of 3). The rules were
+chosen while looking at this evaluation's misses and at seed 2's (the 2-token bucket, the corroborated expert,
+the bias and rival rows, after seeing their misses): read those rates as optimistic; the sections "alone only,
+seed 5" and "held-out kinds" are the check. faults.HELD_OUT: expert_noise, router_heat and attn_shift were made
+before session 12's rules were tried on them; eight more on 2026-12-03 morning, measured once before any rule
+looked at them (demo seed 0, alone, a swap naming its index only: 17 of 23; tiny Mixtral 18 of 24); their misses
+then led to the layer-row turns, the earlier-layer tie rule, OWN_ALONE_Z (dead_expert), behind_block
+(expert_swap) and the "alone" output row. The last six (weight edits of a head's output columns, the query and
+key/value projections, an expert's gate projection, the shared experts' down projection) were written as an
+outside check would, after the experts' known answers and before the attention's: 7 of 16 named then on the demo
+model (a head's output weights 0 of 6); the attention's known answers came from those misses. Read held-out seed
+0 as partly tuned too. Counts are small: a rate is k of n."""
 
 TINY_NOTES = """How to read it: as for the demo model (a profile and an activation profile for "alone" calibrated on
 `--calibration` prompts the faults are not drawn on: the script's 8, then data/prompts/calibration.jsonl's, each cut at
