@@ -395,3 +395,25 @@ def test_known_answers_name_an_expert_whose_weights_changed(tiny, prof):
                                     .otherwise(pl.col("signal")).alias("signal"))
     with faults.ALL_KINDS["expert_flip"](tiny, layer, index=e):  # a profile of another dtype is not compared
         assert _known(tiny, ids, other_dtype) == {}
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3"])
+def test_known_answers_in_transformers_families(family):
+    """The known answers hold in transformers families too (fused or per-module experts, MLA or GQA attention): the
+    clean model answers exactly, a sign-flipped expert and a head whose output weights are zeroed are named."""
+    pytest.importorskip("transformers")
+    from workbench.capture.tiny import tiny_family  # lazy: transformers is optional
+
+    torch.manual_seed(0)
+    a = adapter_for(tiny_family(family))
+    prof = activations.build(a, _prompts(6, 20, seed=3))
+    held = prof.filter(pl.col("signal").str.starts_with("known"))
+    assert {"expert", "router", "head"} <= set(held["kind"]), set(held["kind"])
+    ids = _prompts(1, 16, seed=9)[0]
+    assert _known(a, ids, prof) == {}
+    layer = a.summary.moe_layers[0]
+    e = int(activations.capture(a, ids)[0][("route", layer, None, None, "indices")][1:].flatten()[0])
+    with faults.KINDS["expert_flip"](a, layer, index=e):
+        assert _known(a, ids, prof) == {("expert", layer, None, e, None): activations.KNOWN_NATS}
+    with faults.HELD_OUT["head_weights_dead"](a, layer, index=1):
+        assert _known(a, ids, prof) == {("head", layer, 1, None, None): activations.KNOWN_NATS}
