@@ -734,16 +734,15 @@ def _known_cells(a: Adapter, prompts: list[list[int]], captured: list[dict]) -> 
     for layer in range(a.summary.n_layers):
         xs = [got[("mlp_norm", layer, None, None, "out")][len(ids) // 2] for got, ids in zip(captured, prompts)
               if ("mlp_norm", layer, None, None, "out") in got][:KNOWN_INPUTS]
-        if not xs:
-            continue
-        x = torch.stack(xs).float()
-        first = _known_outputs(a, layer, x) | _known_attention(a, layer)
-        again = _known_outputs(a, layer, x) | _known_attention(a, layer)
+        x = torch.stack(xs).float() if xs else None  # no MLP input norm read (a parallel block): attention only
+        first = (_known_outputs(a, layer, x) if x is not None else {}) | _known_attention(a, layer)
+        again = (_known_outputs(a, layer, x) if x is not None else {}) | _known_attention(a, layer)
         kept = {k: y for k, y in first.items() if k in again and _known_dev(again[k], y) <= KNOWN_TOL / 10}
         if not kept:
             continue
-        rows.append(base | {"kind": "known_input", "layer": layer, "head": None, "expert": None, "signal": "in",
-                            "n": x.size(0), "mean": x.flatten().tolist()})
+        if x is not None and any(not k[4].startswith("known:") for k in kept):
+            rows.append(base | {"kind": "known_input", "layer": layer, "head": None, "expert": None, "signal": "in",
+                                "n": x.size(0), "mean": x.flatten().tolist()})
         rows += [base | {"kind": k[0], "layer": k[1], "head": k[2], "expert": k[3], "signal": k[4],
                          "n": y.size(0), "mean": y.flatten().tolist()} for k, y in kept.items()]
     return rows
@@ -764,18 +763,18 @@ def _known_evidence(a: Adapter, got: dict, prof: pl.DataFrame) -> dict[tuple, fl
     made = prof.filter(pl.col("kind") == "first_check")["signal"].to_list()
     if made != [str(a.dtype).split(".")[-1]]:
         return {}
-    inputs = prof.filter(pl.col("kind") == "known_input")
+    inputs = {r["layer"]: r for r in prof.filter(pl.col("kind") == "known_input").iter_rows(named=True)}
     cells = prof.filter(pl.col("signal").str.starts_with("known"))
     off: dict[tuple, float] = {}
-    for r in inputs.iter_rows(named=True):
-        layer, n = r["layer"], r["n"]
+    for layer in sorted(set(cells["layer"].drop_nulls().to_list())):
         mine = cells.filter(pl.col("layer") == layer)
-        if not mine.height or n < 1:
-            continue
-        x = torch.tensor(r["mean"], dtype=torch.float32).view(n, -1)
         idx = got.get(("route", layer, None, None, "indices"))
         chosen = set(idx.unique().tolist()) if idx is not None else set()
-        now = _known_outputs(a, layer, x, sorted(chosen))
+        r = inputs.get(layer)
+        now = {}
+        if r is not None and r["n"] >= 1:
+            now = _known_outputs(a, layer, torch.tensor(r["mean"], dtype=torch.float32).view(r["n"], -1),
+                                 sorted(chosen))
         if mine["signal"].str.starts_with("known:").any():
             now |= _known_attention(a, layer)
         heads: dict[str, dict[int, float]] = {}  # a per-head map: the heads whose part of it differs
