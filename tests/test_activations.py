@@ -417,3 +417,26 @@ def test_known_answers_in_transformers_families(family):
         assert _known(a, ids, prof) == {("expert", layer, None, e, None): activations.KNOWN_NATS}
     with faults.HELD_OUT["head_weights_dead"](a, layer, index=1):
         assert _known(a, ids, prof) == {("head", layer, 1, None, None): activations.KNOWN_NATS}
+
+
+def test_what_a_known_fault_changes_after_it_is_no_finding_of_its_own():
+    """On the demo model, a head whose output weights are zeroed changes its layer's attention block and MLP input at
+    position 0 (the first-position check sees them, 30 nats each, warnings by themselves): under the head's known
+    answer they are its consequences, suspects for root cause but no warning rows."""
+    from pathlib import Path
+
+    from workbench.capture.adapters import load_adapter
+    from workbench.model import load_tokenizer
+
+    demo = Path(activations.BUNDLED).parent
+    a = load_adapter(demo)
+    prof = pl.read_parquet(activations.BUNDLED)
+    ids = load_tokenizer(demo / "tokenizer.json").encode("def fibonacci(n):\n    if n < 2:\n").ids
+    assert activations.anomaly_rows(a, ids, prof) == []
+    with faults.HELD_OUT["head_weights_dead"](a, 3, index=2):
+        why: dict = {}
+        ev = dict(activations.evidence(a, ids, prof, signals=why))
+        rows = activations.anomaly_rows(a, ids, prof)
+    assert [(r["layer"], r["head"], r["severity"]) for r in rows] == [(3, 2, "critical")], rows
+    assert why[("attn_block", 3, None, None, None)] == "first"  # seen, and kept as a suspect under the cap
+    assert 0 < abs(ev[("attn_block", 3, None, None, None)]) <= activations.KNOWN_AFTER

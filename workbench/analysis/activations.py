@@ -58,7 +58,8 @@ maps are held the same way on fixed standard-normal inputs (``_known_attention``
 the output projection's columns and a query or per-head KV projection's rows head by head (a ``head`` row; every
 head of one map differing: the ``attn_block``), MLA's KV latent projection as ``kv_latent``, any other map as the
 ``attn_block``. A component known to compute another function explains whatever is unusual after it on a token's
-path (``FLOW``: later layers, and later parts of its own), whatever its size: those rows are capped at half of it.
+path (``FLOW``: later layers, and later parts of its own), whatever its size: those rows are capped at
+``KNOWN_AFTER`` (still a suspect for root cause, no warning of its own).
 
 A run is scored on the context of one token (positions 1 .. pos - 1, every position the target's forward
 sees): each component's z of the log norm and of the deviation, averaged over the context, and at the last
@@ -625,6 +626,7 @@ KNOWN_DIMS = 16  # each output is held as its projection on this many fixed rand
 KNOWN_TOL = 0.05  # a projection off by this fraction of the clean one's RMS: the component computes another function
 KNOWN_FULL = 0.5  # off by this fraction or more: ``KNOWN_NATS``; in between, proportionally
 KNOWN_NATS = 60.0  # a component that no longer computes what it did when profiled (its weights or its code changed)
+KNOWN_AFTER = 10.0  # what is unusual after it on the token's path is its consequence: capped at this (under a warning)
 
 
 def _known_projection(d: int) -> torch.Tensor:
@@ -1057,12 +1059,13 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
     if known:  # and a component known to compute another function explains whatever is unusual after it, any size
         first = min(known, key=_flow)
         top = max(abs(v) for v in known.values())
+        up = min(top, 2 * KNOWN_AFTER)  # a consequence stays a suspect for root cause, no warning of its own
         for key in list(best):
             if key not in known and _flow(key) > _flow(first):
-                best[key] = _capped(best[key], top)
+                best[key] = _capped(best[key], up)
         for key, v in (experts or {}).items():
             if key not in known and _flow(key) > _flow(first):
-                experts[key] = _capped(v, top)
+                experts[key] = _capped(v, up)
     return list(best.items())
 
 
