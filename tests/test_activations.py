@@ -345,7 +345,8 @@ def test_known_answers_name_an_expert_whose_weights_changed(tiny, prof):
         activations.KNOWN_INPUTS * activations.KNOWN_DIMS]
     attn = prof.filter(pl.col("signal").str.starts_with("known:"))  # the attention's linear maps, head by head
     assert set(attn.filter(pl.col("kind") == "head")["head"]) == set(range(s.n_heads))
-    assert attn.filter(pl.col("kind") == "head").height == s.n_layers * s.n_heads * 3  # wo's columns, wq's, wkv_b's rows
+    # wo's columns, wq's and wkv_b's rows, head by head
+    assert attn.filter(pl.col("kind") == "head").height == s.n_layers * s.n_heads * 3
     assert attn.filter(pl.col("kind") == "kv_latent").height == s.n_layers  # wkv_a
     ids = _prompts(1, 30, seed=5)[0]  # a first token nobody profiled at position 0 is as good as any
     assert _known(tiny, ids, prof) == {}  # the clean model gives exactly the held answers
