@@ -94,6 +94,7 @@ own surprise that root cause reads, ``found["experts"]``, under the same two rul
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from datetime import datetime, timezone
@@ -629,6 +630,7 @@ KNOWN_NATS = 60.0  # a component that no longer computes what it did when profil
 KNOWN_AFTER = 10.0  # what is unusual after it on the token's path is its consequence: capped at this (under a warning)
 
 
+@functools.lru_cache(maxsize=64)
 def _known_projection(d: int) -> torch.Tensor:
     """The fixed directions the known answers are held on, [D, KNOWN_DIMS] (the same for every profile of width D,
     in every release: NumPy's legacy generator, whose stream is frozen)."""
@@ -644,6 +646,13 @@ def _held(y: torch.Tensor) -> torch.Tensor:
     """An answer [N, W] as held: projected on ``_known_projection`` where it is wider than ``KNOWN_DIMS``."""
     y = torch.nan_to_num(y.detach().float().cpu(), nan=0.0)
     return y @ _known_projection(y.size(1)) if y.size(1) > KNOWN_DIMS else y
+
+
+@functools.lru_cache(maxsize=64)
+def _known_unit_inputs(d: int) -> torch.Tensor:
+    """The fixed inputs of a linear map of input width D, [KNOWN_INPUTS, D] (standard normal, NumPy's frozen stream;
+    never written to: callers read it)."""
+    return torch.from_numpy(np.random.RandomState(d).standard_normal((KNOWN_INPUTS, d)))
 
 
 def _known_attention(a: Adapter, layer: int) -> dict[Key, torch.Tensor]:
@@ -664,8 +673,7 @@ def _known_attention(a: Adapter, layer: int) -> dict[Key, torch.Tensor]:
             leaf, w = name.split(".")[-1], lin.weight
             if w.is_meta:  # offloaded (a device map's hooks bring it in only inside the model's own forward)
                 continue
-            u = torch.from_numpy(np.random.RandomState(lin.in_features).standard_normal(
-                (KNOWN_INPUTS, lin.in_features))).to(w.device, w.dtype)
+            u = _known_unit_inputs(lin.in_features).to(w.device, w.dtype)
             if leaf in OUT_NAMES and lin.in_features % h_n == 0:
                 d = lin.in_features // h_n
                 for h in range(h_n):
