@@ -585,11 +585,16 @@ def _first_cells(a: Adapter, prompts: list[list[int]], captured: list[dict], cel
     return rows
 
 
+def _made_in(prof: pl.DataFrame, dtype: torch.dtype) -> bool:
+    """Whether the profile's exact outputs (first position, known answers) were made in ``dtype`` (its
+    ``first_check`` row): in another dtype the same weights round otherwise, so they are not compared."""
+    return prof.filter(pl.col("kind") == "first_check")["signal"].to_list() == [str(dtype).split(".")[-1]]
+
+
 def _first_evidence(got: dict, first: int, prof: pl.DataFrame, dtype: torch.dtype) -> dict[tuple, float]:
     """Components whose output at position 0 differs from the clean model's on the context's first token (only
     where the model runs in the dtype the profile was made in: another one rounds otherwise)."""
-    made = prof.filter(pl.col("kind") == "first_check")["signal"].to_list()
-    if made != [str(dtype).split(".")[-1]]:
+    if not _made_in(prof, dtype):
         return {}
     rows = prof.filter(pl.col("signal").str.ends_with(f":{first}") & pl.col("signal").str.starts_with("first:"))
     if rows.height == 0:
@@ -621,7 +626,8 @@ def _first_evidence(got: dict, first: int, prof: pl.DataFrame, dtype: torch.dtyp
             for key, v in off.items()}
 
 
-# known answers: each routed expert's, shared expert's and dense MLP's output on a few fixed inputs of its layer
+# known answers: each routed expert's, shared expert's, dense MLP's, router's and attention map's output on a few
+# fixed inputs of its layer (module doc)
 KNOWN_INPUTS = 4  # inputs per layer: the MoE or MLP block's input at the middle of the first calibration prompts
 KNOWN_DIMS = 16  # each output is held as its projection on this many fixed random directions (a profile stays small)
 KNOWN_TOL = 0.05  # a projection off by this fraction of the clean one's RMS: the component computes another function
@@ -638,7 +644,8 @@ def _known_projection(d: int) -> torch.Tensor:
 
 
 OUT_NAMES = ("o_proj", "out_proj", "wo", "dense")  # an attention's output projection: its columns are per head
-HEAD_ROWS = ("q_proj", "wq", "wq_b", "wkv_b", "q_b_proj", "kv_b_proj", "query")  # projections whose rows are per head, head by head
+# projections whose rows are per head, head by head
+HEAD_ROWS = ("q_proj", "wq", "wq_b", "wkv_b", "q_b_proj", "kv_b_proj", "query")
 LATENT_NAMES = ("wkv_a", "kv_a_proj_with_mqa")  # MLA's shared KV latent: the ``kv_latent`` component
 
 
@@ -770,8 +777,7 @@ def _known_evidence(a: Adapter, got: dict, prof: pl.DataFrame) -> dict[tuple, fl
     """Components of the context's path whose output on their layer's fixed inputs differs from the clean model's
     (only where the model runs in the dtype the profile was made in): ``KNOWN_NATS`` times how far off, up to all
     of it. A routed expert counts only where some context position chose it (else it took no part)."""
-    made = prof.filter(pl.col("kind") == "first_check")["signal"].to_list()
-    if made != [str(a.dtype).split(".")[-1]]:
+    if not _made_in(prof, a.dtype):
         return {}
     inputs = {r["layer"]: r for r in prof.filter(pl.col("kind") == "known_input").iter_rows(named=True)}
     cells = prof.filter(pl.col("signal").str.starts_with("known"))
@@ -790,9 +796,7 @@ def _known_evidence(a: Adapter, got: dict, prof: pl.DataFrame) -> dict[tuple, fl
         heads: dict[str, dict[int, float]] = {}  # a per-head map: the heads whose part of it differs
         for c in mine.iter_rows(named=True):
             k = (c["kind"], layer, c["head"], c["expert"], c["signal"])
-            if k not in now or (c["kind"] == "expert" and c["expert"] not in chosen):
-                continue
-            if now[k].numel() != len(c["mean"]):
+            if k not in now or now[k].numel() != len(c["mean"]):  # an expert no position chose: not run, not in now
                 continue
             dev = _known_dev(now[k], torch.tensor(c["mean"]).view(now[k].shape))
             if dev <= KNOWN_TOL:
@@ -803,12 +807,13 @@ def _known_evidence(a: Adapter, got: dict, prof: pl.DataFrame) -> dict[tuple, fl
                 continue
             key = (c["kind"], layer, c["head"], c["expert"], None)
             off[key] = max(off.get(key, 0.0), nats)
-        for signal, got_h in heads.items():  # every head's part of one map differs: the map, i.e. the block
+        for signal, got_h in heads.items():
             n_h = mine.filter((pl.col("kind") == "head") & (pl.col("signal") == signal)).height
-            keys = [("head", layer, h, None, None) for h in got_h] if len(got_h) < n_h or n_h < 2 else [
-                ("attn_block", layer, None, None, None)]
-            for key in keys:
-                off[key] = max(off.get(key, 0.0), max(got_h.values()) if key[0] == "attn_block" else got_h[key[2]])
+            if n_h >= 2 and len(got_h) == n_h:  # every head's part of one map differs: the map, i.e. the block
+                got_h = {None: max(got_h.values())}
+            for h, nats in got_h.items():
+                key = ("head", layer, h, None, None) if h is not None else ("attn_block", layer, None, None, None)
+                off[key] = max(off.get(key, 0.0), nats)
     return off
 
 
@@ -1031,8 +1036,6 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
             put(("rotary", layer, None, None, None), _signed_nats(nats, 1.0))
     for key, v in firsts.items():  # after the statistics (an expert behind a block reads only those)
         put(key, v, "first")
-    for key, v in known.items():
-        put(key, v, "known")
     size = {}  # (kind, layer) -> the largest |surprise| of that kind in that layer (any head or expert)
     for key, v in best.items():
         size[key[:2]] = max(size.get(key[:2], 0.0), abs(v))
