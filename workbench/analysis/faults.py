@@ -243,6 +243,13 @@ def _edited_all(tensors: list[torch.Tensor], edit: Callable[[torch.Tensor], None
         yield
 
 
+def _noised(w: torch.Tensor, amount: float, seed: int) -> Callable[[torch.Tensor], None]:
+    """An edit for ``_edited``: add Gaussian noise of standard deviation ``amount`` times the tensor's RMS (the noise
+    drawn now, from ``seed``, in ``w``'s shape)."""
+    noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(seed)).to(w)
+    return lambda t: t.add_(amount * t.float().pow(2).mean().sqrt().to(t) * noise)
+
+
 def flip_expert(model, layer: int, expert: int, fraction: float = 0.5) -> contextlib.AbstractContextManager:
     """Flip the sign of the first ``fraction`` of one routed expert's down projection (its hidden units)."""
     a = adapter_for(model)
@@ -327,11 +334,7 @@ def noise_expert(model, layer: int, expert: int, amount: float = 1.0,
     a = adapter_for(model)
     _check_moe(a, layer, expert)
     w = a.expert_down(layer, expert)
-    noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(seed)).to(w)
-
-    def edit(t: torch.Tensor) -> None:
-        t.add_(amount * t.float().pow(2).mean().sqrt().to(t) * noise)
-    return _edited(w, edit)
+    return _edited(w, _noised(w, amount, seed))
 
 
 def heat_router(model, layer: int, scale: float = 4.0) -> contextlib.AbstractContextManager:
@@ -420,9 +423,7 @@ def noise_router(model, layer: int, amount: float = 1.0, seed: int = 0) -> conte
     router = a.parts(layer)["router"]
     if router is None or not isinstance(getattr(router, "weight", None), torch.Tensor):
         raise ValueError(f"layer {layer} has no router weight (MoE layers are {a.summary.moe_layers})")
-    w = router.weight
-    noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(seed)).to(w)
-    return _edited(w, lambda t: t.add_(amount * t.float().pow(2).mean().sqrt().to(t) * noise))
+    return _edited(router.weight, _noised(router.weight, amount, seed))
 
 
 def noise_kv(model, layer: int, amount: float = 1.0, seed: int = 0) -> contextlib.AbstractContextManager:
@@ -448,11 +449,6 @@ def _linear(module, names: tuple[str, ...], what: str, where: str) -> torch.nn.L
     raise ValueError(f"{where} has no {what} ({' / '.join(names)})")
 
 
-def _noised(w: torch.Tensor, amount: float, seed: int) -> Callable[[torch.Tensor], None]:
-    noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(seed)).to(w)
-    return lambda t: t.add_(amount * t.float().pow(2).mean().sqrt().to(t) * noise)
-
-
 def break_head_weights(model, layer: int, head: int, scale: float = 0.0, noise: float = 0.0,
                        seed: int = 0) -> contextlib.AbstractContextManager:
     """One head's columns of the attention's output projection multiplied by ``scale``, plus Gaussian noise
@@ -466,8 +462,13 @@ def break_head_weights(model, layer: int, head: int, scale: float = 0.0, noise: 
         raise ValueError(f"head {head}: layer {layer}'s output projection is not {h_n} heads side by side")
     d = lin.in_features // h_n
     cols = lin.weight[:, head * d:(head + 1) * d]
-    add = _noised(cols, noise, seed)
-    return _edited(cols, lambda t: (t.mul_(scale), add(t) if noise else None))
+    add = _noised(cols, noise, seed) if noise else None
+
+    def edit(t: torch.Tensor) -> None:
+        t.mul_(scale)
+        if add is not None:
+            add(t)
+    return _edited(cols, edit)
 
 
 def noise_query(model, layer: int, amount: float = 1.0, seed: int = 0) -> contextlib.AbstractContextManager:
