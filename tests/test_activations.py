@@ -209,6 +209,25 @@ def test_an_older_bundled_profile_in_a_database_is_replaced_by_the_current_one(t
     assert activations.load(db, sha).height == 5
 
 
+def test_a_profile_is_read_once_per_process_until_it_is_replaced(tmp_path):
+    """The detectors judge every recording against the model's profiles: each is read and prepared once per
+    process and database, and read again when `workbench profile` replaces it (same row count or not)."""
+    rows = pl.read_parquet(activations.BUNDLED).head(7).drop("checkpoint_sha256", "created_at", "source")
+    db = workbench.Store(tmp_path / "p.duckdb")
+    activations.save(db, "abc", rows.head(5), '{"prompts": "mine.jsonl", "runs": 5}')
+    first = activations.load(db, "abc")
+    assert activations.load(db, "abc") is first and first.height == 5
+    assert activations._prepared(first) is activations._prepared(first)
+    activations.save(db, "abc", rows.tail(5), '{"prompts": "mine.jsonl", "runs": 5}')
+    again = activations.load(db, "abc")
+    assert again is not first and sorted(map(tuple, again["mean"].to_list())) == sorted(
+        map(tuple, rows.tail(5)["mean"].to_list())) != sorted(map(tuple, first["mean"].to_list()))
+    assert activations._prepared(again) is not activations._prepared(first)
+    Baseline = workbench.analysis.anomalies.Baseline
+    assert Baseline.of(first) is Baseline.of(first) and Baseline.of(again) is not Baseline.of(first)
+    assert Baseline.of(None).profile is None
+
+
 def _first_signals(model, ids, prof) -> dict:
     why: dict = {}
     ev = dict(activations.evidence(model, ids, prof, signals=why))

@@ -585,10 +585,72 @@ def _first_cells(a: Adapter, prompts: list[list[int]], captured: list[dict], cel
     return rows
 
 
+class _Prepared:
+    """A profile's rows the way ``evidence`` reads them, selected and converted once per profile object: ``load``
+    hands out the same object while the stored profile is unchanged, so the detectors after every recording (and
+    root cause, token after token) do not filter and convert the same rows again."""
+
+    def __init__(self, prof: pl.DataFrame):
+        self.prof = prof
+        self.made_in = prof.filter(pl.col("kind") == "first_check")["signal"].to_list()
+        check = prof.filter(pl.col("kind") == "router_check")
+        self.trusted = check.height == 0 or int(check["n"][0]) == 0  # clean routing agreed with RouterMath
+        self.known_inputs = {r["layer"]: r for r in prof.filter(pl.col("kind") == "known_input").iter_rows(named=True)}
+        self.known: dict[int, list[dict]] = {}  # layer -> its known-answer cells
+        for r in prof.filter(pl.col("signal").str.starts_with("known")).iter_rows(named=True):
+            if r["layer"] is not None:
+                self.known.setdefault(r["layer"], []).append(r)
+        rest = prof.filter(~pl.col("signal").str.starts_with("first:") & ~pl.col("kind").is_in(["first_check",
+                                                                                              "known_input"])
+                           & ~pl.col("signal").str.starts_with("known"))
+        self.rest = [((r["kind"], r["layer"], r["head"], r["expert"], r["signal"]), r)
+                     for r in rest.iter_rows(named=True)]
+        self.mlp_block = [r for k, r in self.rest if k[0] == "mlp_block"]
+        self.unembed_rows = next((r for k, r in self.rest if k[0] == "unembed_rows"), None)
+        self._firsts: dict[int, list[dict]] = {}
+        self._spread: dict | None = None
+        self._tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id of a row of ``rest`` (held here)
+
+    def firsts(self, token: int) -> list[dict]:
+        """The ``first:`` cells of a context whose first token is ``token``."""
+        if token not in self._firsts:
+            if len(self._firsts) > 256:
+                self._firsts.clear()
+            self._firsts[token] = list(self.prof.filter(pl.col("signal").str.ends_with(f":{token}")
+                                                        & pl.col("signal").str.starts_with("first:")).iter_rows(named=True))
+        return self._firsts[token]
+
+    def spread(self) -> dict:
+        """(kind, layer, head, expert, signal) -> the clean per-dimension std of each ``out`` / ``logit`` cell."""
+        if self._spread is None:
+            self._spread = {(r["kind"], r["layer"], r["head"], r["expert"], r["signal"]): r["std"]
+                            for r in self.prof.filter(pl.col("signal").is_in(["out", "logit"])).select(
+                                "kind", "layer", "head", "expert", "signal", "std").iter_rows(named=True)}
+        return self._spread
+
+    def tensors(self, r: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """One of ``rest``'s cells' mean and std as tensors (``_cell_tensors``), converted on first use."""
+        if id(r) not in self._tensors:
+            self._tensors[id(r)] = _cell_tensors(r)
+        return self._tensors[id(r)]
+
+
+_PREPARED: dict[int, _Prepared] = {}  # id(profile) -> its _Prepared (which holds the profile: the id stays its own)
+
+
+def _prepared(prof: pl.DataFrame) -> _Prepared:
+    hit = _PREPARED.get(id(prof))
+    if hit is None or hit.prof is not prof:
+        if len(_PREPARED) >= 8:
+            _PREPARED.pop(next(iter(_PREPARED)))
+        hit = _PREPARED[id(prof)] = _Prepared(prof)
+    return hit
+
+
 def _made_in(prof: pl.DataFrame, dtype: torch.dtype) -> bool:
     """Whether the profile's exact outputs (first position, known answers) were made in ``dtype`` (its
     ``first_check`` row): in another dtype the same weights round otherwise, so they are not compared."""
-    return prof.filter(pl.col("kind") == "first_check")["signal"].to_list() == [str(dtype).split(".")[-1]]
+    return _prepared(prof).made_in == [str(dtype).split(".")[-1]]
 
 
 def _first_evidence(got: dict, first: int, prof: pl.DataFrame, dtype: torch.dtype) -> dict[tuple, float]:
@@ -596,14 +658,13 @@ def _first_evidence(got: dict, first: int, prof: pl.DataFrame, dtype: torch.dtyp
     where the model runs in the dtype the profile was made in: another one rounds otherwise)."""
     if not _made_in(prof, dtype):
         return {}
-    rows = prof.filter(pl.col("signal").str.ends_with(f":{first}") & pl.col("signal").str.starts_with("first:"))
-    if rows.height == 0:
+    prep = _prepared(prof)
+    rows = prep.firsts(first)
+    if not rows:
         return {}
-    spread = {(r["kind"], r["layer"], r["head"], r["expert"], r["signal"]): r["std"]
-              for r in prof.filter(pl.col("signal").is_in(["out", "logit"])).select(
-                  "kind", "layer", "head", "expert", "signal", "std").iter_rows(named=True)}
+    spread = prep.spread()
     off: dict[tuple, float] = {}
-    for r in rows.iter_rows(named=True):
+    for r in rows:
         signal = r["signal"].split(":")[1]
         k = (r["kind"], r["layer"], r["head"], r["expert"], signal)
         y = got.get(k)
@@ -779,11 +840,11 @@ def _known_evidence(a: Adapter, got: dict, prof: pl.DataFrame) -> dict[tuple, fl
     of it. A routed expert counts only where some context position chose it (else it took no part)."""
     if not _made_in(prof, a.dtype):
         return {}
-    inputs = {r["layer"]: r for r in prof.filter(pl.col("kind") == "known_input").iter_rows(named=True)}
-    cells = prof.filter(pl.col("signal").str.starts_with("known"))
+    prep = _prepared(prof)
+    inputs = prep.known_inputs
     off: dict[tuple, float] = {}
-    for layer in sorted(set(cells["layer"].drop_nulls().to_list())):
-        mine = cells.filter(pl.col("layer") == layer)
+    for layer in sorted(prep.known):
+        mine = prep.known[layer]
         idx = got.get(("route", layer, None, None, "indices"))
         chosen = set(idx.unique().tolist()) if idx is not None else set()
         r = inputs.get(layer)
@@ -791,10 +852,10 @@ def _known_evidence(a: Adapter, got: dict, prof: pl.DataFrame) -> dict[tuple, fl
         if r is not None and r["n"] >= 1:
             now = _known_outputs(a, layer, torch.tensor(r["mean"], dtype=torch.float32).view(r["n"], -1),
                                  sorted(chosen))
-        if mine["signal"].str.starts_with("known:").any():
+        if any(c["signal"].startswith("known:") for c in mine):
             now |= _known_attention(a, layer)
         heads: dict[str, dict[int, float]] = {}  # a per-head map: the heads whose part of it differs
-        for c in mine.iter_rows(named=True):
+        for c in mine:
             k = (c["kind"], layer, c["head"], c["expert"], c["signal"])
             if k not in now or now[k].numel() != len(c["mean"]):  # an expert no position chose: not run, not in now
                 continue
@@ -808,7 +869,7 @@ def _known_evidence(a: Adapter, got: dict, prof: pl.DataFrame) -> dict[tuple, fl
             key = (c["kind"], layer, c["head"], c["expert"], None)
             off[key] = max(off.get(key, 0.0), nats)
         for signal, got_h in heads.items():
-            n_h = mine.filter((pl.col("kind") == "head") & (pl.col("signal") == signal)).height
+            n_h = sum(c["kind"] == "head" and c["signal"] == signal for c in mine)
             if n_h >= 2 and len(got_h) == n_h:  # every head's part of one map differs: the map, i.e. the block
                 got_h = {None: max(got_h.values())}
             for h, nats in got_h.items():
@@ -817,9 +878,9 @@ def _known_evidence(a: Adapter, got: dict, prof: pl.DataFrame) -> dict[tuple, fl
     return off
 
 
-def _row_z(logits: torch.Tensor, cell: dict) -> torch.Tensor:
+def _row_z(logits: torch.Tensor, cell: dict, ms: tuple | None = None) -> torch.Tensor:
     """Per vocabulary token: the mean over positions of |z| of its logit ([T, V] -> [V])."""
-    mu, sd = torch.as_tensor(cell["mean"]), torch.as_tensor(cell["std"]).clamp_min(1e-6)
+    mu, sd = ms if ms is not None else _cell_tensors(cell)
     return ((logits - mu) / sd).abs().mean(0)
 
 
@@ -857,27 +918,47 @@ def save(store, sha: str, rows: pl.DataFrame, source: str) -> int:
 
 
 def load(store, sha: str | None) -> pl.DataFrame | None:
-    """The model's activation profile, or None (the bundled demo's is copied in on first use)."""
+    """The model's activation profile, or None (the bundled demo's is copied in on first use). The rows are read
+    once per process and database while the stored profile stays the same (its row count, newest ``created_at``
+    and source): the detectors judge every recording against it."""
     if not sha:
         return None
+    key = (str(getattr(store, "path", id(store))), sha)
+    stamp = _stamp(store, sha)
+    cached = _LOADED.get(key)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
     got = query.activation_profile(store, sha)
-    stale = got.height and BUNDLED.exists() and _from_bundle(store, sha)  # an older release's bundled rows
+    stale = got.height and BUNDLED.exists() and _from_bundle(stamp)  # an older release's bundled rows
     if (got.height == 0 or stale) and BUNDLED.exists():
         bundled = pl.read_parquet(BUNDLED)
         if stale and bundled["source"][0] == stale:
+            _LOADED[key] = (stamp, got)
             return got
         if bundled.height and bundled["checkpoint_sha256"][0] == sha:
             if getattr(store, "read_only", False):
                 return bundled
             store.replace_rows("activation_profiles", {"checkpoint_sha256": sha}, bundled)
             got = query.activation_profile(store, sha)
-    return got if got.height else None
+            stamp = _stamp(store, sha)
+    out = got if got.height else None
+    _LOADED[key] = (stamp, out)
+    return out
 
 
-def _from_bundle(store, sha: str) -> str | None:
+_LOADED: dict[tuple[str, str], tuple] = {}  # (db, sha) -> (stamp, rows)
+
+
+def _stamp(store, sha: str) -> tuple:
+    """What changes when a model's activation profile is replaced: (rows, newest created_at, source)."""
+    got = store.sql("SELECT count(*) AS n, max(created_at) AS t, any_value(source) AS s FROM activation_profiles "
+                    "WHERE checkpoint_sha256 = ?", [sha])
+    return tuple(got.row(0)) if got.height else (0, None, None)
+
+
+def _from_bundle(stamp: tuple) -> str | None:
     """The stored profile's source when it was copied from a bundled file (not made by ``workbench profile``)."""
-    got = store.sql("SELECT any_value(source) AS s FROM activation_profiles WHERE checkpoint_sha256 = ?", [sha])
-    src = got["s"][0] if got.height else None
+    src = stamp[2]
     return src if src and BUNDLE_SOURCE in src else None
 
 
@@ -933,8 +1014,8 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
             best[key] = v
             why[key] = signal
 
-    check = prof.filter(pl.col("kind") == "router_check") if prof is not None else None
-    trusted = check is None or check.height == 0 or int(check["n"][0]) == 0  # clean routing agreed with RouterMath
+    prep = _prepared(prof) if prof is not None else None
+    trusted = prep is None or prep.trusted  # clean routing agreed with RouterMath
     for layer, m in lost.items() if trusted else ():
         bad = m.any(1)  # positions whose experts differ from the router's own choice (exact: position 0 too)
         if bad.any():
@@ -945,14 +1026,10 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
     if prof is not None and len(ids) >= 1:
         firsts = _first_evidence(got, int(ids[0]), prof, a.dtype)
         known = _known_evidence(a, got, prof)
-        prof = prof.filter(~pl.col("signal").str.starts_with("first:") & ~pl.col("kind").is_in(["first_check",
-                                                                                               "known_input"])
-                           & ~pl.col("signal").str.starts_with("known"))
     if prof is not None and len(ids) >= 2:
         zs: dict[tuple, tuple[float, float]] = {}  # component -> (|z|, sign)
         positional: dict[int, list[float]] = {}
-        for r in prof.iter_rows(named=True):
-            k = (r["kind"], r["layer"], r["head"], r["expert"], r["signal"])
+        for k, r in prep.rest:  # the statistics' cells (not the exact ones above)
             y = got.get(k)
             if y is None or y.size(0) < 2 or len(r["mean"]) != y.size(1):
                 continue
@@ -968,7 +1045,7 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
                     zs[k] = (abs(run_l), run_l)
                 continue
             if _scalar(k[0], k[4]):  # the context's mean z, against clean contexts of this length
-                run_l = (float(_value_z(y[1:], r).mean()) - r["run_norm_mean"][b]) / r["run_norm_std"][b]
+                run_l = (float(_value_z(y[1:], r, prep.tensors(r)).mean()) - r["run_norm_mean"][b]) / r["run_norm_std"][b]
                 zs[k] = (abs(run_l), run_l)
                 if k[4] in ("pos_distance", "prev_weight"):
                     positional.setdefault(k[1], []).append(run_l)
@@ -976,7 +1053,7 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
             seen = ~torch.isnan(y[1:, 0])  # an expert's rows: the positions that chose it; others: every one
             if not seen.any():
                 continue
-            zl, zd = _zs(y[1:][seen], r)
+            zl, zd = _zs(y[1:][seen], r, prep.tensors(r))
             if k[0] == "embed":  # one token's row: the most unusual position, Bonferroni over the context
                 p = int(zl.abs().argmax())
                 seen = r["run_dev_mean"][0] if r["run_dev_mean"] else 0.0
@@ -986,11 +1063,10 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
                 put(("embed", None, None, None, p + 1), _signed_nats(nats, float(zl[p])))
                 continue
             if k[0] == "unembed":  # one token's output row: its logit off all along, Bonferroni over the vocabulary
-                spread = prof.filter(pl.col("kind") == "unembed_rows")
-                if spread.height:
-                    sr = spread.row(0, named=True)
+                sr = prep.unembed_rows
+                if sr is not None:
                     rb = run_bucket(len(ids), len(sr["run_norm_mean"]))
-                    zr = (_row_z(y[1:], r) - sr["run_norm_mean"][rb]) / sr["run_norm_std"][rb]
+                    zr = (_row_z(y[1:], r, prep.tensors(r)) - sr["run_norm_mean"][rb]) / sr["run_norm_std"][rb]
                     top2 = zr.topk(min(2, zr.numel())).values
                     beyond = BEYOND * sr["run_dev_mean"][rb]  # every calibration token's z, and then some
                     # one row alone beyond it: an output row gone wrong moves its own token's logit only; a hidden
@@ -1018,7 +1094,7 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
                 put((k[0], k[1], k[2], k[3], None), nats, k[4])
             if k[0] == "expert" and experts is not None:  # heavy-tailed (a few positions each): for root cause
                 experts[(k[0], k[1], k[2], k[3], None)] = nats
-        for r in prof.filter(pl.col("kind") == "mlp_block").iter_rows(named=True):  # the expert behind a block
+        for r in prep.mlp_block:  # the expert behind a block
             nats = best.get(("mlp_block", r["layer"], None, None, None), 0.0)
             idx = got.get(("route", r["layer"], None, None, "indices"))
             if abs(nats) >= BLOCK_NATS and idx is not None:
@@ -1027,7 +1103,7 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
                 if len(mine) >= 2 and mine[0][0] >= OWN_Z and mine[0][0] >= 2 * mine[1][0]:
                     e = mine[0][1]  # one expert's own contribution is far more unusual than any other's
                 elif abs(nats) >= EXPLAINS:  # else, in a clearly unusual block, the expert whose positions carry it
-                    zl, zd = _zs(got[("mlp_block", r["layer"], None, None, "out")][1:], r)
+                    zl, zd = _zs(got[("mlp_block", r["layer"], None, None, "out")][1:], r, prep.tensors(r))
                     e = expert_behind(idx[1:], torch.maximum(zl.abs(), zd))
                 if e is not None:
                     put(("expert", r["layer"], None, e, None), math.copysign(abs(nats) + 1.0, nats), "behind")

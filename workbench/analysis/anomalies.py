@@ -164,6 +164,19 @@ class Baseline:
     def __post_init__(self):
         self._cells: dict[tuple[str, int], pl.DataFrame] = {}
 
+    @classmethod
+    def of(cls, profile: pl.DataFrame | None) -> "Baseline":
+        """The Baseline of ``profile``, one per profile object: ``load_profile`` hands out the same object while the
+        stored profile is unchanged, so the cells the detectors read after every recording are selected once."""
+        if profile is None:
+            return cls(None)
+        hit = _BASELINES.get(id(profile))
+        if hit is None or hit.profile is not profile:
+            if len(_BASELINES) >= 8:
+                _BASELINES.pop(next(iter(_BASELINES)))
+            hit = _BASELINES[id(profile)] = cls(profile)
+        return hit
+
     @property
     def has_profile(self) -> bool:
         return self.profile is not None and self.profile.height > 0
@@ -257,6 +270,9 @@ class Baseline:
         share = np.full(n_experts, 0.5 / max(int(s["n"][0]), 1))  # never seen in calibration: half a slot
         share[s["expert"].to_numpy()] = s["mean"].to_numpy()
         return share / share.sum(), True
+
+
+_BASELINES: dict[int, Baseline] = {}  # id(profile) -> its Baseline (which holds the profile: the id stays its own)
 
 
 def _pick(hi: np.ndarray, lo: np.ndarray, tail: str) -> tuple[np.ndarray, np.ndarray]:
@@ -546,7 +562,7 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
     th = {**DEFAULTS, **thresholds}
     if not 0 < th["alpha"] < 1:
         raise ValueError(f"alpha must be in (0, 1), got {th['alpha']}")
-    base = Baseline(profile)
+    base = Baseline.of(profile)
     mp = int(th["min_positions"])
     ent = entropy_tests(attention, base, mp)
     parts = [token_tests(tokens, base, bool(th["include_prompt"]), mp), ent,
