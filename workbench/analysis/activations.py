@@ -103,7 +103,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import torch
-from scipy.stats import norm
+from scipy.special import log_ndtr
 
 from workbench.analysis.patching import _Taps
 from workbench.capture.adapters import Adapter, Route, adapter_for
@@ -982,7 +982,7 @@ def expert_behind(indices: torch.Tensor, odd: torch.Tensor) -> int | None:
 
 def log_tail(z: float) -> float:
     """-log P(|Z| >= z) for a standard normal Z (two-sided), in nats."""
-    return -float(norm.logsf(abs(z))) - math.log(2.0)
+    return -float(log_ndtr(-abs(z))) - math.log(2.0)  # scipy's norm.logsf, without its per-call overhead (40 us)
 
 
 def _signed_nats(nats: float, sign: float) -> float:

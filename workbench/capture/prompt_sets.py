@@ -14,12 +14,14 @@ leaves only whole runs; ``workbench.open(DIR)`` reads the folder. ``ray=`` runs 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -30,12 +32,11 @@ from tqdm import tqdm
 
 from workbench.capture.adapters import load_adapter
 from workbench.capture.prompts import FIELDS, load_prompt_set, prompt_key
-from workbench.capture.recorder import DTYPES, new_run_id, record_batch, record_run, run_after
+from workbench.capture.recorder import BATCH_WRITE_SECONDS, DTYPES, new_run_id, record_batch, record_run, run_after
 from workbench.capture.resolve import tokenizer_for
 from workbench.capture.settings import PER_PROMPT, RecordSettings
-from workbench.data import query
 from workbench.data.export import write_run
-from workbench.data.store import Store, complete_runs
+from workbench.data.store import Store, StoreError, Writer, complete_runs
 
 BATCH_SIZE = 8  # prompts per batched generation (record_many's default)
 MAX_BATCH_TOKENS = 8192  # rows x longest prompt of one batched generation
@@ -96,7 +97,7 @@ def _failed_row(store: Store, run_id: str, item: dict, label: str, error: str, s
 def record_one(item: dict, *, store: Store, batch_id: str, adapter, tokenizer, label: str, settings: RecordSettings,
                after_run=None) -> dict:
     """Record one prompt of a batch into ``store`` (never raises for the prompt's own failure); returns
-    ``{run_id, key, status, n_tokens, error}``."""
+    ``{run_id, key, status, n_tokens, generated, error}``."""
 
     mine = settings.for_item(item)
     run_id = new_run_id()
@@ -106,7 +107,7 @@ def record_one(item: dict, *, store: Store, batch_id: str, adapter, tokenizer, l
                    run_fields={"batch_id": batch_id, "batch_item": item["key"]})
     except Exception as e:  # noqa: BLE001 - one prompt's failure is that run's, not the batch's
         error = f"{type(e).__name__}: {e}"
-    return _finished(store, run_id, item, error, label, mine.seed, batch_id, after_run, adapter)
+    return _finished(store, [run_id], [item], [error], label, [mine.seed], batch_id, after_run, adapter)[0]
 
 
 def record_group(items: list[dict], *, store: Store, batch_id: str, adapter, tokenizer, label: str,
@@ -115,35 +116,74 @@ def record_group(items: list[dict], *, store: Store, batch_id: str, adapter, tok
     the model's adapter has one (ours, and transformers models: ``HFAdapter.stream_batch``, except the families of
     ``workbench.capture.adapters.hf.SINGLE_ONLY``, whose rows would differ from their single recordings), else one by
     one (``record_one``); one row per prompt, as ``record_one``'s."""
+    return _start_group(items, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tokenizer, label=label,
+                        settings=settings, after_run=after_run).settle()
 
+
+@dataclass
+class _Group:
+    """A group of prompts whose generation is done: ``settle()`` gives their rows once their runs are final (a
+    shared writer's ``done`` event), after ``after_run``."""
+
+    rows: list[dict] | None = None  # known already (recorded one by one)
+    finish: tuple = ()  # _finished's arguments but the store's rows
+    done: threading.Event | None = None
+
+    def settle(self) -> list[dict]:
+        if self.rows is None:
+            if self.done is not None:
+                self.done.wait()
+            self.rows = _finished(*self.finish)
+        return self.rows
+
+
+def _start_group(items: list[dict], *, store: Store, batch_id: str, adapter, tokenizer, label: str,
+                 settings: RecordSettings, after_run=None, writer: Writer | None = None) -> _Group:
+    """``record_group``'s generation; with ``writer`` (shared by the prompt set, see ``record_batch``), the runs'
+    final rows follow in its thread: ``settle()`` waits for them."""
     if len(items) == 1 or not adapter.supports_batch:
-        return [record_one(item, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tokenizer, label=label,
-                           settings=settings, after_run=after_run) for item in items]
+        return _Group(rows=[record_one(item, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tokenizer,
+                                       label=label, settings=settings, after_run=after_run) for item in items])
     rows = [settings.for_item(item) for item in items]
     run_ids = [new_run_id() for _ in items]
     try:
         errors = record_batch([item["prompt"] for item in items], rows, model=adapter, tokenizer=tokenizer, db=store,
-                              run_ids=run_ids,
+                              run_ids=run_ids, writer=writer,
                               run_fields=[{"batch_id": batch_id, "batch_item": item["key"]} for item in items])
     except Exception as e:  # noqa: BLE001 - the group's failure is its runs', not the batch's
         errors = [f"{type(e).__name__}: {e}"] * len(items)
-    return [_finished(store, run_id, item, err, label, row.seed, batch_id, after_run, adapter)
-            for run_id, item, err, row in zip(run_ids, items, errors, rows)]
+    done = None
+    if writer is not None:
+        done = threading.Event()
+        writer.then(lambda _error: done.set())  # after the group's final rows (the writer's queue is in order)
+    return _Group(finish=(store, run_ids, items, errors, label, [row.seed for row in rows], batch_id, after_run,
+                          adapter), done=done)
 
 
-def _finished(store: Store, run_id: str, item: dict, error: str | None, label: str, seed, batch_id: str,
-              after_run, adapter=None) -> dict:
-    """A recorded prompt's row: ``after_run`` run on it (if it completed), a ``failed`` run made for a prompt
-    refused before it had one."""
-    if error is None:
-        run_after(after_run, store, run_id, adapter)
-    try:
-        info = query.run_row(store, run_id)
-    except query.RunNotFound:  # it failed before the recorder made its row
-        _failed_row(store, run_id, item, label, error or "no run recorded", seed, batch_id)
-        info = query.run_row(store, run_id)
-    return {"run_id": run_id, "key": item["key"], "status": info["status"], "n_tokens": info["n_tokens"] or 0,
-            "error": info["error"]}
+def _finished(store: Store, run_ids: list[str], items: list[dict], errors: list[str | None], label: str, seeds: list,
+              batch_id: str, after_run, adapter=None) -> list[dict]:
+    """Recorded prompts' rows ``{run_id, key, status, n_tokens, generated, error}``: ``after_run`` run on each that
+    completed, a ``failed`` run made for a prompt refused before it had one; their runs rows read in one query."""
+    for run_id, error in zip(run_ids, errors):
+        if error is None:
+            run_after(after_run, store, run_id, adapter)
+    info = _run_rows(store, run_ids)
+    missing = [i for i, run_id in enumerate(run_ids) if run_id not in info]
+    for i in missing:  # it failed before the recorder made its row
+        _failed_row(store, run_ids[i], items[i], label, errors[i] or "no run recorded", seeds[i], batch_id)
+    if missing:
+        info = _run_rows(store, run_ids)
+    return [{"run_id": run_id, "key": item["key"], "status": info[run_id]["status"],
+             "n_tokens": info[run_id]["n_tokens"] or 0,
+             "generated": max(0, int(info[run_id]["n_tokens"] or 0) - int(info[run_id]["n_prompt_tokens"] or 0)),
+             "error": info[run_id]["error"]} for run_id, item in zip(run_ids, items)]
+
+
+def _run_rows(store: Store, run_ids: list[str]) -> dict[str, dict]:
+    """run id -> its status, n_tokens, n_prompt_tokens and error (the runs that have a row)."""
+    got = store.sql("SELECT run_id, status, n_tokens, n_prompt_tokens, error FROM runs WHERE run_id IN "
+                    "(SELECT unnest(?::VARCHAR[]))", [list(run_ids)])
+    return {r["run_id"]: r for r in got.iter_rows(named=True)}
 
 
 def groups(items: list[dict], tokenizer, batch_size: int, max_batch_tokens: int = MAX_BATCH_TOKENS) -> list[list[dict]]:
@@ -195,11 +235,6 @@ class Bars:
     def close(self) -> None:
         self.tokens.close()
         self.prompts.close()
-
-
-def _generated(row: dict, store: Store) -> int:
-    info = query.run_row(store, row["run_id"])
-    return max(0, int(info["n_tokens"] or 0) - int(info["n_prompt_tokens"] or 0))
 
 
 def prepare(prompts, *, model=None, batch_id: str | None = None, settings: RecordSettings | None = None,
@@ -258,15 +293,33 @@ def record_many(prompts, *, model=None, tokenizer=None, db=None, out: str | Path
             store = Store(tmp / "shard.duckdb")
         else:
             store = db if isinstance(db, Store) else Store(db)
-        for group in groups(todo, tok, batch_size):
-            for row in record_group(group, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tok,
-                                    label=label, settings=settings, after_run=after_run):
-                n = _generated(row, store)
+        # one writer for every batched group: a group's last commit, final rows and checkpoint run in its thread
+        # while the next group generates; the group's rows (and after_run) are taken once the next one is generated
+        writer = Writer(store, interval=BATCH_WRITE_SECONDS) if adapter.supports_batch and batch_size > 1 else None
+        pending: list[_Group] = []
+
+        def settle() -> None:
+            for row in pending.pop(0).settle():
                 if out is not None:
                     flush_run(store, out, row["run_id"])
                 rows.append(row)
-                bars.done(row, n)
+                bars.done(row, row["generated"])
+
+        for group in groups(todo, tok, batch_size):
+            pending.append(_start_group(group, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tok,
+                                        label=label, settings=settings, after_run=after_run, writer=writer))
+            if len(pending) > 1:
+                settle()
+        if writer is not None:  # every final row set (a write error is the runs' own: they are marked failed with it)
+            with contextlib.suppress(StoreError):
+                writer.close()
+            writer = None
+        while pending:
+            settle()
     finally:
+        if writer is not None:  # interrupted: what was handed to the writer is still committed
+            with contextlib.suppress(StoreError):
+                writer.close()
         bars.close()
         if tmp is not None:
             Store(tmp / "shard.duckdb").close()
@@ -286,7 +339,7 @@ def flush_run(store: Store, out: str | Path, run_id: str) -> None:
 @dataclass
 class Recorded:
     """What one ``record_many`` call did: the store holding the batch, its id, the rows (run_id, key, status,
-    n_tokens, error) of the prompts it recorded, and the keys it skipped as already complete."""
+    n_tokens, generated, error) of the prompts it recorded, and the keys it skipped as already complete."""
 
     store: Store | None
     batch_id: str

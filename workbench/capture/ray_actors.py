@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from workbench.capture.prompt_sets import Bars, _generated, completed, flush_run, groups, load_model, record_group
+from workbench.capture.prompt_sets import Bars, completed, flush_run, groups, load_model, record_group
 from workbench.capture.settings import RecordSettings
 from workbench.data.store import Store
 
@@ -46,7 +46,6 @@ class ShardWorker:
             for row in record_group(group, store=self.store, batch_id=self.batch_id, adapter=self.adapter,
                                     tokenizer=self.tokenizer, label=self.label, settings=self.settings,
                                     after_run=self.after_run):
-                row["generated"] = _generated(row, self.store)
                 flush_run(self.store, self.out, row["run_id"])
                 for k in rows:
                     rows[k].append(row[k])
