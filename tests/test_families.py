@@ -32,7 +32,7 @@ UNROUTED = {"doge": "DogeCDMoE"}
 OBSERVED = {"inkling_text", "phimoe"}
 # layers of a routed family that are not routed (hash routing by token id), and their note
 PARTLY = {"deepseek_v4": ([0], "DeepseekV4HashRouter")}
-EXACT_AT_LEAST = 65  # of the 66 families of transformers 5.24: a family that stops recording its routing fails
+EXACT_AT_LEAST = 65  # of the 66 families of transformers 5.24 (70 of 5.25): one that stops recording its routing fails
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +132,31 @@ def test_parallel_streams_looped_layers_and_per_layer_heads(store):
     assert run.signal("head_norm")["head"].n_unique() == run.model_summary.n_heads
 
 
+def test_zero_experts_are_recorded_as_the_router_chose_them(store):
+    """LongCat-Flash's zero-compute (identity) experts, scored by its router beside the real ones: its experts module
+    applies them (transformers 5.24), or its MoE block does and hands the experts module those slots as a real expert
+    with weight 0 (5.25). Either way a token sent there is recorded as the router chose it (expert 8 or 9, with its
+    weight), and the router's rule is matched exactly."""
+    _, adapter, run, _, _ = record("longcat_flash", store)
+    s = run.model_summary
+    zero = run.routing().filter(pl.col("expert") >= 8)
+    assert s.n_routed_experts == 10 and zero.height and (zero["weight"] > 0).all()
+    assert all(adapter.router(i).exact and not adapter.router(i).norm for i in s.moe_layers)
+    if getattr(adapter.moe[s.moe_layers[0]][0], "zero_expert_num", 0):  # the block applies them: a note says so
+        assert any("zero-compute experts its MoE block applies itself" in n for n in s.notes), s.notes
+
+
+def test_indexed_attention_layers_reading_another_layers_keys_record_attention(store):
+    """Kolibri 1.1 (transformers 5.25): a sliding layer, an indexer, a sliding layer and a reindexer that attends to the
+    indexer's keys and values (the tiny layout; the default's indexers fail validation once shrunk)."""
+    if "kolibri1_1" not in FAMILIES:
+        pytest.skip("transformers before 5.25 has no kolibri1_1")
+    hf, adapter, run, _, _ = record("kolibri1_1", store)
+    assert hf.config.kv_sharing_modes == [None, "store", None, "reuse"] and hf.config.index_layers == [1]
+    assert run.model_summary.moe_layers == [1, 2, 3]
+    assert sorted(run.signal("attention")["layer"].unique().to_list()) == [0, 1, 2, 3]
+
+
 def test_a_router_that_fails_when_probed_records_without_routing(store, monkeypatch):
     hf = tiny_family("mixtral")
     for layer in hf.model.layers:
@@ -154,11 +179,12 @@ def test_a_failing_routing_attach_shows_its_own_error(store, monkeypatch):
             pass
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gemma4_text", "llama4_text", "hy_v3", "jetmoe"])
+@pytest.mark.parametrize("family", ["mixtral", "gemma4_text", "llama4_text", "hy_v3", "jetmoe", "longcat_flash"])
 def test_rerouting_reaches_the_experts_whatever_the_seam(family):
     """Removing an expert re-routes its tokens, and the experts receive the new choice: the experts' call (Mixtral,
-    HY-V3 whose router takes its bias as an argument), a router's output tuple (Gemma 4), a dense score matrix
-    (Llama 4), tokens sorted by expert (JetMoE)."""
+    HY-V3 whose router takes its bias as an argument), a router's output tuple (Gemma 4; LongCat-Flash from
+    transformers 5.25, whose block re-points its zero experts' slots), a dense score matrix (Llama 4), tokens sorted
+    by expert (JetMoE)."""
     torch.manual_seed(0)
     adapter = adapter_for(tiny_family(family))
     ids = torch.tensor([PROMPT])

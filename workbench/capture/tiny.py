@@ -103,7 +103,10 @@ SIZES = {"hidden_size": 64, "d_model": 64, "num_attention_heads": 4, "n_heads": 
          "linear_num_heads": 4, "linear_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
          "linear_key_head_dim": 16, "linear_value_head_dim": 16, "router_hidden_size": 16, "loop_gate_rank": 8,
          "hc_lowrank": 8, "ple_embed_dim": 16, "gated_norm_rank": 4, "unpadded_vocab_size": 300,
-         "zero_expert_num": 2, "mamba_expand": 2, "keep_window_size": 16}
+         "zero_expert_num": 2, "mamba_expand": 2, "keep_window_size": 16,
+         # Kolibri 1.1's sparse attention (its pool a multiple of its compression) and its dense layers' MLP
+         "index_num_heads": 2, "index_pool_size": 4, "index_compression": 2, "index_num_local_tokens": 2,
+         "index_num_sink_tokens": 1, "mlp_only_intermediate_size": 96}
 
 # per-layer overrides (a layer unlike the others) shrunk to these
 PER_LAYER = {"num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
@@ -261,6 +264,11 @@ FAMILY_FIXES: dict[str, dict] = {
     "deepseek_v2": {"num_experts_per_tok": 2},
     "dots3_note_text": {"head_dim": 16},  # its sliding layers' head: their qk_nope_head_dim + qk_rope_head_dim
     "doge": {"is_moe": True},
+    # transformers 5.25: indexer layers must be indexed-attention layers, and a layer reads the K/V of an earlier one of
+    # its kind (the default 50-layer layout's do not fit 4 layers): a sliding layer, an indexer, a sliding layer, and a
+    # reindexer reading the indexer's K/V; a top-k of 2 so the 12-token tests select keys (beyond sinks and local ones)
+    "kolibri1_1": {"layer_types": ["sliding_attention", "indexed_attention", "sliding_attention", "indexed_attention"],
+                   "index_layers": [1], "kv_source_layers": [0, 1, 2, 1], "index_topk": 2},
     "inkling2_loop_text": {"loop_layer_index_start": 2, "loop_layer_index_end": 4, "loop_num_passes": 2, "n_layers_per_attn_res_block": 2},
     "dots1": {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1},
     "gemma4_text": _MOE_TEXT,
@@ -275,8 +283,12 @@ FAMILY_FIXES: dict[str, dict] = {
 class RouterReference:
     """What each decoder layer's experts receive, captured by hooks of its own (independent of the adapters): the
     indices and weights passed to an ``*Experts`` module, or for a router that hands out a dense score matrix
-    (Llama 4) or experts sorted by expert (JetMoE) its top-k. Attach after the adapter is made (its load-time probe of the routers is not a forward);
-    a looped layer's first pass per forward is kept. ``close()`` -> {layer: (indices [N, K], weights [N, K])}."""
+    (Llama 4) or experts sorted by expert (JetMoE) its top-k. A block that runs zero-compute (identity) experts itself
+    (``zero_expert_num``: LongCat-Flash from transformers 5.25; its experts module receives those slots as a real
+    expert with weight 0, the block adds the identity's share) is read at its router's output, the (indices, weights)
+    the block splits between the two. Attach after the adapter is made (its load-time probe of the routers is not a
+    forward); a looped layer's first pass per forward is kept. ``close()`` -> {layer: (indices [N, K], weights [N, K])}.
+    """
 
     def __init__(self, hf):
         lists = [m for _, m in hf.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
@@ -286,7 +298,14 @@ class RouterReference:
         self.handles = [hf.register_forward_pre_hook(lambda _m, _a: self.calls.clear())]
         for i, layer in enumerate(layers):
             experts = [m for m in layer.modules() if type(m).__name__.endswith("Experts")]
+            zero = [m for m in layer.modules() if isinstance(getattr(m, "zero_expert_num", None), int)
+                    and m.zero_expert_num > 0 and isinstance(getattr(m, "router", None), nn.Module)
+                    and getattr(m, "experts", None) in experts]
+            for m in zero:
+                self.handles.append(m.router.register_forward_hook(lambda _m, _a, o, i=i: self._received(i, list(o))))
             for m in experts:
+                if any(m is z.experts for z in zero):
+                    continue
                 self.handles.append(m.register_forward_pre_hook(
                     lambda _m, a, kw, i=i: self._received(i, [*a, *kw.values()]), with_kwargs=True))
             if not any("top_k_index" in m.forward.__code__.co_varnames for m in experts):

@@ -1,5 +1,5 @@
 """The adapter for ``transformers`` causal LMs: dense ones, and every MoE family of the installed ``transformers``
-(docs/families.md: 65 of its 66 record their router's choice), with no family code.
+(docs/families.md: 69 of its 70 record their router's choice), with no family code.
 
 What it looks for:
 
@@ -267,10 +267,12 @@ def _floats(out) -> list[int]:
 class RouterSeam:
     """How one layer's routing is observed and replaced: the router's logits, and the (indices, weights) the
     experts receive, from the experts' call ("experts"), from the router's output tuple ("output"), or from a
-    dense score matrix the router returns with zeros outside the choice ("dense", Llama 4)."""
+    dense score matrix the router returns with zeros outside the choice ("dense", Llama 4). ``repointed``: read at the
+    router's output because its block re-points the choice before the experts' call (``_infer``)."""
 
     def __init__(self, style: str, logits_at: int | None, idx_at=None, w_at=None, top_k: int = 0):
         self.style, self.logits_at, self.idx_at, self.w_at, self.top_k = style, logits_at, idx_at, w_at, top_k
+        self.repointed = False
 
     def logits(self, out) -> torch.Tensor:
         x = out if self.logits_at is None else out[self.logits_at]
@@ -368,7 +370,13 @@ def infer_router_math(router: nn.Module, hidden_size: int, seed: int = 0, block:
 def _infer(block, router, experts, hidden_size: int, seed: int = 0):
     """(RouterMath, RouterSeam) of one MoE block, or None when its routing cannot be observed. The math is the
     rule of ``RouterMath``'s space that reproduces what the experts receive from the router's logits; when none
-    does, the returned math has ``exact=False`` (the selection is still observed exactly)."""
+    does, the returned math has ``exact=False`` (the selection is still observed exactly).
+
+    A block may re-point the router's choice before its experts see it: LongCat-Flash's (transformers 5.25 on) runs
+    its zero-compute (identity) experts itself and hands the experts module those slots as a real expert with weight
+    0. Where the experts' indices are not the ones the router's output tuple holds, and only the router's output is
+    reproduced by a rule, that output is the seam: the choice is recorded, and re-routing written, where the router
+    hands it to its block (whatever the block then does with it)."""
     bias_src = _tensor_attr([router, *router.modules(), block], SELECTION_BIAS)
     out, call = _probe_router(block, router, experts, hidden_size, bias_src)
     if out is None:
@@ -396,6 +404,24 @@ def _infer(block, router, experts, hidden_size: int, seed: int = 0):
         idx, w = seam.from_output(out)
     else:
         return None
+    found = _rule(router, block, bias_src, seam, out, idx, w)
+    if found is None or found[0].exact or seam.style != "experts":
+        return found
+    own = _received(out, {}) if tup else None  # the router's own (indices, weights) in its output tuple
+    if own is not None and own[0][0] == own[1][0] == "arg":
+        r_idx, r_w = out[own[0][1]], out[own[1][1]]
+        if r_idx.shape == idx.shape and not torch.equal(r_idx.sort(-1)[0], idx.sort(-1)[0]):
+            at_router = _rule(router, block, bias_src, RouterSeam("output", seam.logits_at, own[0][1], own[1][1]),
+                              out, r_idx, r_w)
+            if at_router is not None and at_router[0].exact:
+                at_router[1].repointed = True
+                return at_router
+    return found
+
+
+def _rule(router, block, bias_src, seam: RouterSeam, out, idx: torch.Tensor, w: torch.Tensor):
+    """(RouterMath, seam, bias source): the rule that reproduces the choice (``idx``, ``w``) read at ``seam`` from the
+    router's logits in ``out``, or an observed (``exact=False``) softmax; None when they do not line up."""
     logits = seam.logits(out)
     # the router's arithmetic in half precision rounds its weights: compared within that precision
     atol = max(ATOL.get(logits.dtype, 1e-3), ATOL.get(w.dtype, 1e-3))
@@ -493,12 +519,19 @@ class HFAdapter(Adapter):
                          "attention-head routing): routing is not recorded for them")
         extra = [i for i, (_, _, ex, m) in self.moe.items()
                  if isinstance(getattr(ex, "num_experts", None), int) and m.n_experts > ex.num_experts]
-        if extra:
-            i = extra[0]
-            n_real = self.moe[i][2].num_experts
-            notes.append(f"layers {extra}: the router ({type(self.moe[i][1]).__name__}) scores "
-                         f"{self.moe[i][3].n_experts - n_real} class(es) beyond its {n_real} experts (a skip expert): "
-                         "a token sent there is recorded as the experts receive it, expert 0 with weight 0")
+        for at_router in (False, True):  # a skip expert the experts see as expert 0; zero experts the block runs
+            these = [i for i in extra if self._seam[i].repointed == at_router]
+            if not these:
+                continue
+            i = these[0]
+            n_real, n_all = self.moe[i][2].num_experts, self.moe[i][3].n_experts
+            beyond = (f"layers {these}: the router ({type(self.moe[i][1]).__name__}) scores {n_all - n_real} "
+                      f"class(es) beyond its {n_real} experts")
+            ids = f"expert {n_real}" if n_all - n_real == 1 else f"experts {n_real}-{n_all - 1}"
+            notes.append(f"{beyond} (zero-compute experts its MoE block applies itself): a token sent there is "
+                         f"recorded as the router chose it, {ids}" if at_router else
+                         f"{beyond} (a skip expert): a token sent there is recorded as the experts receive it, "
+                         "expert 0 with weight 0")
         no_super = [i for i, (_, _, ex, _) in self.moe.items() if not self._super_ok(ex)]
         if no_super:
             kinds = sorted({type(self.moe[i][2]).__name__ for i in no_super})
