@@ -484,57 +484,23 @@ def test_record_batch_rows_share_what_one_generation_shares(tmp_path):
     assert not (tmp_path / "w.duckdb").exists()
 
 
-def test_a_prompt_set_shares_one_writer_and_after_run_sees_every_run_final(env, tmp_path, monkeypatch):
-    """The batched groups of a prompt set hand their rows to one writer (a group's last commit and checkpoint run
-    while the next group generates); every run is final (complete, its rows committed) when ``after_run`` and
-    the returned rows see it, and the rows are those of the default batch size's recording."""
-    from workbench.capture import prompt_sets, recorder
-    made = []
-
-    class Counting(recorder.Writer):
-        def __init__(self, *a, **kw):
-            made.append(self)
-            super().__init__(*a, **kw)
-
-    monkeypatch.setattr(recorder, "Writer", Counting)
-    monkeypatch.setattr(prompt_sets, "Writer", Counting)
-    store = Store(tmp_path / "shared.duckdb")
-    seen = {}
+def test_a_groups_rows_are_read_in_one_query_and_say_what_was_generated(env, tmp_path, monkeypatch):
+    """record_many's rows come from one read of the group's runs rows (was two per run), ``after_run`` sees each
+    run complete, and ``generated`` is the run's new tokens."""
+    from workbench.capture import prompt_sets
+    store = Store(tmp_path / "rows.duckdb")
+    reads, seen = [], {}
+    real = prompt_sets._run_rows
+    monkeypatch.setattr(prompt_sets, "_run_rows", lambda st, ids: reads.append(list(ids)) or real(st, ids))
 
     def after(st, run_id, model=None):
-        row = query.run_row(st, run_id)
-        seen[run_id] = (row["status"], query.tokens(st, run_id).height == row["n_tokens"])
+        seen[run_id] = query.run_row(st, run_id)["status"]
 
     batch = prompt_sets.record_many(PROMPTS, model=env["ckpt"], db=store, max_new_tokens=N, progress=False,
-                                    batch_size=2, after_run=after)
-    assert len(made) == 1  # three groups of two, one writer
+                                    batch_size=3, after_run=after)
     runs = store.sql("SELECT * FROM runs WHERE batch_id = ?", [batch.batch_id])
-    assert runs.height == 6 and set(runs["status"]) == {"complete"}
-    assert seen == {r: ("complete", True) for r in runs["run_id"]}
-    assert [r["status"] for r in batch.recorded] == ["complete"] * 6
-    assert all(r["generated"] == r["n_tokens"] - runs.filter(pl.col("run_id") == r["run_id"])["n_prompt_tokens"][0]
-               for r in batch.recorded)
-    ref = env["batch"].runs()
-    for p in PROMPTS:  # the same tokens as the module's recording (one group of six)
-        a = runs.filter(pl.col("prompt") == p)["run_id"][0]
-        b = ref.filter(pl.col("prompt") == p)["run_id"][0]
-        assert ids_and_logprobs(store, a)[0] == ids_and_logprobs(env["store"], b)[0]
-
-
-def test_a_writer_commits_at_once_when_a_callback_waits(tmp_path):
-    """Rows queued before a ``then`` callback are committed without waiting for the rest of the writer's window:
-    a prompt set waits on a group's final rows there."""
-    import threading
-
-    from workbench.data.store import Writer
-    store = Store(tmp_path / "w.duckdb")
-    store.execute("SELECT 1")
-    w = Writer(store, interval=600.0)
-    done = threading.Event()
-    w.put({"runs": pl.DataFrame({"run_id": ["rw1"], "status": ["complete"], "model": ["m"], "prompt": ["p"]})})
-    w.then(lambda error: done.set() if error is None else None)
-    try:
-        assert done.wait(60), "the callback waited for the writer's 600 s window"
-        assert store.sql("SELECT run_id FROM runs")["run_id"].to_list() == ["rw1"]
-    finally:
-        w.close()
+    assert [len(r) for r in reads] == [3, 3] and sorted(sum(reads, [])) == sorted(runs["run_id"].to_list())
+    assert seen == {r: "complete" for r in runs["run_id"]}
+    for r in batch.recorded:
+        row = runs.filter(pl.col("run_id") == r["run_id"]).row(0, named=True)
+        assert r["status"] == "complete" and r["generated"] == row["n_tokens"] - row["n_prompt_tokens"] == N

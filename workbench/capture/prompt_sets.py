@@ -14,14 +14,12 @@ leaves only whole runs; ``workbench.open(DIR)`` reads the folder. ``ray=`` runs 
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -32,11 +30,11 @@ from tqdm import tqdm
 
 from workbench.capture.adapters import load_adapter
 from workbench.capture.prompts import FIELDS, load_prompt_set, prompt_key
-from workbench.capture.recorder import BATCH_WRITE_SECONDS, DTYPES, new_run_id, record_batch, record_run, run_after
+from workbench.capture.recorder import DTYPES, new_run_id, record_batch, record_run, run_after
 from workbench.capture.resolve import tokenizer_for
 from workbench.capture.settings import PER_PROMPT, RecordSettings
 from workbench.data.export import write_run
-from workbench.data.store import Store, StoreError, Writer, complete_runs
+from workbench.data.store import Store, complete_runs
 
 BATCH_SIZE = 8  # prompts per batched generation (record_many's default)
 MAX_BATCH_TOKENS = 8192  # rows x longest prompt of one batched generation
@@ -116,48 +114,18 @@ def record_group(items: list[dict], *, store: Store, batch_id: str, adapter, tok
     the model's adapter has one (ours, and transformers models: ``HFAdapter.stream_batch``, except the families of
     ``workbench.capture.adapters.hf.SINGLE_ONLY``, whose rows would differ from their single recordings), else one by
     one (``record_one``); one row per prompt, as ``record_one``'s."""
-    return _start_group(items, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tokenizer, label=label,
-                        settings=settings, after_run=after_run).settle()
-
-
-@dataclass
-class _Group:
-    """A group of prompts whose generation is done: ``settle()`` gives their rows once their runs are final (a
-    shared writer's ``done`` event), after ``after_run``."""
-
-    rows: list[dict] | None = None  # known already (recorded one by one)
-    finish: tuple = ()  # _finished's arguments but the store's rows
-    done: threading.Event | None = None
-
-    def settle(self) -> list[dict]:
-        if self.rows is None:
-            if self.done is not None:
-                self.done.wait()
-            self.rows = _finished(*self.finish)
-        return self.rows
-
-
-def _start_group(items: list[dict], *, store: Store, batch_id: str, adapter, tokenizer, label: str,
-                 settings: RecordSettings, after_run=None, writer: Writer | None = None) -> _Group:
-    """``record_group``'s generation; with ``writer`` (shared by the prompt set, see ``record_batch``), the runs'
-    final rows follow in its thread: ``settle()`` waits for them."""
     if len(items) == 1 or not adapter.supports_batch:
-        return _Group(rows=[record_one(item, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tokenizer,
-                                       label=label, settings=settings, after_run=after_run) for item in items])
+        return [record_one(item, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tokenizer, label=label,
+                           settings=settings, after_run=after_run) for item in items]
     rows = [settings.for_item(item) for item in items]
     run_ids = [new_run_id() for _ in items]
     try:
         errors = record_batch([item["prompt"] for item in items], rows, model=adapter, tokenizer=tokenizer, db=store,
-                              run_ids=run_ids, writer=writer,
+                              run_ids=run_ids,
                               run_fields=[{"batch_id": batch_id, "batch_item": item["key"]} for item in items])
     except Exception as e:  # noqa: BLE001 - the group's failure is its runs', not the batch's
         errors = [f"{type(e).__name__}: {e}"] * len(items)
-    done = None
-    if writer is not None:
-        done = threading.Event()
-        writer.then(lambda _error: done.set())  # after the group's final rows (the writer's queue is in order)
-    return _Group(finish=(store, run_ids, items, errors, label, [row.seed for row in rows], batch_id, after_run,
-                          adapter), done=done)
+    return _finished(store, run_ids, items, errors, label, [row.seed for row in rows], batch_id, after_run, adapter)
 
 
 def _finished(store: Store, run_ids: list[str], items: list[dict], errors: list[str | None], label: str, seeds: list,
@@ -293,33 +261,14 @@ def record_many(prompts, *, model=None, tokenizer=None, db=None, out: str | Path
             store = Store(tmp / "shard.duckdb")
         else:
             store = db if isinstance(db, Store) else Store(db)
-        # one writer for every batched group: a group's last commit, final rows and checkpoint run in its thread
-        # while the next group generates; the group's rows (and after_run) are taken once the next one is generated
-        writer = Writer(store, interval=BATCH_WRITE_SECONDS) if adapter.supports_batch and batch_size > 1 else None
-        pending: list[_Group] = []
-
-        def settle() -> None:
-            for row in pending.pop(0).settle():
+        for group in groups(todo, tok, batch_size):
+            for row in record_group(group, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tok,
+                                    label=label, settings=settings, after_run=after_run):
                 if out is not None:
                     flush_run(store, out, row["run_id"])
                 rows.append(row)
                 bars.done(row, row["generated"])
-
-        for group in groups(todo, tok, batch_size):
-            pending.append(_start_group(group, store=store, batch_id=batch_id, adapter=adapter, tokenizer=tok,
-                                        label=label, settings=settings, after_run=after_run, writer=writer))
-            if len(pending) > 1:
-                settle()
-        if writer is not None:  # every final row set (a write error is the runs' own: they are marked failed with it)
-            with contextlib.suppress(StoreError):
-                writer.close()
-            writer = None
-        while pending:
-            settle()
     finally:
-        if writer is not None:  # interrupted: what was handed to the writer is still committed
-            with contextlib.suppress(StoreError):
-                writer.close()
         bars.close()
         if tmp is not None:
             Store(tmp / "shard.duckdb").close()

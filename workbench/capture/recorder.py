@@ -367,12 +367,10 @@ def run_after(after_run: Callable[..., object] | None, store: Store, run_id: str
 
 
 @contextlib.contextmanager
-def _finishing(unfinished: Callable[[], list[_Recording]], store: Store, writer: Writer,
-               close: bool = True) -> Iterator[None]:
+def _finishing(unfinished: Callable[[], list[_Recording]], store: Store, writer: Writer) -> Iterator[None]:
     """The end of a recording loop, whatever ends it: the runs ``unfinished()`` names then (its steps collected
     so far handed to the writer) get their final status (complete, or interrupted / failed with the error, which
-    is raised on), and the writer is closed once everything is committed (unless ``close`` is False: a writer the
-    caller shares between recordings, and closes itself)."""
+    is raised on), and the writer is closed once everything is committed."""
     status, error = "complete", None
     try:
         yield
@@ -390,8 +388,7 @@ def _finishing(unfinished: Callable[[], list[_Recording]], store: Store, writer:
         finally:
             for run in runs:
                 run.finish(store, status, error)
-            if close:
-                writer.close()
+            writer.close()
 
 
 def new_run_id() -> str:
@@ -478,19 +475,13 @@ def fan_out(rows: list[dict[str, Callable] | None]) -> dict[str, Callable]:
 
 
 def record_batch(prompts: list, settings: list[RecordSettings], *, model=None, tokenizer=None, db=None,
-                 run_ids: list[str], run_fields: list[dict | None], writer: Writer | None = None) -> list[str | None]:
+                 run_ids: list[str], run_fields: list[dict | None]) -> list[str | None]:
     """Record several prompts in one batched generation (``Adapter.stream_batch``), each as its own run that
     equals its single recording (``record_run``) up to floating-point summation order. Per-row settings
     (``settings[b]``; what the rows share, dtype, probes, topk and backend, must be the same in all of them).
 
     Returns one error per prompt (None: recorded ``complete``; a string: the run is ``failed`` with it, or, for a
-    prompt refused before its run row existed, there is no run). Needs ``adapter.supports_batch``.
-
-    ``writer``: a ``Writer`` on ``db`` that the caller shares between batches and closes itself: the call returns
-    once the batch is generated and handed to it, and the runs' final rows follow in its thread (``writer.then(fn)``
-    after the call: ``fn`` runs once they are set). A prompt set records its next batch meanwhile, instead of
-    waiting for each batch's last commit and checkpoint. Default: a writer of this batch, closed before the call
-    returns (every run final then)."""
+    prompt refused before its run row existed, there is no run). Needs ``adapter.supports_batch``."""
     n = len(prompts)
     if len(settings) != n or len(run_ids) != n or len(run_fields) != n:
         raise ValueError(f"record_batch needs one settings, run id and run_fields per prompt ({n} prompts; got "
@@ -535,16 +526,12 @@ def record_batch(prompts: list, settings: list[RecordSettings], *, model=None, t
     # a batch flushes its rows less often by time (the steps rule holds)
     runs = [_Recording(run_ids[b], _RowView(adapter, r), per_row, ids[b], tokenizer, settings[b].max_new_tokens, eos,
                        first.topk, flush_seconds=BATCH_FLUSH_SECONDS, batch=(batch, r)) for r, b in enumerate(live)]
-    own = writer is None
-    if own:
-        writer = Writer(store, interval=BATCH_WRITE_SECONDS)
-    elif writer.store is not store:
-        raise ValueError("record_batch's writer must write to the batch's own store")
+    writer = Writer(store, interval=BATCH_WRITE_SECONDS)
     for run in runs:
         run.writer = writer
     listening: list[dict | None] = [r.rec.listeners() for r in runs]
     open_runs: set[int] = set()  # rows with a run row and no final status yet
-    with _finishing(lambda: [runs[r] for r in sorted(open_runs)], store, writer, close=own):
+    with _finishing(lambda: [runs[r] for r in sorted(open_runs)], store, writer):
         # every row's run row in one transaction
         store.append({"runs": pl.concat([_run_row(run_ids[b], adapter, source, prompts[b], ids[b], tokenizer,
                                                   settings[b].params(ids[b], adapter.summary.backend),

@@ -719,7 +719,7 @@ class Writer:
     """Background thread that commits queued per-step batches, so decoding never waits on the disk.
 
     Every transaction holds whole steps only. Steps that arrive within ``interval`` seconds of each
-    other (and before a ``then`` callback) share one transaction: a DuckDB INSERT + COMMIT costs milliseconds whatever its size (about 20 ms
+    other share one transaction: a DuckDB INSERT + COMMIT costs milliseconds whatever its size (about 20 ms
     of CPU for the seven signal tables), more than a small model's decode step, so one commit per step would
     cost more CPU than the generation. A crash loses at most the last ``interval`` seconds of steps.
     """
@@ -737,8 +737,7 @@ class Writer:
         while not done:
             items = [self.queue.get()]
             deadline = time.monotonic() + self.interval
-            # a callback ends the window: whoever queued it waits for what came before it (a batch's runs to be final)
-            while items[-1] is not None and not callable(items[-1]):
+            while items[-1] is not None:
                 try:
                     items.append(self.queue.get(timeout=max(0.0, deadline - time.monotonic())))
                 except queue.Empty:
