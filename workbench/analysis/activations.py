@@ -107,6 +107,7 @@ from scipy.special import log_ndtr
 
 from workbench.analysis.patching import _Taps
 from workbench.capture.adapters import Adapter, Route, adapter_for
+from workbench.capture.adapters.base import ATTN_MAPS
 from workbench.capture.experts import expert_outputs
 from workbench.data import query
 
@@ -704,10 +705,9 @@ def _known_projection(d: int) -> torch.Tensor:
     return torch.from_numpy(np.random.RandomState(d).standard_normal((d, KNOWN_DIMS)) / math.sqrt(d)).float()
 
 
-OUT_NAMES = ("o_proj", "out_proj", "wo", "dense")  # an attention's output projection: its columns are per head
-# projections whose rows are per head, head by head
-HEAD_ROWS = ("q_proj", "wq", "wq_b", "wkv_b", "q_b_proj", "kv_b_proj", "query")
-LATENT_NAMES = ("wkv_a", "kv_a_proj_with_mqa")  # MLA's shared KV latent: the ``kv_latent`` component
+OUT_NAMES = ATTN_MAPS["out"]  # an attention's output projection: its columns are per head
+HEAD_ROWS = ATTN_MAPS["query"] + ATTN_MAPS["kv_up"]  # projections whose rows are per head, held head by head
+LATENT_NAMES = ATTN_MAPS["kv_latent"]  # MLA's shared KV latent: the ``kv_latent`` component
 
 
 def _held(y: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 import torch
 
 from workbench.capture.adapters import Adapter, Route, adapter_for
-from workbench.capture.adapters.base import first_output, replace_first_output
+from workbench.capture.adapters.base import ATTN_MAPS, first_output, replace_first_output
 
 
 def _check_layer(a: Adapter, layer: int) -> None:
@@ -449,14 +449,19 @@ def _linear(module, names: tuple[str, ...], what: str, where: str) -> torch.nn.L
     raise ValueError(f"{where} has no {what} ({' / '.join(names)})")
 
 
+def _attn_map(a: Adapter, layer: int, roles: tuple[str, ...], what: str) -> torch.nn.Linear:
+    """The attention's linear map of ``roles`` (``ATTN_MAPS``) at ``layer``; a ValueError naming ``what`` else."""
+    return _linear(a.parts(layer)["attn"], tuple(n for r in roles for n in ATTN_MAPS[r]), what,
+                   f"layer {layer}'s attention")
+
+
 def break_head_weights(model, layer: int, head: int, scale: float = 0.0, noise: float = 0.0,
                        seed: int = 0) -> contextlib.AbstractContextManager:
     """One head's columns of the attention's output projection multiplied by ``scale``, plus Gaussian noise
     (``noise`` times their RMS): a head whose output weights went wrong while its own output is as it was."""
     a = adapter_for(model)
     _check_layer(a, layer)
-    lin = _linear(a.parts(layer)["attn"], ("o_proj", "out_proj", "wo", "dense"), "output projection",
-                  f"layer {layer}'s attention")
+    lin = _attn_map(a, layer, ("out",), "output projection")
     h_n = a.summary.n_heads
     if not 0 <= head < h_n or lin.in_features % h_n:
         raise ValueError(f"head {head}: layer {layer}'s output projection is not {h_n} heads side by side")
@@ -476,8 +481,7 @@ def noise_query(model, layer: int, amount: float = 1.0, seed: int = 0) -> contex
     low-rank)."""
     a = adapter_for(model)
     _check_layer(a, layer)
-    lin = _linear(a.parts(layer)["attn"], ("q_proj", "wq", "wq_b", "q_b_proj", "query"), "query projection",
-                  f"layer {layer}'s attention")
+    lin = _attn_map(a, layer, ("query",), "query projection")
     return _edited(lin.weight, _noised(lin.weight, amount, seed))
 
 
@@ -514,8 +518,7 @@ def noise_kv_weight(model, layer: int, amount: float = 1.0, seed: int = 0) -> co
     """Gaussian noise on one layer's key/value up-projection (MLA's ``wkv_b``) or value projection."""
     a = adapter_for(model)
     _check_layer(a, layer)
-    lin = _linear(a.parts(layer)["attn"], ("wkv_b", "kv_b_proj", "v_proj", "value"), "key/value projection",
-                  f"layer {layer}'s attention")
+    lin = _attn_map(a, layer, ("kv_up", "value"), "key/value projection")
     return _edited(lin.weight, _noised(lin.weight, amount, seed))
 
 # -- the registry -------------------------------------------------------------------------------------------

@@ -60,8 +60,29 @@ from workbench.data.summary import ModelSummary
 
 from .routing import RouterMath
 
-__all__ = ["SEAMS", "Adapter", "ModelSummary", "QuantPoints", "Route", "Listener", "first_output", "replace_first_output"]
+__all__ = ["ATTN_MAPS", "SEAMS", "Adapter", "ModelSummary", "QuantPoints", "Route", "Listener", "attention_map",
+           "first_output", "replace_first_output"]
 
+
+# an attention module's linear maps by their leaf names, as families name them (ours: wq / wq_b, wkv_a, wkv_b, wo):
+# known answers (workbench.analysis.activations) hold them head by head, fault kinds (faults) edit them
+ATTN_MAPS = {
+    "out": ("o_proj", "out_proj", "wo", "dense"),  # the output projection: its input columns are per head
+    "query": ("q_proj", "wq", "wq_b", "q_b_proj", "query"),  # a query projection (low-rank: the last): rows per head
+    "kv_up": ("wkv_b", "kv_b_proj"),  # MLA's key/value up-projection from the latent: rows per head
+    "kv_latent": ("wkv_a", "kv_a_proj_with_mqa"),  # MLA's shared KV latent projection
+    "value": ("v_proj", "value"),  # GQA's value projection
+}
+
+
+def attention_map(attn: nn.Module | None, *roles: str) -> nn.Linear | None:
+    """The first ``nn.Linear`` child of ``attn`` named as one of ``roles`` (keys of ``ATTN_MAPS``, in order), or None."""
+    for role in roles:
+        for name in ATTN_MAPS[role]:
+            m = getattr(attn, name, None)
+            if isinstance(m, nn.Linear):
+                return m
+    return None
 
 
 def first_output(out):

@@ -53,7 +53,7 @@ from workbench.capture.preflight import check_config, check_no_remote_code
 from workbench.model import state_sha256
 from workbench.model.generate import check_prompt, decode, decode_batch
 
-from .base import Adapter, Listener, ModelSummary, QuantPoints, first_output
+from .base import Adapter, Listener, ModelSummary, QuantPoints, attention_map, first_output
 from .routing import SCORE_FUNCS, RouterMath, _by_expert
 
 ROUTER_CLASS = re.compile(r"(Router|Gate|Gating)$")
@@ -65,7 +65,6 @@ SELECTION_BIAS = ("e_score_correction_bias", "expert_bias", "balancing_biases")
 SCALES = ("routed_scaling_factor", "route_scale", "router_scaling_factor", "moe_routed_scaling_factor")
 EXPERT_SCALE = ("per_expert_scale",)
 ATTN_NAMES = ("self_attn", "self_attention", "attn", "attention")
-OUT_PROJ = ("o_proj", "out_proj", "wo")
 FINAL_NORM = ("norm", "final_norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f", "model_norm")
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_local_heads")
 ATOL = {torch.float32: 1e-5, torch.float64: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -154,11 +153,7 @@ def _windows(cfg, attn: list) -> list[int | None]:
 
 
 def _out_proj(attn: nn.Module | None) -> nn.Linear | None:
-    for n in OUT_PROJ:
-        m = getattr(attn, n, None)
-        if isinstance(m, nn.Linear):
-            return m
-    return None
+    return attention_map(attn, "out")
 
 
 def _heads(attn: nn.Module | None, default: int | None) -> int | None:
