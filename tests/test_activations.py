@@ -417,6 +417,33 @@ def test_known_answers_name_an_expert_whose_weights_changed(tiny, prof):
         assert _known(tiny, ids, other_dtype) == {}
 
 
+def test_while_the_weights_are_fixed_each_layers_known_answers_run_once(tiny, prof, monkeypatch):
+    """A prompt set's detectors judge run after run with the same weights (``fixed_weights``): each layer's known
+    answers run once, every routed expert's, and each context takes its chosen experts' from them; the rows are
+    those of a judgment outside it (an expert the context did not choose is still not named)."""
+    s = tiny.summary
+    layer = s.moe_layers[0]
+    ctx = _prompts(3, 30, seed=5)
+    used = [set(activations.capture(tiny, ids)[0][("route", layer, None, None, "indices")].unique().tolist())
+            for ids in ctx]
+    unused = [x for x in range(s.n_routed_experts) if x not in used[0]]
+    e = unused[0] if unused else min(used[0])
+    calls = []
+    real = activations._known_outputs
+    monkeypatch.setattr(activations, "_known_outputs", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    with faults.ALL_KINDS["expert_flip"](tiny, layer, index=e):
+        alone = [_known(tiny, ids, prof) for ids in ctx]
+        n_alone = len(calls)
+        calls.clear()
+        with activations.fixed_weights():
+            fixed = [_known(tiny, ids, prof) for ids in ctx]
+    assert fixed == alone
+    assert sorted(calls) == sorted(set(calls)) and set(s.moe_layers) <= set(calls)  # once per layer (dense too)
+    assert n_alone == 3 * len(calls)
+    for got, chose in zip(fixed, used):
+        assert got == ({("expert", layer, None, e, None): activations.KNOWN_NATS} if e in chose else {})
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3"])
 def test_known_answers_in_transformers_families(family):
     """The known answers hold in transformers families too (fused or per-module experts, MLA or GQA attention): the

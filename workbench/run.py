@@ -618,7 +618,12 @@ def record_many(prompts, *, ray: str | bool | None = None, workers: int = 1, **k
         out = Batch(Store(kw["out"]), batch_id)
         out.recorded = rows
         return out
-    res = prompt_sets.record_many(prompts, **kw)
+    if kw["after_run"] is not None:  # the set's weights do not change between its runs: known answers computed once
+        from workbench.analysis.activations import fixed_weights  # lazy: imports torch
+        with fixed_weights():
+            res = prompt_sets.record_many(prompts, **kw)
+    else:
+        res = prompt_sets.record_many(prompts, **kw)
     out = Batch(res.store, res.batch_id)
     out.recorded, out.skipped = res.recorded, res.skipped
     return out

@@ -94,11 +94,13 @@ own surprise that root cause reads, ``found["experts"]``, under the same two rul
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import polars as pl
@@ -841,26 +843,24 @@ def _known_evidence(a: Adapter, got: dict, prof: pl.DataFrame) -> dict[tuple, fl
     if not _made_in(prof, a.dtype):
         return {}
     prep = _prepared(prof)
-    inputs = prep.known_inputs
+    fixed = _FIXED[-1] if _FIXED else None
     off: dict[tuple, float] = {}
     for layer in sorted(prep.known):
         mine = prep.known[layer]
         idx = got.get(("route", layer, None, None, "indices"))
         chosen = set(idx.unique().tolist()) if idx is not None else set()
-        r = inputs.get(layer)
-        now = {}
-        if r is not None and r["n"] >= 1:
-            now = _known_outputs(a, layer, torch.tensor(r["mean"], dtype=torch.float32).view(r["n"], -1),
-                                 sorted(chosen))
-        if any(c["signal"].startswith("known:") for c in mine):
-            now |= _known_attention(a, layer)
+        if fixed is not None:  # every expert's answer once while the weights are fixed; this context's chosen ones
+            key = (id(a.module), id(prep), layer)
+            if key not in fixed:
+                fixed[key] = (a.module, prep, _known_devs(a, prep, layer, None))
+            devs = {k: d for k, d in fixed[key][2].items() if k[0] != "expert" or k[3] in chosen}
+        else:
+            devs = _known_devs(a, prep, layer, sorted(chosen))
         heads: dict[str, dict[int, float]] = {}  # a per-head map: the heads whose part of it differs
         for c in mine:
             k = (c["kind"], layer, c["head"], c["expert"], c["signal"])
-            if k not in now or now[k].numel() != len(c["mean"]):  # an expert no position chose: not run, not in now
-                continue
-            dev = _known_dev(now[k], torch.tensor(c["mean"]).view(now[k].shape))
-            if dev <= KNOWN_TOL:
+            dev = devs.get(k)
+            if dev is None or dev <= KNOWN_TOL:  # None: an expert no position chose (it took no part), or not run
                 continue
             nats = KNOWN_NATS * min(1.0, dev / KNOWN_FULL)
             if c["kind"] == "head":
@@ -876,6 +876,41 @@ def _known_evidence(a: Adapter, got: dict, prof: pl.DataFrame) -> dict[tuple, fl
                 key = ("head", layer, h, None, None) if h is not None else ("attn_block", layer, None, None, None)
                 off[key] = max(off.get(key, 0.0), nats)
     return off
+
+
+def _known_devs(a: Adapter, prep: _Prepared, layer: int, experts: list[int] | None) -> dict[tuple, float]:
+    """(kind, layer, head, expert, signal) -> how far the component's answer on the layer's fixed inputs is from
+    the profile's (``_known_dev``), for each known cell of ``layer`` that could be run (routed experts: ``experts``,
+    None: all)."""
+    r = prep.known_inputs.get(layer)
+    now = {}
+    if r is not None and r["n"] >= 1:
+        now = _known_outputs(a, layer, torch.tensor(r["mean"], dtype=torch.float32).view(r["n"], -1), experts)
+    mine = prep.known[layer]
+    if any(c["signal"].startswith("known:") for c in mine):
+        now |= _known_attention(a, layer)
+    out = {}
+    for c in mine:
+        k = (c["kind"], layer, c["head"], c["expert"], c["signal"])
+        if k in now and now[k].numel() == len(c["mean"]):
+            out[k] = _known_dev(now[k], torch.tensor(c["mean"]).view(now[k].shape))
+    return out
+
+
+_FIXED: list[dict] = []  # while ``fixed_weights()`` is entered: the known answers' deviations computed in it
+
+
+@contextlib.contextmanager
+def fixed_weights() -> Iterator[None]:
+    """Within it, each model's known answers are computed once (every routed expert's, then each context's chosen
+    ones taken from them) and reused by every judgment: for a caller that holds the weights still meanwhile (a prompt
+    set's detectors after each of its runs). Never around anything that edits weights or hooks in between (fault
+    injection, interventions): the answers would be the first ones'."""
+    _FIXED.append({})
+    try:
+        yield
+    finally:
+        _FIXED.pop()
 
 
 def _row_z(logits: torch.Tensor, cell: dict, ms: tuple | None = None) -> torch.Tensor:
