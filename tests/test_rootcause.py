@@ -507,6 +507,23 @@ def test_a_layer_row_shares_its_turn_with_its_part_and_near_ties_put_the_earlier
     assert order([(late, -3.4 / (1 - TIE) - 0.1), (early, 3.4)])[0] == late
 
 
+def test_a_component_named_by_two_lists_takes_one_turn():
+    """An expert both unusual (profile) and the component whose removal matters most takes one turn: the top 3 are
+    three suspects (the components' next one moves up), and its ablation row follows the turns."""
+    df = pl.DataFrame({"target_pos": [9] * 4, "kind": ["expert", "head", "head", "token"], "layer": [2, 3, 1, None],
+                       "head": [None, 0, 1, None], "expert": [5, None, None, None], "source_pos": [None, None, None, 4],
+                       "score": [-2.0, 0.9, 0.5, 2.0], "method": ["ablation"] * 3 + ["ig"], "delta": [None] * 4,
+                       "restored": [None] * 4}, schema_overrides={"layer": pl.Int32, "head": pl.Int32,
+                                                                  "expert": pl.Int32, "source_pos": pl.Int32})
+    out = interleave(df, [(("expert", 2, None, 5, None), 40.0), (("attn_norm", 0, None, None, None), 3.0)])
+    rows = [(r["kind"], r["layer"], r["head"], r["expert"], r["source_pos"], r["method"]) for r in out.iter_rows(named=True)]
+    assert rows[:3] == [("expert", 2, None, 5, None, "profile"), ("head", 3, 0, None, None, "ablation"),
+                        ("token", None, None, None, 4, "ig")]
+    assert rows[3:5] == [("attn_norm", 0, None, None, None, "profile"), ("head", 1, 1, None, None, "ablation")]
+    assert rows[5] == ("expert", 2, None, 5, None, "ablation") and len(rows) == 6
+    assert out["rank"].to_list() == list(range(1, 7))
+
+
 def test_an_unusual_block_names_the_one_expert_whose_removal_matters():
     """behind_block: an MoE block unusual against the profile, and of its layer's experts one whose removal moves the
     explained token by a real share of the top component's and twice any other expert's of the layer: that expert

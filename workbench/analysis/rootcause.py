@@ -69,7 +69,8 @@ position scores as one odd position would, so the surprise understates a run-wid
 The ranking rule without a reference, so that no kind of row crowds out another: three lists, each ordered
 by its own |score| (profile rows with at least 2 nats of surprise, components by ablation, source tokens
 by IG), take turns: rank 1 is the most unusual component, rank 2 the component whose removal moves the
-target most, rank 3 the most responsible token, then round again (a list that runs out drops out;
+target most, rank 3 the most responsible token, then round again (a list that runs out drops out; a component
+a list names again, unusual and its removal mattering, takes no second turn: that row follows the turns, and
 profile rows under 2 nats follow at the end). A token's +6 nats can then never push every component out of
 the top 3, nor a component every token. One addition to the profile list: a routed expert whose own contribution
 is unusual (too heavy-tailed over its few positions to be a row alone) becomes a profile row where its ablation
@@ -734,6 +735,10 @@ def _profile_turns(rows: list[dict]) -> list[list[dict]]:
     return turns
 
 
+def _named(row: dict) -> tuple:
+    return row["kind"], row["layer"], row["head"], row["expert"], row["source_pos"]
+
+
 def interleave(df: pl.DataFrame, evidence: list[tuple[tuple, float]]) -> pl.DataFrame:
     """The no-reference ranking rule (module doc): profile rows, components and tokens take turns."""
     prof = pl.DataFrame({
@@ -749,12 +754,19 @@ def interleave(df: pl.DataFrame, evidence: list[tuple[tuple, float]]) -> pl.Data
                  key, descending=True, nulls_last=True, maintain_order=True).iter_rows(named=True)],
              [[r] for r in df.filter(pl.col("kind") == "token").sort(
                  key, descending=True, nulls_last=True, maintain_order=True).iter_rows(named=True)]]
-    order, at = [], [0, 0, 0]
+    order, at, placed, again = [], [0, 0, 0], set(), []
     while any(at[i] < len(lists[i]) for i in range(3)):
         for i in range(3):
-            if at[i] < len(lists[i]):
-                order.extend(lists[i][at[i]])
+            while at[i] < len(lists[i]):  # a component named already (unusual, and its removal matters) takes no turn
+                turn = lists[i][at[i]]
                 at[i] += 1
+                fresh = [r for r in turn if _named(r) not in placed]
+                again += [r for r in turn if _named(r) in placed]
+                if fresh:
+                    order.extend(fresh)
+                    placed.update(_named(r) for r in fresh)
+                    break
+    order.extend(again)  # its second row after the turns: the slot it would take goes to another suspect
     order.extend(prof.filter(~(key >= SIGNIFICANT) | key.is_null()).iter_rows(named=True))
     frame = pl.DataFrame(order, schema=_SCHEMA, orient="row") if order else prof.select(list(_SCHEMA)).clear()
     return frame.with_columns(pl.arange(1, frame.height + 1, dtype=pl.Int32).alias("rank")).select(COLUMNS)
