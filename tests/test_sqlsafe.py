@@ -100,13 +100,23 @@ def _status_kb(pid: int | str, field: str) -> int:
 
 
 def _children() -> list[int]:
+    """This process's SQL console workers (sqlsafe.py --worker): not whatever else a test before left running
+    under it (a background recorder with a model loaded peaks near 1 GiB of its own)."""
     pids = []
     for task in Path("/proc/self/task").iterdir():
         try:
             pids += [int(p) for p in (task / "children").read_text().split()]
         except OSError:
             pass
-    return pids
+    mine = []
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--worker" in cmd and any(a.endswith(b"sqlsafe.py") for a in cmd):
+            mine.append(pid)
+    return mine
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
