@@ -444,6 +444,19 @@ def test_while_the_weights_are_fixed_each_layers_known_answers_run_once(tiny, pr
         assert got == ({("expert", layer, None, e, None): activations.KNOWN_NATS} if e in chose else {})
 
 
+def test_fixed_weights_holds_in_its_own_thread_only():
+    """A prompt set's scope of fixed weights (one thread of a UI) never reaches a judgment in another thread (which
+    may edit its model meanwhile: a what-if, a fault)."""
+    import threading
+    seen = []
+    with activations.fixed_weights():
+        t = threading.Thread(target=lambda: seen.append(activations._FIXED.get()))
+        t.start()
+        t.join()
+        assert activations._FIXED.get() == {}
+    assert seen == [None] and activations._FIXED.get() is None
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3"])
 def test_known_answers_in_transformers_families(family):
     """The known answers hold in transformers families too (fused or per-module experts, MLA or GQA attention): the

@@ -95,6 +95,7 @@ own surprise that root cause reads, ``found["experts"]``, under the same two rul
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import math
 from collections import Counter
@@ -616,12 +617,14 @@ class _Prepared:
 
     def firsts(self, token: int) -> list[dict]:
         """The ``first:`` cells of a context whose first token is ``token``."""
-        if token not in self._firsts:
+        rows = self._firsts.get(token)
+        if rows is None:
             if len(self._firsts) > 256:
                 self._firsts.clear()
-            self._firsts[token] = list(self.prof.filter(pl.col("signal").str.ends_with(f":{token}")
-                                                        & pl.col("signal").str.starts_with("first:")).iter_rows(named=True))
-        return self._firsts[token]
+            rows = self._firsts[token] = list(self.prof.filter(
+                pl.col("signal").str.ends_with(f":{token}") & pl.col("signal").str.starts_with("first:")).iter_rows(
+                    named=True))
+        return rows
 
     def spread(self) -> dict:
         """(kind, layer, head, expert, signal) -> the clean per-dimension std of each ``out`` / ``logit`` cell."""
@@ -843,7 +846,7 @@ def _known_evidence(a: Adapter, got: dict, prof: pl.DataFrame) -> dict[tuple, fl
     if not _made_in(prof, a.dtype):
         return {}
     prep = _prepared(prof)
-    fixed = _FIXED[-1] if _FIXED else None
+    fixed = _FIXED.get()
     off: dict[tuple, float] = {}
     for layer in sorted(prep.known):
         mine = prep.known[layer]
@@ -897,7 +900,8 @@ def _known_devs(a: Adapter, prep: _Prepared, layer: int, experts: list[int] | No
     return out
 
 
-_FIXED: list[dict] = []  # while ``fixed_weights()`` is entered: the known answers' deviations computed in it
+# while ``fixed_weights()`` is entered (in this thread or task): the known answers' deviations computed in it
+_FIXED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("workbench_fixed_weights", default=None)
 
 
 @contextlib.contextmanager
@@ -906,11 +910,11 @@ def fixed_weights() -> Iterator[None]:
     ones taken from them) and reused by every judgment: for a caller that holds the weights still meanwhile (a prompt
     set's detectors after each of its runs). Never around anything that edits weights or hooks in between (fault
     injection, interventions): the answers would be the first ones'."""
-    _FIXED.append({})
+    token = _FIXED.set({})
     try:
         yield
     finally:
-        _FIXED.pop()
+        _FIXED.reset(token)
 
 
 def _row_z(logits: torch.Tensor, cell: dict, ms: tuple | None = None) -> torch.Tensor:
