@@ -108,6 +108,7 @@ import polars as pl
 import torch
 from scipy.special import log_ndtr
 
+from workbench.analysis.baseline import by_object, profile_stamp
 from workbench.analysis.patching import _Taps
 from workbench.capture.adapters import Adapter, Route, adapter_for
 from workbench.capture.adapters.base import ATTN_MAPS
@@ -641,16 +642,11 @@ class _Prepared:
         return self._tensors[id(r)]
 
 
-_PREPARED: dict[int, _Prepared] = {}  # id(profile) -> its _Prepared (which holds the profile: the id stays its own)
+_PREPARED: dict[int, tuple] = {}  # id(profile) -> (profile, its _Prepared): baseline.by_object
 
 
 def _prepared(prof: pl.DataFrame) -> _Prepared:
-    hit = _PREPARED.get(id(prof))
-    if hit is None or hit.prof is not prof:
-        if len(_PREPARED) >= 8:
-            _PREPARED.pop(next(iter(_PREPARED)))
-        hit = _PREPARED[id(prof)] = _Prepared(prof)
-    return hit
+    return by_object(_PREPARED, prof, _Prepared)
 
 
 def _made_in(prof: pl.DataFrame, dtype: torch.dtype) -> bool:
@@ -963,7 +959,7 @@ def load(store, sha: str | None) -> pl.DataFrame | None:
     if not sha:
         return None
     key = (str(getattr(store, "path", id(store))), sha)
-    stamp = _stamp(store, sha)
+    stamp = profile_stamp(store, sha, "activation_profiles")
     cached = _LOADED.get(key)
     if cached is not None and cached[0] == stamp:
         return cached[1]
@@ -979,20 +975,13 @@ def load(store, sha: str | None) -> pl.DataFrame | None:
                 return bundled
             store.replace_rows("activation_profiles", {"checkpoint_sha256": sha}, bundled)
             got = query.activation_profile(store, sha)
-            stamp = _stamp(store, sha)
+            stamp = profile_stamp(store, sha, "activation_profiles")
     out = got if got.height else None
     _LOADED[key] = (stamp, out)
     return out
 
 
 _LOADED: dict[tuple[str, str], tuple] = {}  # (db, sha) -> (stamp, rows)
-
-
-def _stamp(store, sha: str) -> tuple:
-    """What changes when a model's activation profile is replaced: (rows, newest created_at, source)."""
-    got = store.sql("SELECT count(*) AS n, max(created_at) AS t, any_value(source) AS s FROM activation_profiles "
-                    "WHERE checkpoint_sha256 = ?", [sha])
-    return tuple(got.row(0)) if got.height else (0, None, None)
 
 
 def _from_bundle(stamp: tuple) -> str | None:

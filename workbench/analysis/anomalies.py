@@ -61,7 +61,7 @@ import numpy as np
 import polars as pl
 from scipy.stats import binom, chi2, false_discovery_control, norm
 
-from workbench.analysis.baseline import (BUCKETS, PROBS, bucket_of, load_profile, load_statistic, resid_growth,
+from workbench.analysis.baseline import (BUCKETS, PROBS, bucket_of, by_object, load_profile, load_statistic, resid_growth,
                                          run_means, tail_p)
 from workbench.analysis.repetition import covered_positions, spans
 from workbench.data import query
@@ -168,14 +168,7 @@ class Baseline:
     def of(cls, profile: pl.DataFrame | None) -> "Baseline":
         """The Baseline of ``profile``, one per profile object: ``load_profile`` hands out the same object while the
         stored profile is unchanged, so the cells the detectors read after every recording are selected once."""
-        if profile is None:
-            return cls(None)
-        hit = _BASELINES.get(id(profile))
-        if hit is None or hit.profile is not profile:
-            if len(_BASELINES) >= 8:
-                _BASELINES.pop(next(iter(_BASELINES)))
-            hit = _BASELINES[id(profile)] = cls(profile)
-        return hit
+        return cls(None) if profile is None else by_object(_BASELINES, profile, cls)
 
     @property
     def has_profile(self) -> bool:
@@ -272,7 +265,7 @@ class Baseline:
         return share / share.sum(), True
 
 
-_BASELINES: dict[int, Baseline] = {}  # id(profile) -> its Baseline (which holds the profile: the id stays its own)
+_BASELINES: dict[int, tuple] = {}  # id(profile) -> (profile, its Baseline): baseline.by_object
 
 
 def _pick(hi: np.ndarray, lo: np.ndarray, tail: str) -> tuple[np.ndarray, np.ndarray]:
