@@ -152,15 +152,11 @@ def _windows(cfg, attn: list) -> list[int | None]:
     return out
 
 
-def _out_proj(attn: nn.Module | None) -> nn.Linear | None:
-    return attention_map(attn, "out")
-
-
 def _heads(attn: nn.Module | None, default: int | None) -> int | None:
     """The number of query heads of one attention module (per-layer head counts differ in some families)."""
     if attn is None:
         return None
-    o, hd = _out_proj(attn), getattr(attn, "head_dim", None)
+    o, hd = attention_map(attn, "out"), getattr(attn, "head_dim", None)
     if o is not None and isinstance(hd, int) and hd > 0 and o.in_features % hd == 0:
         return o.in_features // hd
     for n in HEAD_ATTRS:
@@ -544,7 +540,7 @@ class HFAdapter(Adapter):
         present = [h for h in heads if h]
         n_heads = int(max(set(present), key=present.count) if present else (g_heads or 1))
         self._heads = [h if h == n_heads else None for h in heads]
-        self._o_proj = [_out_proj(a) if h else None for a, h in zip(self.attn, self._heads)]
+        self._o_proj = [attention_map(a, "out") if h else None for a, h in zip(self.attn, self._heads)]
         moa = [i for i, a in enumerate(self.attn) if a is not None and any(
             ROUTER_CLASS.search(type(m).__name__) for m in a.modules())]
         if moa:
