@@ -108,7 +108,7 @@ import polars as pl
 import torch
 from scipy.special import log_ndtr
 
-from workbench.analysis.baseline import by_object, profile_stamp
+from workbench.analysis.memo import by_object
 from workbench.analysis.patching import _Taps
 from workbench.capture.adapters import Adapter, Route, adapter_for
 from workbench.capture.adapters.base import ATTN_MAPS
@@ -642,7 +642,7 @@ class _Prepared:
         return self._tensors[id(r)]
 
 
-_PREPARED: dict[int, tuple] = {}  # id(profile) -> (profile, its _Prepared): baseline.by_object
+_PREPARED: dict[int, tuple] = {}  # id(profile) -> (profile, its _Prepared): memo.by_object
 
 
 def _prepared(prof: pl.DataFrame) -> _Prepared:
@@ -959,7 +959,7 @@ def load(store, sha: str | None) -> pl.DataFrame | None:
     if not sha:
         return None
     key = (str(getattr(store, "path", id(store))), sha)
-    stamp = profile_stamp(store, sha, "activation_profiles")
+    stamp = query.profile_stamp(store, sha, "activation_profiles")
     cached = _LOADED.get(key)
     if cached is not None and cached[0] == stamp:
         return cached[1]
@@ -975,7 +975,7 @@ def load(store, sha: str | None) -> pl.DataFrame | None:
                 return bundled
             store.replace_rows("activation_profiles", {"checkpoint_sha256": sha}, bundled)
             got = query.activation_profile(store, sha)
-            stamp = profile_stamp(store, sha, "activation_profiles")
+            stamp = query.profile_stamp(store, sha, "activation_profiles")
     out = got if got.height else None
     _LOADED[key] = (stamp, out)
     return out

@@ -61,8 +61,9 @@ import numpy as np
 import polars as pl
 from scipy.stats import binom, chi2, false_discovery_control, norm
 
-from workbench.analysis.baseline import (BUCKETS, PROBS, bucket_of, by_object, load_profile, load_statistic, resid_growth,
+from workbench.analysis.baseline import (BUCKETS, PROBS, bucket_of, load_profile, load_statistic, resid_growth,
                                          run_means, tail_p)
+from workbench.analysis.memo import by_object
 from workbench.analysis.repetition import covered_positions, spans
 from workbench.data import query
 from workbench.data.schema import columns
@@ -265,7 +266,7 @@ class Baseline:
         return share / share.sum(), True
 
 
-_BASELINES: dict[int, tuple] = {}  # id(profile) -> (profile, its Baseline): baseline.by_object
+_BASELINES: dict[int, tuple] = {}  # id(profile) -> (profile, its Baseline): memo.by_object
 
 
 def _pick(hi: np.ndarray, lo: np.ndarray, tail: str) -> tuple[np.ndarray, np.ndarray]:

@@ -192,7 +192,7 @@ def load_profile(store: Store, sha: str | None) -> pl.DataFrame | None:
         return None
     key = (str(store.path), sha)
     cached = _CACHE.get(key)
-    if cached is not None and cached[0] == profile_stamp(store, sha):
+    if cached is not None and cached[0] == query.profile_stamp(store, sha):
         return cached[1]
     got = query.profile(store, sha)
     missing = CURRENT_SIGNALS - set(got["signal"].unique().to_list()) if got.height else set()
@@ -204,7 +204,7 @@ def load_profile(store: Store, sha: str | None) -> pl.DataFrame | None:
             warnings.warn(f"the stored profile of model {sha[:12]} was made by an older workbench (it has no "
                           f"{', '.join(sorted(missing))} cells): runs are judged as without a profile until "
                           "`workbench profile` is run again")
-            _CACHE[key] = (profile_stamp(store, sha), None)
+            _CACHE[key] = (query.profile_stamp(store, sha), None)
             return None
     if got.height == 0 and BUNDLED.exists():
         bundled = pl.read_parquet(BUNDLED)
@@ -215,7 +215,7 @@ def load_profile(store: Store, sha: str | None) -> pl.DataFrame | None:
             store.replace_rows("profiles", {"checkpoint_sha256": sha}, bundled)
             got = query.profile(store, sha)
     out = got if got.height else None
-    _CACHE[key] = (profile_stamp(store, sha), out)
+    _CACHE[key] = (query.profile_stamp(store, sha), out)
     return out
 
 
@@ -223,27 +223,6 @@ def load_profile(store: Store, sha: str | None) -> pl.DataFrame | None:
 CURRENT_SIGNALS = frozenset({"log_head_norm", "log_resid_growth", "run_norm_entropy", "run_log_head_norm",
                              "run_log_resid_growth"})
 _CACHE: dict[tuple[str, str], tuple] = {}  # (db, sha) -> (stamp, rows): detection runs after every recording
-
-
-def profile_stamp(store: Store, sha: str, table: str = "profiles") -> tuple:
-    """What changes when a model's profile (``profiles``, or ``activation_profiles``) is replaced: its row count,
-    newest created_at and source."""
-    if table not in ("profiles", "activation_profiles"):
-        raise ValueError(f"not a profile table: {table!r}")
-    return tuple(store.execute(f"SELECT count(*), max(created_at), any_value(source) FROM {table} "
-                               "WHERE checkpoint_sha256 = ?", [sha])[0])
-
-
-def by_object(cache: dict, obj, make, size: int = 8):
-    """``make(obj)``, made once per object and kept for the last ``size`` objects (a profile frame, which its loader
-    hands out again while the stored profile is unchanged); each entry holds its object, so an id is never
-    another object's."""
-    hit = cache.get(id(obj))
-    if hit is None or hit[0] is not obj:
-        if len(cache) >= size:
-            cache.pop(next(iter(cache)))
-        hit = cache[id(obj)] = (obj, make(obj))
-    return hit[1]
 
 
 def export_profile(store: Store, sha: str, path: str | Path) -> Path:

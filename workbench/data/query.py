@@ -207,6 +207,15 @@ def activation_profile(store: Store, sha: str) -> pl.DataFrame:
                      "WHERE checkpoint_sha256 = ? ORDER BY kind, layer, head, expert, signal", [sha])
 
 
+def profile_stamp(store: Store, sha: str, table: str = "profiles") -> tuple:
+    """What changes when a model's profile (``profiles``, or ``activation_profiles``) is replaced: its row count,
+    newest created_at and source (what the analyses' read-once caches of a profile compare)."""
+    if table not in ("profiles", "activation_profiles"):
+        raise ValueError(f"not a profile table: {table!r}")
+    return tuple(store.execute(f"SELECT count(*), max(created_at), any_value(source) FROM {table} "
+                               "WHERE checkpoint_sha256 = ?", [sha])[0])
+
+
 def run_summary(store: Store, run_id: str) -> ModelSummary:
     return model_summary(run_row(store, run_id))
 
