@@ -131,7 +131,7 @@ class AttentionProbe(Probe):
 
     def on_probs(self, layer: int, p: torch.Tensor, q_start: int, window: int | None = None) -> None:
         if p.size(0) == 1:  # a decode row: kept, reduced with many others at the next flush
-            self.single.append((layer, q_start, p[0].detach(), window))
+            self.single.append((layer, q_start, _kept(p[0]), window))
         else:  # a block of prefill rows: reduced at once, so nothing O(T x S) outlives it
             self.blocks.append({"layer": layer, **attention_stats(p.detach(), q_start, window)})
 
@@ -233,6 +233,12 @@ def _attention_seams(probe) -> dict:
     return {"attn_stats": probe.on_stats, **({"attn_row": probe.on_probs} if getattr(a, "row_seam", False) else {})}
 
 
+def _kept(x: torch.Tensor) -> torch.Tensor:
+    """``x`` to keep past its forward: detached where autograd tracks it (a decode step under inference mode is not:
+    a listener called tens of times a step saves the detach's call)."""
+    return x.detach() if x.requires_grad else x
+
+
 def _stack(xs: list[torch.Tensor]) -> torch.Tensor:
     """``torch.stack`` on the first tensor's device (a device-mapped model spreads layers over several)."""
     return torch.stack([x.to(xs[0].device) for x in xs])
@@ -261,7 +267,7 @@ class _NormProbe(Probe):
         return {self.seam: self.on_value}
 
     def on_value(self, layer: int, x: torch.Tensor) -> None:
-        self.seen[layer].append(x[0].detach() if x.size(1) == 1 else x[0].detach().float().norm(dim=-1, keepdim=True))
+        self.seen[layer].append(_kept(x[0]) if x.size(1) == 1 else x[0].detach().float().norm(dim=-1, keepdim=True))
 
     def collect(self, s: StepInfo) -> dict:
         if self.seen:
@@ -328,7 +334,7 @@ class KVProbe(Probe):
         # key j is position j, or q_end - S + j once a sliding-window cache holds only the newest S
         offset = max(0, q_start + p.size(0) - p.size(-1))
         if p.size(0) == 1:
-            self.single.append((layer, offset, p[0].detach()))
+            self.single.append((layer, offset, _kept(p[0])))
         else:
             add_received(self.received, layer, attention_received(p.detach()), offset)
 
@@ -341,13 +347,19 @@ class KVProbe(Probe):
             add_received(self.received, layer, received.detach().float(), offset)
 
     def _add_kept(self) -> None:
-        """Add the kept decode rows to the running totals: one sum per run of same-shaped rows."""
+        """Add the kept decode rows to the running totals: the rows of one key offset summed over heads (one sum
+        per run of same-shaped rows), padded to the longest, and one sum per layer."""
         rows, self.kept_single, self.kept_bytes = self.kept_single, [], 0
-        for (_, offset), group in groupby(rows, key=lambda r: (r[2].shape, r[1])):
-            run = list(group)
-            got = _stack([r[2] for r in run]).float().sum(1)  # [n, S] over heads
-            for layer in dict.fromkeys(r[0] for r in run):
-                add_received(self.received, layer, got[[j for j, r in enumerate(run) if r[0] == layer]].sum(0), offset)
+        by_offset: dict[int, list] = defaultdict(list)
+        for row in rows:
+            by_offset[row[1]].append(row)
+        for offset, group in by_offset.items():
+            sums = [_stack([r[2] for r in run]).float().sum(1) for _, run in groupby(group, key=lambda r: r[2].shape)]
+            s_max = max(x.size(-1) for x in sums)
+            got = torch.cat([torch.nn.functional.pad(x, (0, s_max - x.size(-1))).to(sums[0].device) for x in sums])
+            layers = torch.tensor([r[0] for r in group])
+            for layer in dict.fromkeys(r[0] for r in group):
+                add_received(self.received, layer, got[layers == layer].sum(0), offset)
 
     def collect(self, s: StepInfo) -> dict:
         self.kept_single += self.single
@@ -400,14 +412,14 @@ class ExpertExtremesProbe(Probe):
         self.x[layer].append(x.detach().reshape(-1, x.size(-1)))
 
     def on_route(self, layer: int, r: Route) -> None:
-        self.idx[layer].append(r.indices.detach())
+        self.idx[layer].append(_kept(r.indices))
         if self.own:
             self.calls[layer].append([])
 
     def on_out(self, layer: int, expert: int, y: torch.Tensor, act: torch.Tensor | None) -> None:
         forwards = self.calls.get(layer)
         if forwards:  # a call before its layer's routing (none in our model) is never paired up
-            forwards[-1].append((expert, y.detach(), None if act is None else act.detach()))
+            forwards[-1].append((expert, _kept(y), None if act is None else _kept(act)))
 
     def collect(self, s: StepInfo) -> dict:
         if self.own:
@@ -645,8 +657,19 @@ def _grouped_internals(experts, x: torch.Tensor, indices: torch.Tensor
 
 
 class StepsProbe(Probe):
+    def __init__(self, adapter: Adapter, run_id: str):
+        super().__init__(adapter, run_id)
+        self.kept: list[tuple[int, int, float]] = []  # (step, tokens fed, wall ms)
+
     def collect(self, s: StepInfo) -> dict:
-        return {"steps": steps_rows(s.run_id, s.index, len(s.input_ids), s.wall_ms)}
+        self.kept.append((s.index, len(s.input_ids), s.wall_ms))
+        return {}
+
+    def flush(self) -> dict:
+        if not self.kept:
+            return {}
+        kept, self.kept = self.kept, []
+        return {"steps": steps_rows(self.run_id, *zip(*kept))}
 
 
 

@@ -60,10 +60,12 @@ def kv_rows(run_id: str, step, rows: list[tuple[int, int, int]], tok_cols: list[
     return out
 
 
-def steps_rows(run_id: str, step: int, n_fed: int, wall_ms: float) -> Rows:
-    return Rows(run_id, {"step": np.array([step], np.int32),
-                         "kind": np.array(["prefill" if step == 0 else "decode"], dtype=object),
-                         "n_tokens": np.array([n_fed], np.int32), "wall_ms": np.array([wall_ms])})
+def steps_rows(run_id: str, step, n_fed, wall_ms) -> Rows:
+    """``steps`` rows of one step (ints and a float) or of several (sequences of them)."""
+    step = np.atleast_1d(np.asarray(step, np.int32))
+    return Rows(run_id, {"step": step, "kind": np.where(step == 0, "prefill", "decode").astype(object),
+                         "n_tokens": np.atleast_1d(np.asarray(n_fed, np.int32)),
+                         "wall_ms": np.atleast_1d(np.asarray(wall_ms, np.float64))})
 
 
 def token_frame(run_id: str, step, positions: list[int], token_ids: list[int], texts: list[str],

@@ -374,16 +374,18 @@ class Adapter:
             self._route_lists = {"route": [], "routed": []}
         return self._route_lists
 
-    def _dispatch_route(self, layer: int, logits: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor):
-        """Called by the adapter's routing hook: edits, then observers; (indices, weights) to use, or None."""
+    def _dispatch_route(self, layer: int, logits: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                        math: RouterMath | None = None):
+        """Called by the adapter's routing hook: edits, then observers; (indices, weights) to use, or None.
+        ``math``: the layer's ``router(layer)`` where the hook has it at hand."""
         lists = self._routing_listeners()
         if not lists["route"]:  # observers only (a recording): one Route, nothing to edit
             if lists["routed"]:
-                final = Route(layer, logits, indices, weights, self.router(layer))
+                final = Route(layer, logits, indices, weights, math or self.router(layer))
                 for fn in lists["routed"]:
                     fn(layer, final)
             return None
-        r = Route(layer, logits, indices, weights, self.router(layer))
+        r = Route(layer, logits, indices, weights, math or self.router(layer))
         for fn in lists["route"]:
             fn(layer, r)
         new = r.result()

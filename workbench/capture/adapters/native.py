@@ -72,13 +72,18 @@ class NativeAdapter(Adapter):
     def router(self, layer: int) -> RouterMath:
         """The layer's ``RouterMath``, remembered while the gate's settings and bias tensor stay the same
         (routing hooks ask for it at every step; a fault changes the bias in place, which it sees)."""
-        g = self.module.layers[layer].ffn.gate
-        key = (id(g), id(g.bias), g.bias.device if g.bias is not None else None, g.topk, g.score_func,
-               g.n_groups, g.topk_groups, g.norm_topk_prob, g.route_scale)
+        return self._router_of(self.module.layers[layer].ffn.gate, layer)
+
+    def _router_of(self, g: nn.Module, layer: int) -> RouterMath:
+        """``router(layer)`` of the layer's gate ``g`` (the routing hook has it at hand: no module lookups)."""
+        bias = g.bias
+        key = (id(g), id(bias), bias.device if bias is not None else None, g.topk, g.score_func, g.n_groups,
+               g.topk_groups, g.norm_topk_prob, g.route_scale)
         cache = self.__dict__.setdefault("_routers", {})
-        if layer not in cache or cache[layer][0] != key:
-            cache[layer] = (key, self._router_math(g))
-        return cache[layer][1]
+        hit = cache.get(layer)
+        if hit is None or hit[0] != key:
+            hit = cache[layer] = (key, self._router_math(g))
+        return hit[1]
 
     @staticmethod
     def _router_math(g) -> RouterMath:
@@ -124,8 +129,21 @@ class NativeAdapter(Adapter):
         return out
 
     def kv_sizes(self) -> list[tuple[int, int, int]]:
-        return [(i, layer.attn.cache.length, layer.attn.cache.length * layer.attn.cache.bytes_per_token())
-                for i, layer in enumerate(self.module.layers) if layer.attn.cache is not None]
+        # every step of a recording asks: the layers' attention modules are looked up once, and each cache's bytes
+        # per token once (kept on the cache: a new generation makes new ones)
+        attns = self.__dict__.get("_attns")
+        if attns is None or len(attns) != len(self.module.layers):
+            attns = self.__dict__["_attns"] = [layer.attn for layer in self.module.layers]
+        out = []
+        for i, attn in enumerate(attns):
+            c = attn.cache
+            if c is None:
+                continue
+            bpt = c.__dict__.get("_workbench_bpt")
+            if bpt is None:
+                bpt = c.__dict__["_workbench_bpt"] = c.bytes_per_token()
+            out.append((i, c.length, c.length * bpt))
+        return out
 
     # -- the KV what-if seam: eviction renormalises attention over the kept keys (hook_attn_probs) --------
     @contextlib.contextmanager
@@ -284,11 +302,11 @@ class NativeAdapter(Adapter):
         for i in self.summary.moe_layers:
             gate = self.module.layers[i].ffn.gate
             seen: dict = {}
-            handles.append(_hook(gate.hook_logits, lambda _m, _a, _kw, lg, seen=seen: seen.__setitem__("l", lg)))
+            handles.append(gate.hook_logits.register_forward_hook(lambda _m, _a, lg, seen=seen: seen.__setitem__("l", lg)))
 
-            def on_gate(_m, _a, _kw, out, i=i, seen=seen):
+            def on_gate(g, _a, out, i=i, seen=seen):
                 weights, indices = out
-                new = self._dispatch_route(i, seen["l"], indices, weights)
+                new = self._dispatch_route(i, seen["l"], indices, weights, self._router_of(g, i))
                 return None if new is None else (new[1].type_as(weights), new[0])
-            handles.append(_hook(gate, on_gate))
+            handles.append(gate.register_forward_hook(on_gate))
         return handles
