@@ -125,3 +125,38 @@ def test_calls_that_are_not_the_choice_give_no_rows_and_the_others_their_own():
         top = max(norms.values(), key=lambda v: v[1])
         assert rows["max_act_expert"][r] == top[2]
         np.testing.assert_allclose(rows["max_act"][r], top[1], rtol=1e-6)
+
+
+def test_calls_reduced_when_they_happen_give_the_rows_of_calls_kept_whole(tmp_path, monkeypatch):
+    """A long prompt's expert calls are reduced as they happen (``REDUCE_ROWS``: nothing [N, D] outlives the forward);
+    the rows equal those of the same calls kept whole and reduced at the flush, alone and in a batch, a decode step's
+    few-row calls mixed in with the prefill's reduced ones."""
+    model = tiny_model()
+    db = Store(tmp_path / "w.duckdb")
+    monkeypatch.setattr(P, "REDUCE_ROWS", 1 << 30)  # every call kept whole
+    whole = _extremes(model, db)
+    monkeypatch.setattr(P, "REDUCE_ROWS", 2)  # prefill calls of 2+ rows reduced at once, decode rows kept
+    _same(_extremes(model, db), whole)
+    monkeypatch.setattr(P, "REDUCE_ROWS", 1)  # every call reduced at once
+    _same(_extremes(model, db), whole)
+    ckpt = save_checkpoint(tiny_model(vocab_size=4096), tmp_path / "ckpt", tokenizer=DEFAULT_TOKENIZER)
+    prompts = ["def add(a, b):", "for i in range(10):\n"]
+    run_ids = [new_run_id() for _ in prompts]
+    assert record_batch(prompts, [RecordSettings(max_new_tokens=6)] * 2, model=str(ckpt), db=db, run_ids=run_ids,
+                        run_fields=[None] * 2) == [None] * 2
+    monkeypatch.setattr(P, "REDUCE_ROWS", 1 << 30)
+    q = "SELECT * EXCLUDE (run_id) FROM expert_extremes WHERE run_id = ? ORDER BY layer, pos"
+    for prompt, rid in zip(prompts, run_ids):
+        single = workbench.record(prompt, model=str(ckpt), max_new_tokens=6, db=db, detect=False)
+        _same(db.sql(q, [rid]), db.sql(q, [single.run_id]))
+
+
+def test_a_long_prompts_expert_calls_are_not_held_until_the_flush():
+    """A call of REDUCE_ROWS rows or more is kept as two numbers per row, not its output and activation."""
+    y, a = torch.randn(P.REDUCE_ROWS, 16), torch.randn(P.REDUCE_ROWS, 32)
+    e, yk, ak = P.expert_call(3, y, a)
+    assert e == 3 and yk.shape == ak.shape == (P.REDUCE_ROWS,)
+    torch.testing.assert_close(yk, y.norm(dim=-1))
+    torch.testing.assert_close(ak, a.abs().amax(dim=-1))
+    e, yk, ak = P.expert_call(3, y[:1], a[:1])
+    assert yk.shape == (1, 16) and ak.shape == (1, 32)

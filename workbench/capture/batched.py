@@ -24,7 +24,16 @@ import torch
 
 from workbench.capture.adapters.base import Adapter, Route
 from workbench.capture.experts import expert_internals
-from workbench.capture.probes import StepInfo, _extremes, _grouped_internals, _on_cpu, _own_extremes, _stack, dispatch
+from workbench.capture.probes import (
+    StepInfo,
+    _extremes,
+    _grouped_internals,
+    _on_cpu,
+    _own_extremes,
+    _stack,
+    dispatch,
+    expert_call,
+)
 from workbench.capture.rows import attention_rows, kv_rows, kv_token_cols
 from workbench.data.rows import Rows
 from workbench.data.store import merge_batches
@@ -267,7 +276,7 @@ class ExpertExtremesBatch(BatchProbe):
         def on_out(layer: int, expert: int, y: torch.Tensor, act: torch.Tensor | None) -> None:
             calls = self._calls.get(layer)
             if calls is not None:
-                calls.append((expert, y.detach(), None if act is None else act.detach()))
+                calls.append(expert_call(expert, y, act))
         return {"routed": on_route, "expert_out": on_out}
 
     def seen(self):

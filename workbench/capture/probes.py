@@ -233,6 +233,30 @@ def _attention_seams(probe) -> dict:
     return {"attn_stats": probe.on_stats, **({"attn_row": probe.on_probs} if getattr(a, "row_seam", False) else {})}
 
 
+# an expert call of at least this many rows (a prefill's) is reduced when it happens: its output [N, D] and activation
+# [N, I] would otherwise be held until the flush, several times what the forward itself holds at a long prompt
+REDUCE_ROWS = 64
+
+
+def expert_call(expert: int, y: torch.Tensor, act: torch.Tensor | None) -> tuple:
+    """(expert, output, down projection input) of one expert call as the expert_extremes probes keep it: a few rows
+    (a decode step's) as they are, reduced with many others at the flush; a call of ``REDUCE_ROWS`` rows or more
+    reduced now, to each row's output norm [N] and largest |activation| [N] (``_own_extremes`` takes either)."""
+    if act is not None and y.size(0) >= REDUCE_ROWS:
+        return expert, y.detach().float().norm(dim=-1), act.detach().float().abs().amax(dim=-1)
+    return expert, _kept(y), None if act is None else _kept(act)
+
+
+def _row_values(ts: list[torch.Tensor], reduce) -> torch.Tensor:
+    """``reduce`` (a per-row reduction over the last dim) of every row of ``ts`` in order: 2-D tensors are reduced here
+    in one call, 1-D ones were reduced already (``expert_call``)."""
+    raw = [t for t in ts if t.dim() > 1]
+    if len(raw) == len(ts):
+        return reduce(torch.cat(ts))
+    done = iter(reduce(torch.cat(raw)).split([t.size(0) for t in raw]) if raw else ())
+    return torch.cat([next(done) if t.dim() > 1 else t.float() for t in ts])
+
+
 def _kept(x: torch.Tensor) -> torch.Tensor:
     """``x`` to keep past its forward: detached where autograd tracks it (a decode step under inference mode is not:
     a listener called tens of times a step saves the detach's call)."""
@@ -419,7 +443,7 @@ class ExpertExtremesProbe(Probe):
     def on_out(self, layer: int, expert: int, y: torch.Tensor, act: torch.Tensor | None) -> None:
         forwards = self.calls.get(layer)
         if forwards:  # a call before its layer's routing (none in our model) is never paired up
-            forwards[-1].append((expert, _kept(y), None if act is None else _kept(act)))
+            forwards[-1].append(expert_call(expert, y, act))
 
     def collect(self, s: StepInfo) -> dict:
         if self.own:
@@ -589,8 +613,8 @@ def _own_extremes(idxs: list[torch.Tensor], calls: list[list], n_e: int):
     act = torch.full((key.numel(),), float("nan"), device=dev)
     if ys:
         order = torch.argsort(key, stable=True)[:int(valid.sum())]
-        norm[order] = torch.cat(ys).float().norm(dim=-1).to(dev)
-        act[order] = torch.cat(acts).float().abs().amax(dim=-1).to(dev)
+        norm[order] = _row_values(ys, lambda t: t.float().norm(dim=-1)).to(dev)
+        act[order] = _row_values(acts, lambda t: t.float().abs().amax(dim=-1)).to(dev)
     return _extremes(norm.view(idx.shape).cpu(), act.view(idx.shape).cpu(), idx), where
 
 
