@@ -29,6 +29,7 @@ from workbench.probes.signals import (
     reduced_row_stats,
     reduced_stats,
     routing_records,
+    token_confidence,
 )
 
 
@@ -103,12 +104,38 @@ class TokensProbe(Probe):
         return {"tokens": frames} if frames else {}
 
     def flush(self) -> dict:
-        if not self.kept:
-            return {}
-        k, self.kept = self.kept, []
+        return self.flush_many([self])[0]
+
+    @classmethod
+    def flush_many(cls, probes: list["TokensProbe"]) -> list[dict]:
+        """The kept decode rows of every probe (the runs of one batched generation) through one
+        ``token_confidence`` call (its cost is mostly per call at a few rows), the columns split back per run."""
+        kept = []
+        for p in probes:
+            kept.append(p.kept)
+            p.kept = []
+        rows = [r for k in kept for r in k]
+        topk = {p.topk for p, k in zip(probes, kept) if k}
+        if not rows:
+            return [{} for _ in probes]
+        if len(topk) > 1:  # one top-k for all (a batch shares it): else each run on its own
+            return [p._frame(k) if k else {} for p, k in zip(probes, kept)]
+        logits = (rows[0][4] if len(rows) == 1 else torch.cat([r[4] for r in rows])).cpu()
+        sig = token_confidence(logits, torch.tensor([r[2] for r in rows]), topk.pop())
+        out, off = [], 0
+        for p, k in zip(probes, kept):
+            if not k:
+                out.append({})
+                continue
+            part = {c: v[off:off + len(k)] for c, v in sig.items()}
+            off += len(k)
+            out.append(p._frame(k, part))
+        return out
+
+    def _frame(self, k: list, sig: dict | None = None) -> dict:
+        logits = None if sig is not None else (k[0][4] if len(k) == 1 else torch.cat([r[4] for r in k])).cpu()
         return {"tokens": [token_frame(self.run_id, [r[0] for r in k], [r[1] for r in k], [r[2] for r in k],
-                                       [r[3] for r in k], [False] * len(k),
-                                       (k[0][4] if len(k) == 1 else torch.cat([r[4] for r in k])).cpu(), self.topk)]}
+                                       [r[3] for r in k], [False] * len(k), logits, self.topk, sig)]}
 
     def pending_bytes(self) -> int:
         return sum(r[4].numel() * 4 for r in self.kept)

@@ -69,19 +69,21 @@ def steps_rows(run_id: str, step, n_fed, wall_ms) -> Rows:
 
 
 def token_frame(run_id: str, step, positions: list[int], token_ids: list[int], texts: list[str],
-                is_prompt: list[bool], logits: torch.Tensor | None, k: int) -> pl.DataFrame | Rows:
+                is_prompt: list[bool], logits: torch.Tensor | None, k: int, sig: dict | None = None) -> pl.DataFrame | Rows:
     """Token rows; ``logits`` [n, V] are the distributions that produced them (None: position 0); ``step``
-    is one step or each row's step."""
+    is one step or each row's step; ``sig``: their ``token_confidence`` computed already (several runs' rows in one
+    call), instead of from ``logits``."""
     n = len(positions)
     schema = {"prob": pl.Float64, "logprob": pl.Float64, "confidence": pl.Float64, "entropy": pl.Float64,
               "rank": pl.Int32, "topk_ids": pl.List(pl.Int32), "topk_probs": pl.List(pl.Float64)}
-    if logits is None:
+    if logits is None and sig is None:
         # typed Series built eagerly: a lazy with_columns per decode step costs milliseconds
         series = [pl.Series("run_id", [run_id], pl.String).new_from_index(0, n), pl.Series("pos", positions, pl.Int32),
                   pl.Series("step", [step] * n, pl.Int32), pl.Series("token_id", token_ids, pl.Int32),
                   pl.Series("text", texts, pl.String), pl.Series("is_prompt", is_prompt, pl.Boolean)]
         return pl.DataFrame(series + [pl.Series(c, [None] * n, t) for c, t in schema.items()])
-    sig = token_confidence(logits, torch.tensor(token_ids), k)
+    if sig is None:
+        sig = token_confidence(logits, torch.tensor(token_ids), k)
     # NaN stays NaN (not NULL): the anomaly detectors look for non-finite values
     return Rows(run_id, {
         "pos": np.asarray(positions, np.int32), "step": np.broadcast_to(np.asarray(step, np.int32), (n,)).copy(),
