@@ -408,7 +408,7 @@ class KVProbe(Probe):
             sums = [_stack([r[2] for r in run]).float().sum(1) for _, run in groupby(group, key=lambda r: r[2].shape)]
             s_max = max(x.size(-1) for x in sums)
             got = torch.cat([torch.nn.functional.pad(x, (0, s_max - x.size(-1))).to(sums[0].device) for x in sums])
-            layers = torch.tensor([r[0] for r in group])
+            layers = torch.tensor([r[0] for r in group], device=got.device)
             for layer in dict.fromkeys(r[0] for r in group):
                 add_received(self.received, layer, got[layers == layer].sum(0), offset)
 
