@@ -11,6 +11,7 @@ from datetime import datetime
 from pathlib import Path
 
 import duckdb
+import numpy as np
 import polars as pl
 import pytest
 from helpers import tiny_model
@@ -18,7 +19,8 @@ from helpers import tiny_model
 import workbench
 from workbench.data.query import RunNotFound
 from workbench.data.schema import SCHEMA_VERSION, TABLES, columns
-from workbench.data.store import Store, StoreError
+from workbench.data.rows import Rows
+from workbench.data.store import Store, StoreError, merge_batches, to_frame
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -283,3 +285,25 @@ def test_a_folder_of_shards_refuses_replace_rows(tmp_path):
     (tmp_path / "shards").mkdir()
     with pytest.raises(StoreError, match="read-only"):
         TraceStore(tmp_path / "shards").replace_rows("anomalies", {"run_id": "r1"}, pl.DataFrame({"run_id": ["r1"]}))
+
+
+def test_a_commits_runs_move_on_as_far_as_its_rows_prove_whether_parts_or_frames(tmp_path):
+    """Several runs' rows in one commit (a batch's writer): each running run's n_tokens moves on to what its rows
+    prove, read from the Rows parts themselves (each names its run) as from the frame they become."""
+    def batch(rid: str, steps: list[int], pos: list[int]) -> dict:
+        return {"steps": Rows(rid, {"step": np.array(steps, np.int32), "kind": np.array(["decode"] * len(steps), object),
+                                    "n_tokens": np.ones(len(steps), np.int32), "wall_ms": np.ones(len(steps))}),
+                "resid_norm": Rows(rid, {"pos": np.array(pos, np.int32), "layer": np.zeros(len(pos), np.int32),
+                                         "norm": np.ones(len(pos))})}
+
+    got = {}
+    for how in ("parts", "frames"):
+        store = Store(tmp_path / f"{how}.duckdb")
+        store.append({"runs": pl.DataFrame({"run_id": ["a", "b"], "status": ["running"] * 2,
+                                            "n_prompt_tokens": [3, 5], "n_tokens": [3, 5]})})
+        items = [batch("a", [1, 4], [2, 6]), batch("b", [2], [9, 11]), batch("a", [2], [12])]
+        merged = merge_batches(items)
+        store.append(merged if how == "parts" else {t: to_frame(p) for t, p in merged.items()})
+        got[how] = dict(store.execute("SELECT run_id, n_tokens FROM runs ORDER BY run_id"))
+    # a: last step 4 -> 3 + 4 + 1 = 8; its fed position 12 -> 14 tokens; b: step 2 -> 8, position 11 -> 13
+    assert got["parts"] == got["frames"] == {"a": 14, "b": 13}

@@ -600,7 +600,7 @@ class Store:
             for table, df in batches.items():
                 frame = self._insert(c, table, df)
                 if frame is not None and table in SIGNAL_TABLES:
-                    steps, n_fed = _reach(table, frame)
+                    steps, n_fed = _reach_parts(table, df, frame)
                     for rid, v in steps.items():
                         last_step[rid] = max(last_step.get(rid, -1), v)
                     for rid, v in n_fed.items():
@@ -752,7 +752,7 @@ class Writer:
                     continue
                 if self.error is None and batches:
                     try:  # one short lease per transaction: another process may take the file in between
-                        self.store.append(_merge(batches))
+                        self.store.append(merge_batches(batches))  # each table's parts: frames built on insert
                     except BaseException as e:  # keep draining; report at close
                         self.error = e
                 batches = []
@@ -827,11 +827,6 @@ def merge_batches(items: list[dict]) -> dict[str, list]:
     return tables
 
 
-def _merge(items: list[dict]) -> dict[str, pl.DataFrame | None]:
-    """Several steps' batches as one batch: one frame per table."""
-    return {t: to_frame(parts) for t, parts in merge_batches(items).items()}
-
-
 def _reach(table: str, df: pl.DataFrame) -> tuple[dict[str, int], dict[str, int]]:
     """What a signal table's rows prove of each run's length: ({run: last step}, {run: n_tokens}).
     A row of step s means the step producing the token at ``n_prompt_tokens + s`` committed; a row at
@@ -846,6 +841,21 @@ def _reach(table: str, df: pl.DataFrame) -> tuple[dict[str, int], dict[str, int]
     else:
         agg = df.group_by("run_id").agg(pl.col(col).max())
         maxima = {r: int(v) for r, v in agg.iter_rows() if v is not None}
+    return (maxima, {}) if col == "step" else ({}, {r: v + 2 for r, v in maxima.items()})
+
+
+def _reach_parts(table: str, batch, frame: pl.DataFrame) -> tuple[dict[str, int], dict[str, int]]:
+    """``_reach`` of a batch from its parts where they are ``Rows`` (each names its run: a numpy max per part, not a
+    group-by of the frame per table and commit), else from the frame inserted."""
+    parts = batch if isinstance(batch, list) else [batch]
+    if not all(isinstance(p, Rows) for p in parts):
+        return _reach(table, frame)
+    col = "step" if "step" in frame.columns else "pos" if "pos" in frame.columns else None
+    maxima: dict[str, int] = {}
+    for p in parts:
+        v = p.cols.get(col) if col else None
+        if v is not None and len(v):
+            maxima[p.run_id] = max(maxima.get(p.run_id, -1), int(np.max(v)))
     return (maxima, {}) if col == "step" else ({}, {r: v + 2 for r, v in maxima.items()})
 
 
