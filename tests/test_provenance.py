@@ -121,6 +121,14 @@ def test_the_fingerprint_follows_in_place_edits_and_faults(ckpt, tmp_path):
         model.layers[0].attn_norm.weight[0] += 1.0
     edited = workbench.record(PROMPT, model=model, max_new_tokens=2, db=db, detect=False).info
     assert edited["weights_sha256"] not in (clean["weights_sha256"], faulty["weights_sha256"])
+    # an edit through .data (no tensor's version counter moves): the hash is computed again, not remembered
+    model.layers[1].ffn.experts[0].w2.weight.data.mul_(-1)
+    flipped = workbench.record(PROMPT, model=model, max_new_tokens=2, db=db, detect=False).info
+    assert flipped["weights_sha256"] == state_sha256(model)
+    assert flipped["weights_sha256"] not in (clean["weights_sha256"], edited["weights_sha256"])
+    model.layers[1].ffn.experts[0].w2.weight.data.mul_(-1)  # undone: the edited run's weights again
+    assert workbench.record(PROMPT, model=model, max_new_tokens=2, db=db, detect=False).info["weights_sha256"] == \
+        edited["weights_sha256"]
     # an in-place edit of the folder's weights file: both fingerprints change, computed at record time
     f = ckpt / "model.safetensors"
     t = load_file(f)
