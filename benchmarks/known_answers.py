@@ -43,6 +43,16 @@ def known_rows(a, ids, prof) -> dict:
     return {k: v for k, v in ev.items() if why.get(k) == "known"}
 
 
+def has_down(a, layer: int, expert: int) -> bool:
+    """Whether routed expert ``expert`` of ``layer`` has a down projection to flip: a router may score more classes
+    than the experts module holds (longcat_flash's zero-compute experts, applied by its MoE block itself)."""
+    try:
+        a.expert_down(layer, expert)
+    except (ValueError, IndexError):
+        return False
+    return True
+
+
 def fault_named(a, ids, prof, kind: str, layer: int, index: int, want: tuple) -> str:
     try:
         with faults.ALL_KINDS[kind](a, layer, index=index):
@@ -67,6 +77,7 @@ def one(family: str) -> dict:
     idx = activations.capture(a, ids)[0].get(("route", layer, None, None, "indices"))
     chosen = [int(e) for e in idx[1:].flatten().tolist() if 0 <= int(e) < a.summary.n_routed_experts] \
         if idx is not None else []
+    chosen = [e for e in dict.fromkeys(chosen) if has_down(a, layer, e)]  # a zero expert has nothing to flip
     flip = fault_named(a, ids, prof, "expert_flip", layer, chosen[0], ("expert", layer, None, chosen[0], None)) \
         if chosen else "n/a (no routing read)"
     head = fault_named(a, ids, prof, "head_weights_dead", layer, 1, ("head", layer, 1, None, None)) \
