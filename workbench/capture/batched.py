@@ -30,6 +30,7 @@ from workbench.capture.probes import (
     _grouped_internals,
     _on_cpu,
     _own_extremes,
+    _padded_cat,
     _stack,
     dispatch,
     expert_call,
@@ -491,9 +492,7 @@ class AttentionBatch(_AttentionSeams):
         return attention_row_stats(p.flatten(0, 1), np.tile(pos, p.size(0)), max(0, q_start + tc - s), window), None
 
     def _probs(self, items: list) -> tuple[dict, np.ndarray, np.ndarray]:
-        s_max = max(p.size(-1) for _, p, _, _ in items)
-        probs = torch.cat([torch.nn.functional.pad(p, (0, s_max - p.size(-1))).to(items[0][1].device)
-                           for _, p, _, _ in items])  # [n * B, H, S]
+        probs = _padded_cat([p for _, p, _, _ in items])  # [n * B, H, S]
         pos = np.array([q for _, _, q, _ in items], np.int32)
         key0 = np.maximum(0, pos + 1 - np.array([p.size(-1) for _, p, _, _ in items]))
         n_b = items[0][1].size(0)

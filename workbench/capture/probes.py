@@ -194,9 +194,7 @@ class AttentionProbe(Probe):
         for window, rows in by_window.items():
             # rows of consecutive (layer) calls share a key count: stack those, pad every run of them to the
             # longest, one reduction for all
-            runs = [_stack([r[2] for r in run]) for _, run in groupby(rows, key=lambda r: r[2].shape)]
-            s_max = max(r.size(-1) for r in runs)
-            probs = torch.cat([torch.nn.functional.pad(r, (0, s_max - r.size(-1))).to(runs[0].device) for r in runs])
+            probs = _padded_cat([_stack([r[2] for r in run]) for _, run in groupby(rows, key=lambda r: r[2].shape)])
             pos = np.array([r[1] for r in rows], np.int32)
             key0 = np.maximum(0, pos + 1 - np.array([r[2].size(-1) for r in rows]))
             recs.append({"pos": pos, "layer": np.array([r[0] for r in rows], np.int32),
@@ -293,6 +291,13 @@ def _kept(x: torch.Tensor) -> torch.Tensor:
 def _stack(xs: list[torch.Tensor]) -> torch.Tensor:
     """``torch.stack`` on the first tensor's device (a device-mapped model spreads layers over several)."""
     return torch.stack([x.to(xs[0].device) for x in xs])
+
+
+def _padded_cat(xs: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` (first dim) of tensors whose last dims differ (decode rows over a growing cache), each zero-padded
+    to the longest, on the first tensor's device."""
+    s_max = max(x.size(-1) for x in xs)
+    return torch.cat([torch.nn.functional.pad(x, (0, s_max - x.size(-1))).to(xs[0].device) for x in xs])
 
 
 def _on_cpu(math):
@@ -405,9 +410,8 @@ class KVProbe(Probe):
         for row in rows:
             by_offset[row[1]].append(row)
         for offset, group in by_offset.items():
-            sums = [_stack([r[2] for r in run]).float().sum(1) for _, run in groupby(group, key=lambda r: r[2].shape)]
-            s_max = max(x.size(-1) for x in sums)
-            got = torch.cat([torch.nn.functional.pad(x, (0, s_max - x.size(-1))).to(sums[0].device) for x in sums])
+            got = _padded_cat([_stack([r[2] for r in run]).float().sum(1)
+                               for _, run in groupby(group, key=lambda r: r[2].shape)])  # [n, S] over heads
             layers = torch.tensor([r[0] for r in group], device=got.device)
             for layer in dict.fromkeys(r[0] for r in group):
                 add_received(self.received, layer, got[layers == layer].sum(0), offset)
