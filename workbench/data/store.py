@@ -600,7 +600,7 @@ class Store:
             for table, df in batches.items():
                 frame = self._insert(c, table, df)
                 if frame is not None and table in SIGNAL_TABLES:
-                    steps, n_fed = _reach_parts(table, df, frame)
+                    steps, n_fed = _reach(table, frame, df)
                     for rid, v in steps.items():
                         last_step[rid] = max(last_step.get(rid, -1), v)
                     for rid, v in n_fed.items():
@@ -827,35 +827,29 @@ def merge_batches(items: list[dict]) -> dict[str, list]:
     return tables
 
 
-def _reach(table: str, df: pl.DataFrame) -> tuple[dict[str, int], dict[str, int]]:
+def _reach(table: str, df: pl.DataFrame, parts=None) -> tuple[dict[str, int], dict[str, int]]:
     """What a signal table's rows prove of each run's length: ({run: last step}, {run: n_tokens}).
     A row of step s means the step producing the token at ``n_prompt_tokens + s`` committed; a row at
-    fed position p (tables without a step) means the token at p + 1 was produced."""
+    fed position p (tables without a step) means the token at p + 1 was produced. ``parts``: the batch ``df`` was
+    built from; where they are all ``Rows`` (each names its run) the maxima are read from them, a numpy max per part,
+    instead of a group-by of the frame per table and commit."""
     col = "step" if "step" in df.columns else "pos" if "pos" in df.columns else None
     if "run_id" not in df.columns or col is None or df.height == 0:
         return {}, {}
+    parts = parts if isinstance(parts, list) else [parts]
     runs = df["run_id"]
-    if runs[0] == runs[-1] and runs.n_unique() == 1:  # the recorder's batches: one run (no group_by per commit)
+    if all(isinstance(p, Rows) for p in parts):
+        maxima: dict[str, int] = {}
+        for p in parts:
+            v = p.cols.get(col)
+            if v is not None and len(v):
+                maxima[p.run_id] = max(maxima.get(p.run_id, -1), int(np.max(v)))
+    elif runs[0] == runs[-1] and runs.n_unique() == 1:  # the recorder's batches: one run (no group_by per commit)
         v = df[col].max()
         maxima = {} if v is None else {runs[0]: int(v)}
     else:
         agg = df.group_by("run_id").agg(pl.col(col).max())
         maxima = {r: int(v) for r, v in agg.iter_rows() if v is not None}
-    return (maxima, {}) if col == "step" else ({}, {r: v + 2 for r, v in maxima.items()})
-
-
-def _reach_parts(table: str, batch, frame: pl.DataFrame) -> tuple[dict[str, int], dict[str, int]]:
-    """``_reach`` of a batch from its parts where they are ``Rows`` (each names its run: a numpy max per part, not a
-    group-by of the frame per table and commit), else from the frame inserted."""
-    parts = batch if isinstance(batch, list) else [batch]
-    if not all(isinstance(p, Rows) for p in parts):
-        return _reach(table, frame)
-    col = "step" if "step" in frame.columns else "pos" if "pos" in frame.columns else None
-    maxima: dict[str, int] = {}
-    for p in parts:
-        v = p.cols.get(col) if col else None
-        if v is not None and len(v):
-            maxima[p.run_id] = max(maxima.get(p.run_id, -1), int(np.max(v)))
     return (maxima, {}) if col == "step" else ({}, {r: v + 2 for r, v in maxima.items()})
 
 
