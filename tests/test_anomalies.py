@@ -510,3 +510,21 @@ def test_component_outlier_rows_carry_their_component_and_old_databases_get_the_
     store = workbench.Store(old)
     assert "component" in store.sql("SELECT * FROM anomalies LIMIT 0").columns
     store.close()
+
+
+def test_a_run_without_token_rows_says_the_component_check_did_not_run(tmp_path, recwarn):
+    """The component check runs the model on the run's token ids (its tokens rows): a run recorded without the
+    tokens probe has none, and its detection says the check did not run instead of failing on an empty input."""
+    from workbench.model import load_checkpoint
+    model = load_checkpoint()  # the demo: it ships an activation profile
+    db = workbench.Store(tmp_path / "w.duckdb")
+    probes = tuple(p for p in workbench.PROBES if p != "tokens")
+    bare = workbench.record("def f(x):\n", model=model, db=db, max_new_tokens=3, probes=probes)
+    assert not [w for w in recwarn if "component check" in str(w.message)]
+    meta = json.loads(bare.refresh().info["detection"])
+    assert meta["component_check"].startswith("not run") and not meta.get("component_tests")
+    assert "component check not run" in an.what_was_tested(db, bare.run_id)
+    full = workbench.record("def f(x):\n", model=model, db=db, max_new_tokens=3)  # with tokens: judged
+    meta = json.loads(full.refresh().info["detection"])
+    assert meta["component_tests"] > 0 and "component_check" not in meta
+    assert "components against their activation profile" in an.what_was_tested(db, full.run_id)

@@ -609,6 +609,9 @@ def component_rows(store, info: dict, tokens: pl.DataFrame, model, meta: dict) -
     if prof is None:
         return empty()
     ids = tokens.sort("pos")["token_id"].to_list()
+    if not ids:  # recorded without the tokens probe: no token ids to run the model on
+        meta["component_check"] = "not run: the run has no tokens rows (recorded without the tokens probe)"
+        return empty()
     first = pl.col("signal").str.starts_with("first:")  # exact first-position outputs: those of this first token
     tests = ~pl.col("kind").is_in(["router_check", "first_check", "known_input"])  # not the checks' own rows
     meta["component_tests"] = int(prof.filter(tests & (
@@ -642,6 +645,7 @@ def _compute(store, run_id: str, reference: str | None = None, model=None,
             comp = component_rows(store, info, tokens, model, meta)
         except Exception as e:  # noqa: BLE001 - the recorded signals' rows stand without it
             warnings.warn(f"the component check of run {run_id} failed: {e}")
+            meta["component_check"] = f"failed: {type(e).__name__}: {e}"
             comp = empty()
         if comp.height:
             df = pl.concat([df, comp], how="vertical_relaxed")
@@ -714,6 +718,8 @@ def what_was_tested(store, run_id: str) -> str:
         base += f", {n - n_prof} of them against the run's reference"
     if meta.get("component_tests"):
         base += f", {meta['component_tests']} components against their activation profile"
+    if meta.get("component_check"):  # a model and a profile, but no component judged: say why
+        base += f" (component check {meta['component_check']})"
     base += " and a check for repetition loops"
     if crit + warn == 0:
         return f"{base}, none significant at FDR {alpha:g}"
