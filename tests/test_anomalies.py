@@ -79,6 +79,27 @@ def test_tail_p_per_row_cells_equal_one_call_per_cell():
             np.testing.assert_allclose(pr.tail_p(x, q, upper=upper), one, rtol=1e-9, atol=1e-15)
 
 
+def test_cell_tails_equal_tail_p_of_each_values_own_cell():
+    """A profile's cells prepared once (``CellTails``: what the detectors judge with) give, value for value, what
+    ``tail_p`` gives against each value's own cell: quantiles out of order, constant cells, NaN values, values on a
+    quantile and beyond both ends, both tails, a floor on the decay scale."""
+    rng = np.random.default_rng(2)
+    for trial in range(40):
+        cells = np.sort(rng.standard_normal((12, len(pr.PROBS))) * rng.uniform(0.01, 3), axis=1)
+        if trial % 3 == 0:
+            cells[3] = 0.5
+        if trial % 4 == 0:  # out of order: both take the running maximum
+            cells[5] = rng.standard_normal(len(pr.PROBS))
+        cell = rng.integers(0, 12, 300)
+        x = rng.standard_normal(300) * 4
+        x[:3], x[3:6], x[6:9], x[9] = cells[cell[:3], 7], cells[cell[3:6], -1], cells[cell[6:9], 0], np.nan
+        tails = pr.CellTails.of(cells)
+        for upper in (True, False):
+            for floor in (0.0, 0.3):
+                want = pr.tail_p(x, cells[cell], upper=upper, min_scale=floor)
+                np.testing.assert_array_equal(tails.p(x, cell, upper=upper, min_scale=floor), want)
+
+
 def test_benjamini_hochberg_bounds_false_alarms_on_known_nulls():
     """200 synthetic runs of 500 null tests each: the share of runs with any alarm stays within alpha; with
     10 planted signals the planted ones are found and the false discovery share stays within alpha."""

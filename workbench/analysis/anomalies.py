@@ -61,8 +61,8 @@ import numpy as np
 import polars as pl
 from scipy.stats import binom, chi2, false_discovery_control, norm
 
-from workbench.analysis.baseline import (BUCKETS, PROBS, bucket_of, load_profile, load_statistic, resid_growth,
-                                         run_means, tail_p)
+from workbench.analysis.baseline import (BUCKETS, PROBS, CellTails, bucket_of, load_profile, load_statistic,
+                                         resid_growth, run_means, tail_p)
 from workbench.analysis.memo import by_object
 from workbench.analysis.repetition import covered_positions, spans
 from workbench.data import query
@@ -163,7 +163,7 @@ class Baseline:
     profile: pl.DataFrame | None = None
 
     def __post_init__(self):
-        self._cells: dict[tuple[str, int], pl.DataFrame] = {}
+        self._cells: dict[tuple, pl.DataFrame | CellTails] = {}  # cells(), and tails() under ("tails", ...)
 
     @classmethod
     def of(cls, profile: pl.DataFrame | None) -> "Baseline":
@@ -225,11 +225,11 @@ class Baseline:
         if self.has_profile:
             cells = self.cells(signal)
             if cells.height:
-                j = df.join(cells.select(*keys, "quantiles", "filled"), on=keys, how="inner")
+                j = df.join(cells.select(*keys, "filled").with_row_index("_cell"), on=keys, how="inner")
                 if j.height:  # every row against its own cell's quantiles, in one vectorised call
-                    q = j["quantiles"].explode().to_numpy().astype(np.float64).reshape(j.height, -1)
                     i = j["_i"].to_numpy()
-                    p[i], side[i] = _sided(j[value].to_numpy(), q, tail, min_scale)
+                    p[i], side[i] = _sided_cells(j[value].to_numpy(), self.tails(signal), j["_cell"].to_numpy(),
+                                                 tail, min_scale)
                     basis[i] = np.where(j["filled"].to_numpy(), "the baseline profile (its nearest context-length "
                                         "bucket)", "the baseline profile")
             return p, list(side), list(basis)
@@ -247,6 +247,14 @@ class Baseline:
             p[idx], side[idx] = _pick(hi, lo, tail)
             basis[idx] = NO_PROFILE
         return p, list(side), list(basis)
+
+    def tails(self, signal: str, min_n: int = 20) -> CellTails:
+        """The quantiles of ``cells(signal, min_n)``, row for row, prepared for ``tail_p`` once per profile."""
+        key = ("tails", signal, min_n)
+        if key not in self._cells:
+            c = self.cells(signal, min_n)
+            self._cells[key] = CellTails.of(c["quantiles"].explode().to_numpy().astype(np.float64).reshape(c.height, -1))
+        return self._cells[key]
 
     def dispersion(self, layer: int) -> np.ndarray | None:
         """The calibration's quantiles of a run's load concentration (``load_statistic``) at ``layer``, or None."""
@@ -277,9 +285,11 @@ def _pick(hi: np.ndarray, lo: np.ndarray, tail: str) -> tuple[np.ndarray, np.nda
     return np.clip(2 * np.minimum(hi, lo), 1e-300, 1.0), np.where(hi <= lo, "high", "low").astype(object)
 
 
-def _sided(x: np.ndarray, q: np.ndarray, tail: str, min_scale: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-    hi = tail_p(x, q, upper=True, min_scale=min_scale) if tail != "lower" else np.ones(x.size)
-    lo = tail_p(x, q, upper=False, min_scale=min_scale) if tail != "upper" else np.ones(x.size)
+def _sided_cells(x: np.ndarray, tails: CellTails, cell: np.ndarray, tail: str,
+                 min_scale: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """``_sided`` of values that each name their row of ``tails`` (a profile's cells prepared once)."""
+    hi = tails.p(x, cell, upper=True, min_scale=min_scale) if tail != "lower" else np.ones(x.size)
+    lo = tails.p(x, cell, upper=False, min_scale=min_scale) if tail != "upper" else np.ones(x.size)
     return _pick(hi, lo, tail)
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -250,24 +251,59 @@ def tail_p(x: np.ndarray, quantiles: np.ndarray, upper: bool = True, min_scale: 
     if not upper:
         return tail_p(-x, -q[..., ::-1], upper=True, min_scale=min_scale)
     q2 = np.maximum.accumulate(np.atleast_2d(q), axis=-1)  # [1 or N, K]
-    span = np.maximum(q2[:, -3] - q2[:, 2], 0.0)
-    scale = np.maximum(np.maximum((q2[:, -1] - q2[:, -3]) / math.log((1 - PROBS[-3]) / (1 - PROBS[-1])), 0.01 * span),
-                       max(min_scale, 1e-9))
+    scale = np.maximum(_tail_scale(q2), max(min_scale, 1e-9))
     if q.ndim == 1:
         inside = 1.0 - np.interp(x, q2[0], PROBS, left=0.0, right=PROBS[-1])
-        scale, lo, hi = scale[0], q2[0, 0], q2[0, -1]
-    else:  # np.interp per row: j = the last quantile <= x, linear to the next one
-        j = (q2 <= x[:, None]).sum(1) - 1
-        jc = np.clip(j, 0, q2.shape[1] - 2)
-        rows = np.arange(x.size)
-        q0, q1 = q2[rows, jc], q2[rows, jc + 1]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            cdf = (PROBS[jc + 1] - PROBS[jc]) / (q1 - q0) * (x - q0) + PROBS[jc]
-        cdf = np.where(j < 0, 0.0, np.where(j >= q2.shape[1] - 1, PROBS[-1], cdf))
-        inside, lo, hi = 1.0 - cdf, q2[:, 0], q2[:, -1]
+        return _tail_end(x, inside, q2[0, 0], q2[0, -1], scale[0])
+    return _tail_rows(x, q2, scale)
+
+
+def _tail_scale(q2: np.ndarray) -> np.ndarray:
+    """``tail_p``'s decay scale beyond the last quantile of each row of monotone quantiles [N, K], before ``min_scale``."""
+    span = np.maximum(q2[:, -3] - q2[:, 2], 0.0)
+    return np.maximum((q2[:, -1] - q2[:, -3]) / math.log((1 - PROBS[-3]) / (1 - PROBS[-1])), 0.01 * span)
+
+
+def _tail_rows(x: np.ndarray, q2: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """P(X >= x) of each value against its own row of monotone quantiles [N, K]: np.interp per row (j = the last
+    quantile <= x, linear to the next one) inside, the exponential tail beyond."""
+    j = (q2 <= x[:, None]).sum(1) - 1
+    jc = np.clip(j, 0, q2.shape[1] - 2)
+    rows = np.arange(x.size)
+    q0, q1 = q2[rows, jc], q2[rows, jc + 1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cdf = (PROBS[jc + 1] - PROBS[jc]) / (q1 - q0) * (x - q0) + PROBS[jc]
+    cdf = np.where(j < 0, 0.0, np.where(j >= q2.shape[1] - 1, PROBS[-1], cdf))
+    return _tail_end(x, 1.0 - cdf, q2[:, 0], q2[:, -1], scale)
+
+
+def _tail_end(x, inside, lo, hi, scale) -> np.ndarray:
     beyond = (1 - PROBS[-1]) * np.exp(-np.clip(x - hi, 0, None) / scale)
     p = np.where(x > hi, beyond, np.where(x < lo, 1.0, inside))
     return np.clip(p, 1e-300, 1.0)
+
+
+@dataclass(frozen=True)
+class CellTails:
+    """Many cells' quantiles [C, K] prepared once for ``tail_p`` of values that each name their cell: each tail's
+    monotone quantiles and decay scale (what ``tail_p`` derives from a cell's quantiles on every call)."""
+
+    upper: np.ndarray  # [C, K] running max of the quantiles
+    lower: np.ndarray  # [C, K] running max of the negated, reversed quantiles (the lower tail as an upper one)
+    upper_scale: np.ndarray  # [C]
+    lower_scale: np.ndarray  # [C]
+
+    @classmethod
+    def of(cls, quantiles: np.ndarray) -> "CellTails":
+        q = np.atleast_2d(np.asarray(quantiles, dtype=np.float64))
+        up, lo = np.maximum.accumulate(q, axis=-1), np.maximum.accumulate(-q[:, ::-1], axis=-1)
+        return cls(up, lo, _tail_scale(up), _tail_scale(lo))
+
+    def p(self, x: np.ndarray, cell: np.ndarray, upper: bool = True, min_scale: float = 0.0) -> np.ndarray:
+        """``tail_p(x, quantiles[cell], upper, min_scale)``, equal to it value for value."""
+        x = np.asarray(x, dtype=np.float64)
+        q2, scale = (self.upper, self.upper_scale) if upper else (self.lower, self.lower_scale)
+        return _tail_rows(x if upper else -x, q2[cell], np.maximum(scale[cell], max(min_scale, 1e-9)))
 
 
 def profile(prompts, *, model=None, db=None, max_new_tokens: int = 32, tokenizer=None, seed: int = 0,
