@@ -550,12 +550,20 @@ def _first_dev(y: torch.Tensor, v: torch.Tensor, spread: torch.Tensor | float = 
     """How far a first-position output ``y`` is from the clean one ``v`` (both [D]): the largest coordinate's
     difference over (its clean spread over positions + a tenth of the vector's RMS); a float rounding difference
     of the profile's dtype stays far below ``FIRST_TOL``, a changed weight on the path does not."""
+    return float(_first_devs(y[None], v[None], torch.as_tensor(spread, dtype=torch.float64))[0])
+
+
+def _first_devs(y: torch.Tensor, v: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
+    """``_first_dev`` of each row of ``y`` and ``v`` [N, D] (``spread`` [N, D], or one that broadcasts), [N]: a row with
+    a NaN is 0 where both rows are all NaN, else infinitely far."""
     y, v = y.double(), v.double()
-    if bool(torch.isnan(y).any()) or bool(torch.isnan(v).any()):
-        return 0.0 if bool(torch.isnan(y).all()) and bool(torch.isnan(v).all()) else float("inf")
-    scale = 0.1 * v.pow(2).mean().sqrt() + torch.as_tensor(spread, dtype=torch.float64)
+    ny, nv = torch.isnan(y), torch.isnan(v)
+    scale = 0.1 * v.pow(2).mean(-1, keepdim=True).sqrt() + spread.double()
     d = (y - v).abs()
-    return float(torch.where(d > 0, d / scale.clamp_min(1e-30), torch.zeros_like(d)).max())
+    dev = torch.where(d > 0, d / scale.clamp_min(1e-30), torch.zeros_like(d)).amax(-1)
+    nan = ny.any(-1) | nv.any(-1)
+    both = ny.all(-1) & nv.all(-1)
+    return torch.where(nan, torch.where(both, 0.0, math.inf), dev)
 
 
 def _first_cells(a: Adapter, prompts: list[list[int]], captured: list[dict], cells: dict,
@@ -613,6 +621,8 @@ class _Prepared:
         self.mlp_block = [r for k, r in self.rest if k[0] == "mlp_block"]
         self.unembed_rows = next((r for k, r in self.rest if k[0] == "unembed_rows"), None)
         self._firsts: dict[int, list[dict]] = {}
+        self._first_ts: dict[int, list[tuple]] = {}
+        self._means: dict[tuple, torch.Tensor] = {}  # (id of a row of ``known`` / ``known_inputs``, dtype)
         self._spread: dict | None = None
         self._tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id of a row of ``rest`` (held here)
 
@@ -627,6 +637,22 @@ class _Prepared:
                     named=True))
         return rows
 
+    def first_tensors(self, token: int) -> list[tuple]:
+        """``firsts(token)`` as (cell key, signal, clean output [D], its spread [D] or None), converted once."""
+        got = self._first_ts.get(token)
+        if got is None:
+            if len(self._first_ts) > 256:
+                self._first_ts.clear()
+            spread, got = self.spread(), []
+            for r in self.firsts(token):
+                signal = r["signal"].split(":")[1]
+                k = (r["kind"], r["layer"], r["head"], r["expert"], signal)
+                v = torch.as_tensor(r["mean"])
+                sd = spread.get(k)
+                got.append((k, signal, v, torch.as_tensor(sd) if sd is not None and len(sd) == v.numel() else None))
+            self._first_ts[token] = got
+        return got
+
     def spread(self) -> dict:
         """(kind, layer, head, expert, signal) -> the clean per-dimension std of each ``out`` / ``logit`` cell."""
         if self._spread is None:
@@ -634,6 +660,14 @@ class _Prepared:
                             for r in self.prof.filter(pl.col("signal").is_in(["out", "logit"])).select(
                                 "kind", "layer", "head", "expert", "signal", "std").iter_rows(named=True)}
         return self._spread
+
+    def mean(self, r: dict, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A known-answer or known-input row's ``mean`` as a tensor (``torch.tensor``'s default dtype, or ``dtype``),
+        converted on first use (the rows live as long as this object; never written to: callers read it)."""
+        key = (id(r), dtype)
+        if key not in self._means:
+            self._means[key] = torch.tensor(r["mean"], dtype=dtype)
+        return self._means[key]
 
     def tensors(self, r: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """One of ``rest``'s cells' mean and std as tensors (``_cell_tensors``), converted on first use."""
@@ -661,24 +695,28 @@ def _first_evidence(got: dict, first: int, prof: pl.DataFrame, dtype: torch.dtyp
     if not _made_in(prof, dtype):
         return {}
     prep = _prepared(prof)
-    rows = prep.firsts(first)
-    if not rows:
+    cells = prep.first_tensors(first)
+    if not cells:
         return {}
-    spread = prep.spread()
-    off: dict[tuple, float] = {}
-    for r in rows:
-        signal = r["signal"].split(":")[1]
-        k = (r["kind"], r["layer"], r["head"], r["expert"], signal)
+    by_width: dict[int, list[tuple]] = {}  # the cells this context has, by width: one deviation per width
+    for k, signal, v, sd in cells:
         y = got.get(k)
-        if y is None or y.size(0) == 0 or y.size(1) != len(r["mean"]):
+        if y is None or y.size(0) == 0 or y.size(1) != v.numel():
             continue
-        v = torch.as_tensor(r["mean"])
-        sd = spread.get(k)
         if k[0] == "expert" and bool(torch.isnan(y[0]).any()):
             continue  # no longer chosen here: its router's ``chosen`` row says so
-        if _first_dev(y[0], v, torch.as_tensor(sd) if sd is not None and len(sd) == v.numel() else 0.0) > FIRST_TOL:
+        by_width.setdefault(v.numel(), []).append((k, signal, y[0], v, sd))
+    off: dict[tuple, float] = {}
+    for group in by_width.values():
+        sd_dtype = next((sd.dtype for *_, sd in group if sd is not None), torch.float32)
+        spread = torch.stack([sd if sd is not None else torch.zeros(v.numel(), dtype=sd_dtype)
+                              for _, _, _, v, sd in group])
+        devs = _first_devs(torch.stack([c[2] for c in group]), torch.stack([c[3] for c in group]), spread)
+        for (k, signal, y0, v, _), dev in zip(group, devs.tolist()):
+            if dev <= FIRST_TOL:
+                continue
             key = ("embed", None, None, None, 0) if k[0] == "embed" else (k[0], k[1], k[2], k[3], None)
-            sign = float(y[0].double().norm() - v.double().norm()) if signal != "chosen" else float(y[0, 0] - v[0])
+            sign = float(y0.double().norm() - v.double().norm()) if signal != "chosen" else float(y0[0] - v[0])
             off[key] = _signed_nats(FIRST_NATS, sign)
     # what differs downstream of a first-position difference is its consequence: only the first place counts
     depth = {k: -1 if k[0] == "embed" else math.inf if k[0] == "unembed" else k[1] for k in off}
@@ -884,7 +922,8 @@ def _known_devs(a: Adapter, prep: _Prepared, layer: int, experts: list[int] | No
     r = prep.known_inputs.get(layer)
     now = {}
     if r is not None and r["n"] >= 1:
-        now = _known_outputs(a, layer, torch.tensor(r["mean"], dtype=torch.float32).view(r["n"], -1), experts)
+        x = prep.mean(r, torch.float32).view(r["n"], -1).clone()  # a copy: a module's hook may write to its input
+        now = _known_outputs(a, layer, x, experts)
     mine = prep.known[layer]
     if any(c["signal"].startswith("known:") for c in mine):
         now |= _known_attention(a, layer)
@@ -892,7 +931,7 @@ def _known_devs(a: Adapter, prep: _Prepared, layer: int, experts: list[int] | No
     for c in mine:
         k = (c["kind"], layer, c["head"], c["expert"], c["signal"])
         if k in now and now[k].numel() == len(c["mean"]):
-            out[k] = _known_dev(now[k], torch.tensor(c["mean"]).view(now[k].shape))
+            out[k] = _known_dev(now[k], prep.mean(c).view(now[k].shape))
     return out
 
 

@@ -253,7 +253,8 @@ class Baseline:
         key = ("tails", signal, min_n)
         if key not in self._cells:
             c = self.cells(signal, min_n)
-            self._cells[key] = CellTails.of(c["quantiles"].explode().to_numpy().astype(np.float64).reshape(c.height, -1))
+            q = c["quantiles"].explode().to_numpy().astype(np.float64).reshape(c.height, -1)
+            self._cells[key] = CellTails.of(q)
         return self._cells[key]
 
     def dispersion(self, layer: int) -> np.ndarray | None:

@@ -259,7 +259,7 @@ def tail_p(x: np.ndarray, quantiles: np.ndarray, upper: bool = True, min_scale: 
 
 
 def _tail_scale(q2: np.ndarray) -> np.ndarray:
-    """``tail_p``'s decay scale beyond the last quantile of each row of monotone quantiles [N, K], before ``min_scale``."""
+    """``tail_p``'s decay scale past the last quantile of each row of monotone quantiles [N, K], before min_scale."""
     span = np.maximum(q2[:, -3] - q2[:, 2], 0.0)
     return np.maximum((q2[:, -1] - q2[:, -3]) / math.log((1 - PROBS[-3]) / (1 - PROBS[-1])), 0.01 * span)
 

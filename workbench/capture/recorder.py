@@ -134,7 +134,7 @@ def _checksums(state: dict) -> tuple | None:
 
 
 def _word_sum(flat: torch.Tensor) -> torch.Tensor:
-    """One flat tensor's checksum: its int64 words' sum when its bytes view as them, else its elements' as integers."""
+    """A flat tensor's checksum: its int64 words' sum where its bytes view as them, else its elements' as integers."""
     if flat.numel() * flat.element_size() % 8 == 0:
         try:
             return flat.view(torch.int64).sum()
