@@ -204,6 +204,15 @@ def capture(a: Adapter, ids: list[int]) -> tuple[dict[Key, torch.Tensor], dict[i
             return None
         return fn
 
+    # where the adapter offers them, the routed experts' outputs as the forward computed them (else run again)
+    own: dict[int, list[tuple[int, torch.Tensor]]] = {}
+
+    def expert_out(layer: int, e: int, y: torch.Tensor, _act) -> None:
+        own.setdefault(layer, []).append((e, y.detach().float().cpu()))
+
+    seams = {"routed": routed, "attn_probs": probs}
+    if getattr(a, "expert_out_seam", False):
+        seams["expert_out"] = expert_out
     x = torch.tensor([ids], device=a.device)
     handles = []
     try:
@@ -212,7 +221,7 @@ def capture(a: Adapter, ids: list[int]) -> tuple[dict[Key, torch.Tensor], dict[i
                 handles += a.rotary(layer, rotation(layer))
             except (NotImplementedError, ValueError):  # no rotary part here: nothing to observe
                 pass
-        with torch.no_grad(), taps.attached(), a.seams({"routed": routed, "attn_probs": probs}):
+        with torch.no_grad(), taps.attached(), a.seams(seams):
             final = a.forward(x)
     finally:
         for h in handles:
@@ -241,7 +250,7 @@ def capture(a: Adapter, ids: list[int]) -> tuple[dict[Key, torch.Tensor], dict[i
         if route is not None:
             out[("route", layer, None, None, "indices")] = route[0].cpu()
             out.update(_expert_rows(a, layer, c.get(("mlp_norm", layer)), route, c.get(("mlp_block", layer)),
-                                    c.get(("shared_expert", layer))))
+                                    c.get(("shared_expert", layer)), own.get(layer)))
         if layer in logits:
             for e in range(logits[layer].size(1)):
                 out[("router", layer, None, e, "logit")] = logits[layer][:, e:e + 1]
@@ -279,19 +288,23 @@ def _gated(a: Adapter, layer: int) -> bool:
     return isinstance(getattr(block, "shared_expert_gate", None), torch.nn.Module)
 
 
-def _expert_rows(a: Adapter, layer: int, x, route, block, shared) -> dict[Key, torch.Tensor]:
+def _expert_rows(a: Adapter, layer: int, x, route, block, shared, calls=None) -> dict[Key, torch.Tensor]:
     """Per routed expert of one layer: its weighted contribution at the positions that chose it (rows of the
     others NaN: ``("expert", layer, None, e, "out")`` [T, D]), whether each position chose it (``("router", layer,
     None, e, "chosen")`` [T, 1], 0 / 1), and how well the contributions (plus the shared experts') add up to the
     block's output (``("expert_fit", ...)``: relative error; the profile keeps expert cells only where it is
-    small on every calibration prompt, so a family whose experts we cannot call exactly gets none)."""
+    small on every calibration prompt, so a family whose experts we cannot call exactly gets none). ``calls``: the
+    experts' outputs as the forward computed them, (expert, rows [n, D]) in call order (``_own_slots``), else the
+    experts run again."""
     idx = route[0].cpu()
     n_e = a.summary.n_routed_experts
     rows: dict[Key, torch.Tensor] = {}
     for e in range(n_e):
         rows[("router", layer, None, e, "chosen")] = (idx == e).any(1).float()[:, None]
-    with torch.no_grad():
-        slots = expert_slots(a, layer, x, *route)
+    slots = _own_slots(idx, route[1], calls, n_e) if calls else None
+    if slots is None:
+        with torch.no_grad():
+            slots = expert_slots(a, layer, x, *route)
     if slots is None or block is None:
         return rows
     b = block.float().cpu()
@@ -303,12 +316,33 @@ def _expert_rows(a: Adapter, layer: int, x, route, block, shared) -> dict[Key, t
         total = total + sh
     fit = float((b - total).norm() / b.norm().clamp_min(1e-12))
     rows[("expert_fit", layer, None, None, "fit")] = torch.tensor([[fit]])
-    for e in idx.unique().tolist():
-        y = torch.full((idx.size(0), slots.size(-1)), float("nan"))
+    chosen = idx.unique().tolist()
+    ys = torch.full((len(chosen), idx.size(0), slots.size(-1)), float("nan"))  # one buffer: a row [T, D] per expert
+    for j, e in enumerate(chosen):
         r, k = torch.where(idx == e)
-        y[r] = slots[r, k]
-        rows[("expert", layer, None, int(e), "out")] = y
+        ys[j, r] = slots[r, k]
+        rows[("expert", layer, None, int(e), "out")] = ys[j]
     return rows
+
+
+def _own_slots(idx: torch.Tensor, weights: torch.Tensor, calls: list[tuple[int, torch.Tensor]],
+               n_e: int) -> torch.Tensor | None:
+    """``expert_slots`` from the outputs the forward computed: each expert called once on the rows that chose it,
+    in row order (``MoE.forward``), placed at their (row, slot), times the weight; None where the calls do not
+    match the choice (an expert called twice, or on another number of rows): then the experts run again."""
+    by_expert = dict(calls)
+    if len(by_expert) != len(calls):
+        return None
+    slots = torch.zeros(*idx.shape, calls[0][1].size(-1))
+    for e in idx.unique().tolist():
+        if not 0 <= e < n_e:  # a slot naming no real expert: nothing (as expert_slots' NaN, zeroed)
+            continue
+        r, k = torch.where(idx == e)
+        y = by_expert.get(e)
+        if y is None or y.size(0) != r.numel():
+            return None
+        slots[r, k] = y
+    return torch.nan_to_num(slots) * weights.float().cpu()[..., None]
 
 
 def _moments(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
