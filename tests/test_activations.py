@@ -3,6 +3,8 @@ component stands out against it, the routing consistency check, the store round 
 using it without a reference."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import polars as pl
 import pytest
@@ -500,3 +502,32 @@ def test_what_a_known_fault_changes_after_it_is_no_finding_of_its_own():
     assert [(r["layer"], r["head"], r["severity"]) for r in rows] == [(3, 2, "critical")], rows
     assert why[("attn_block", 3, None, None, None)] == "first"  # seen, and kept as a suspect under the cap
     assert 0 < abs(ev[("attn_block", 3, None, None, None)]) <= activations.KNOWN_AFTER
+
+
+@pytest.mark.parametrize("fault", [None, "expert", "expert_flip", "starved", "nan"])
+def test_expert_rows_from_the_forwards_own_calls_equal_the_experts_run_again(tiny, fault, monkeypatch):
+    """``capture`` reads each routed expert's contribution from the expert calls the forward made (the expert_out
+    seam) instead of running the experts again: every captured tensor is the same either way, clean and with a
+    fault on an expert or a NaN injected; a forward whose calls do not match its choice falls back to running."""
+    ids = _prompts(1, 30, seed=4)[0]
+    calls: list = []
+    real = activations._own_slots
+    monkeypatch.setattr(activations, "_own_slots", lambda *a: calls.append(1) or real(*a))
+
+    def both():
+        with contextlib.ExitStack() as stack:
+            if fault == "nan":
+                stack.enter_context(faults.inject_nan(tiny, 1, pos=5))
+            elif fault is not None:
+                stack.enter_context(faults.KINDS[fault](tiny, 1, index=0))
+            return activations.capture(tiny, ids)[0]
+    own = both()
+    assert calls  # read from the forward's calls
+    monkeypatch.setattr(type(tiny), "expert_out_seam", False)
+    again = both()
+    experts = [k for k in own if k[0] == "expert"]
+    assert experts and own.keys() == again.keys()
+    for k in own:
+        assert torch.equal(own[k].nan_to_num(nan=7.5), again[k].nan_to_num(nan=7.5)), k
+    idx = torch.tensor([[0, 1], [1, 2]])
+    assert activations._own_slots(idx, torch.ones(2, 2), [(0, torch.ones(1, 4)), (1, torch.ones(1, 4))], 4) is None
