@@ -549,3 +549,52 @@ def test_a_run_without_token_rows_says_the_component_check_did_not_run(tmp_path,
     meta = json.loads(full.refresh().info["detection"])
     assert meta["component_tests"] > 0 and "component_check" not in meta
     assert "components against their activation profile" in an.what_was_tested(db, full.run_id)
+
+
+def test_entropy_shift_judges_each_head_against_the_references_distribution():
+    """``entropy_shift``: a run against a reference run's own distribution per head. Values the reference itself
+    showed are never significant (the same run as its own reference gives no p below 1/the reference's length); a
+    head that moved past everything the reference showed is."""
+    rng = np.random.default_rng(3)
+    heavy = {(0, 0): list(rng.standard_t(2, 200) * 0.05 + 0.5), (1, 1): list(rng.uniform(0.2, 0.9, 200))}
+    ref = attention_frame(heavy)
+    same = an.entropy_shift_tests(ref, ref)
+    assert same.height == 400 and float(same["p"].min()) >= 1e-3  # the median/MAD z gave 1e-60 on such heads
+    moved = attention_frame({(0, 0): [0.5] * 20, (1, 1): [0.99] * 20})
+    got = an.entropy_shift_tests(moved, ref)
+    p = {k: float(g["p"].max()) for (k,), g in got.group_by("head")}
+    assert p[1] < 1e-8 and p[0] > 0.05
+    assert an.entropy_shift_tests(moved, attention_frame({(0, 0): [0.5] * 3})).height == 0  # too few to judge
+
+
+def test_a_reference_must_be_another_run_of_the_same_model_with_attention(tmp_path):
+    db = workbench.Store(tmp_path / "w.duckdb")
+    model = tiny_model()
+    run = workbench.record([5, 17, 101, 3, 9, 44], model=model, db=db, max_new_tokens=6)
+    other = workbench.record([7, 8, 9, 10], model=model, db=db, max_new_tokens=6)
+    assert run.anomalies(recompute=True, reference=other).height >= 0  # accepted
+    with pytest.raises(ValueError, match="no reference for itself"):
+        run.anomalies(recompute=True, reference=run)
+    bigger = workbench.record([5, 17, 101], model=tiny_model(n_layers=4), db=db, max_new_tokens=3)
+    with pytest.raises(ValueError, match="of another model"):
+        run.anomalies(recompute=True, reference=bigger)
+    bare = workbench.record([7, 8, 9, 10], model=model, db=db, max_new_tokens=3, probes=("tokens", "routing"))
+    with pytest.raises(ValueError, match="no attention rows"):
+        run.anomalies(recompute=True, reference=bare.run_id)
+
+
+def test_very_short_clean_runs_raise_no_run_level_or_load_alarms(tmp_path):
+    """A run of 1-4 tokens: a mean over a handful of positions (the first ones attend to little) or an expert's load
+    over a few tokens is no whole prompt's, so the run-level and load tests do not judge it (before: 1+1 and 2+2
+    token runs of clean prompts raised 1-5 critical head_norm_shift / overloaded_expert rows each)."""
+    from workbench.model import load_checkpoint, load_tokenizer
+    model, tok = load_checkpoint(), load_tokenizer()
+    db = workbench.Store(tmp_path / "w.duckdb")
+    for name in ("01_fibonacci", "02_read_lines", "04_is_prime", "06_argparse"):
+        ids = tok.encode((pr.BUNDLED.parents[1] / "prompts" / f"{name}.txt").read_text()).ids
+        for k in (1, 2, 4):
+            loud = workbench.record(ids[:k], model=model, db=db, max_new_tokens=k).anomalies().filter(
+                (pl.col("severity") != "info") & pl.col("kind").is_in(
+                    ["head_norm_shift", "head_entropy_shift", "block_shift", "overloaded_expert", "starved_expert",
+                     "routing_collapse"]))
+            assert loud.height == 0, (name, k, loud["explanation"].to_list())

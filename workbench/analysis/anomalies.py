@@ -18,7 +18,7 @@ value broke, since a component can fail both ways: blown up, or collapsed, gone,
   -logprob, by position bucket;
 - ``entropy_spike`` / ``entropy_collapse`` (two-sided): normalised attention entropy of a layer x head at a
   position, by context bucket: the head spread its attention, or collapsed onto a few keys;
-  ``entropy_shift``: the same against a reference run's median / MAD for that head;
+  ``entropy_shift``: the same against a reference run's distribution for that head (its quantiles);
 - ``resid_norm_outlier`` (two-sided): the residual stream's norm after a block (a broken head or expert blows
   it up, a missing contribution shrinks it);
 - ``head_norm_outlier`` (two-sided): an attention head's output norm (names a broken or dead head);
@@ -78,6 +78,7 @@ DEFAULTS: dict[str, Any] = {
     "alpha": 0.01,            # Benjamini-Hochberg level over all of a run's tests
     "critical_q": 1e-6,       # adjusted q at or below this: critical
     "min_positions": 8,       # values a within-run baseline needs
+    "run_min_positions": 16,  # positions a run-level mean or an expert-load test needs (fewer: not tested)
     "include_prompt": False,  # token tests also look at (teacher-forced) prompt tokens
     "info_p": 1e-3,           # raw p of an informational row (near ties, diffuse heads)
 }
@@ -328,30 +329,43 @@ def entropy_tests(attention: pl.DataFrame, base: Baseline, min_positions: int = 
 
 
 def run_level_tests(attention: pl.DataFrame, head_norm: pl.DataFrame, resid: pl.DataFrame, base: Baseline,
-                    min_positions: int = 8) -> pl.DataFrame:
+                    min_positions: int = 8, run_min_positions: int = 16) -> pl.DataFrame:
     """Run-level, two-sided, against the spread of the same means over the calibration runs:
     ``head_entropy_shift`` (a head's mean normalised entropy per context bucket: collapsed or flattened over the
     run), ``head_norm_shift`` (its mean log output norm) and ``block_shift`` (a block's mean log change of the
-    residual norm per context bucket: a skipped or weakened block, a missing contribution). ``pos`` is null."""
+    residual norm per context bucket: a skipped or weakened block, a missing contribution). ``pos`` is null.
+
+    A mean over fewer than ``run_min_positions`` positions (or, per context bucket, fewer than the bucket holds
+    when that is less) is not tested: the calibration's spread is that of means over whole prompts, and a few
+    positions (the first ones above all, which attend to little) scatter far wider (a 1- or 2-token run raised
+    several critical rows on clean text); its positions' own tests stand."""
     out = []
+    width = pl.Series([b - a for a, b in zip(BUCKETS[:-1], BUCKETS[1:])], dtype=pl.Int64)
+
+    def means(df: pl.DataFrame, value: str, keys: list[str]) -> pl.DataFrame:
+        need = pl.lit(run_min_positions)
+        if "bucket" in keys:  # a bucket of fewer positions: all of them
+            need = pl.min_horizontal(need, pl.col("bucket").replace_strict(list(range(len(width))), width.to_list(),
+                                                                           default=run_min_positions))
+        return run_means(df, value, keys).filter(pl.col("positions") >= need)
     a = attention.filter(_finite("norm_entropy")).with_columns(bucket_of(pl.col("pos") + 1).alias("bucket"))
     if a.height:
-        m = run_means(a, "norm_entropy", ["layer", "head", "bucket"])
+        m = means(a, "norm_entropy", ["layer", "head", "bucket"])
         p, side, basis = base.judge(m, "run_norm_entropy", "norm_entropy", ["layer", "head", "bucket"], "two",
                                     min_positions, RUN_TAIL["entropy"])
         out.append(_tests(kind="head_entropy_shift", layer=m["layer"], head=m["head"], value=m["norm_entropy"], p=p,
                           side=side, basis=basis))
     h = head_norm.filter(_finite("norm")) if head_norm.height else head_norm
     if h.height:
-        m = run_means(h.with_columns(_log("norm", "norm")), "norm", ["layer", "head"])
+        m = means(h.with_columns(_log("norm", "norm")), "norm", ["layer", "head"])
         p, side, basis = base.judge(m, "run_log_head_norm", "norm", ["layer", "head"], "two", min_positions,
                                     RUN_TAIL["log"])
         out.append(_tests(kind="head_norm_shift", layer=m["layer"], head=m["head"], value=m["norm"].exp(), p=p,
                           side=side, basis=basis))
     r = resid.filter(_finite("norm")) if resid.height else resid
     if r.height:
-        m = run_means(resid_growth(r).with_columns(bucket_of(pl.col("pos") + 1).alias("bucket")), "growth",
-                      ["layer", "bucket"])
+        m = means(resid_growth(r).with_columns(bucket_of(pl.col("pos") + 1).alias("bucket")), "growth",
+                  ["layer", "bucket"])
         p, side, basis = base.judge(m, "run_log_resid_growth", "growth", ["layer", "bucket"], "two", min_positions,
                                     RUN_TAIL["log"])
         out.append(_tests(kind="block_shift", layer=m["layer"], value=m["growth"].exp(), p=p, side=side, basis=basis))
@@ -359,15 +373,18 @@ def run_level_tests(attention: pl.DataFrame, head_norm: pl.DataFrame, resid: pl.
 
 
 def entropy_shift_tests(attention: pl.DataFrame, reference: pl.DataFrame, min_positions: int = 8) -> pl.DataFrame:
-    """``entropy_shift``: normalised entropy against a reference run's median / MAD of the same head (two-sided)."""
+    """``entropy_shift``: each position's normalised entropy against the reference run's distribution for the same
+    head (two-sided): the reference's quantiles, with the profile's exponential tail past its extremes (``tail_p``),
+    so a value inside what the reference itself showed is never significant (a run against itself: nothing); a head
+    the reference saw at fewer than ``min_positions`` positions is not tested."""
     ref = reference.filter(_finite("norm_entropy")).group_by("layer", "head").agg(
-        pl.col("norm_entropy").median().alias("med"), pl.len().alias("n"),
-        pl.col("norm_entropy").alias("vals")).filter(pl.col("n") >= min_positions)
-    ref = ref.with_columns(pl.struct("vals", "med").map_elements(
-        lambda s: float(np.median(np.abs(np.asarray(s["vals"]) - s["med"]))), return_dtype=pl.Float64).alias("mad"))
-    a = attention.filter(_finite("norm_entropy")).join(ref.select("layer", "head", "med", "mad"), on=["layer", "head"])
-    z = (a["norm_entropy"].to_numpy() - a["med"].to_numpy()) / np.maximum(a["mad"].to_numpy() / 0.6745, 0.01)
-    p, side = _pick(_norm_sf(z), _norm_sf(-z), "two")
+        pl.col("norm_entropy").alias("vals")).filter(pl.col("vals").list.len() >= min_positions)
+    if ref.height == 0:
+        return _tests()
+    q = np.stack([np.quantile(np.asarray(v, dtype=np.float64), PROBS) for v in ref["vals"]])
+    a = attention.filter(_finite("norm_entropy")).join(ref.select("layer", "head").with_row_index("_cell"),
+                                                       on=["layer", "head"])
+    p, side = _sided_cells(a["norm_entropy"].to_numpy(), CellTails.of(q), a["_cell"].to_numpy(), "two")
     return _tests(kind="entropy_shift", pos=a["pos"], layer=a["layer"], head=a["head"], value=a["norm_entropy"],
                   p=p, side=side, basis="the reference run")
 
@@ -402,7 +419,8 @@ def kv_tests(kv_tokens: pl.DataFrame, base: Baseline, min_positions: int = 8) ->
                   basis=basis)
 
 
-def expert_tests(routing: pl.DataFrame, n_experts: int, base: Baseline, exclude: set[int] | None = None) -> pl.DataFrame:
+def expert_tests(routing: pl.DataFrame, n_experts: int, base: Baseline, exclude: set[int] | None = None,
+                 min_tokens: int = 16) -> pl.DataFrame:
     """Per (layer, expert): ``overloaded_expert`` (chosen by far more tokens than the profile's share) and
     ``dead_expert`` / ``starved_expert`` (chosen by none / far fewer); per layer ``routing_collapse``: the load's
     concentration (``load_statistic``) against its distribution over the clean calibration runs (prompts of
@@ -412,6 +430,8 @@ def expert_tests(routing: pl.DataFrame, n_experts: int, base: Baseline, exclude:
     length would show at the calibration's 95th-percentile concentration; a layer with few tokens simply
     cannot reach significance. Without a profile: a uniform load, plain binomial and chi-squared tests (info only).
     ``exclude``: positions left out (inside repetition loops: their routing repeats with their tokens).
+    ``min_tokens``: a layer routing fewer tokens is not tested (neighbouring tokens route alike beyond what the
+    calibration's overdispersion says of a whole run: 3 of 4 tokens on one expert is no overload).
     """
 
     if exclude:
@@ -421,6 +441,8 @@ def expert_tests(routing: pl.DataFrame, n_experts: int, base: Baseline, exclude:
     rows: list[dict] = []
     for (layer,), g in routing.group_by("layer", maintain_order=True):
         n_tok = g["pos"].n_unique()
+        if n_tok < min_tokens:
+            continue
         k_slots = g.height // max(n_tok, 1)
         chosen = np.bincount(g.unique(["pos", "expert"])["expert"].to_numpy(), minlength=n_experts)[:n_experts]
         slots = np.bincount(g["expert"].to_numpy(), minlength=n_experts)[:n_experts]
@@ -568,16 +590,16 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
     if not 0 < th["alpha"] < 1:
         raise ValueError(f"alpha must be in (0, 1), got {th['alpha']}")
     base = Baseline.of(profile)
-    mp = int(th["min_positions"])
+    mp, run_mp = int(th["min_positions"]), int(th["run_min_positions"])
     ent = entropy_tests(attention, base, mp)
     parts = [token_tests(tokens, base, bool(th["include_prompt"]), mp), ent,
              resid_tests(resid if resid is not None else _empty_signal("pos", "layer", "norm"), base, mp),
              kv_tests(kv_tokens if kv_tokens is not None else pl.DataFrame(), base, mp),
              head_norm_tests(head_norm if head_norm is not None else _empty_signal("pos", "layer", "head", "norm"),
                              base, mp),
-             expert_tests(routing, n_experts, base, covered_positions(tokens)),
+             expert_tests(routing, n_experts, base, covered_positions(tokens), run_mp),
              run_level_tests(attention, head_norm if head_norm is not None else _empty_signal("pos", "layer", "head", "norm"),
-                             resid if resid is not None else _empty_signal("pos", "layer", "norm"), base, mp)]
+                             resid if resid is not None else _empty_signal("pos", "layer", "norm"), base, mp, run_mp)]
     if reference_attention is not None:
         parts.append(entropy_shift_tests(attention, reference_attention, mp))
     tests = pl.concat([p for p in parts if p.height], how="vertical_relaxed") if any(p.height for p in parts) \
@@ -634,6 +656,23 @@ def component_rows(store, info: dict, tokens: pl.DataFrame, model, meta: dict) -
     return _rows(activations.anomaly_rows(model, ids[:start], prof))
 
 
+def _reference_attention(store, info: dict, summary, reference: str) -> pl.DataFrame:
+    """The attention rows of ``reference`` for judging run ``info``'s heads against, or a ValueError: a reference of
+    another model (its heads are not this run's), the run itself, or one recorded without the attention probe."""
+    ref = query.run_row(store, reference)
+    if ref["run_id"] == info["run_id"]:
+        raise ValueError(f"run {reference} is no reference for itself: pick a known-good run of the same model")
+    theirs = query.model_summary(ref)
+    if (theirs.n_layers, theirs.n_heads, theirs.family) != (summary.n_layers, summary.n_heads, summary.family):
+        raise ValueError(f"reference run {reference} is of another model ({theirs.family}, {theirs.n_layers} layers x "
+                         f"{theirs.n_heads} heads; this run's: {summary.family}, {summary.n_layers} x {summary.n_heads}):"
+                         " its heads are not this run's")
+    att = query.attention(store, ref["run_id"])
+    if att.height == 0:
+        raise ValueError(f"reference run {reference} has no attention rows (recorded without the attention probe)")
+    return att
+
+
 def _compute(store, run_id: str, reference: str | None = None, model=None,
              **thresholds) -> tuple[pl.DataFrame, dict]:
     """(rows with run_id and anomaly_id, what was tested) of one run, computed from its signals (and, with the
@@ -641,7 +680,7 @@ def _compute(store, run_id: str, reference: str | None = None, model=None,
     info = query.run_row(store, run_id)
     prof = load_profile(store, info.get("checkpoint_sha256"))
     summary = query.model_summary(info)
-    ref_att = query.attention(store, query.run_row(store, str(reference))["run_id"]) if reference is not None else None
+    ref_att = _reference_attention(store, info, summary, str(reference)) if reference is not None else None
     n_experts = summary.n_routed_experts if summary.moe_layers else 0
     meta: dict = {}
     tokens = query.tokens(store, run_id)
