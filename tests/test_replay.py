@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from helpers import tiny_model
@@ -93,7 +94,15 @@ def test_at_step_equals_what_the_model_did_at_that_step(env):
     assert at_step(store, run.run_id, 0).kv_tokens.height > 0  # norms are kept for the prefill
 
 
-@pytest.mark.parametrize("bad", [-1, NEW, 2.0, "1"])
+def test_at_step_takes_numpy_and_torch_integers(env):
+    store, rid = env["store"], env["run"].run_id
+    want = at_step(store, rid, 1)
+    for t in (np.int32(1), np.int64(1), torch.tensor(1)):
+        got = at_step(store, rid, t)
+        assert got.step == 1 and got.tokens.equals(want.tokens) and got.newest_pos == want.newest_pos
+
+
+@pytest.mark.parametrize("bad", [-1, NEW, 2.0, "1", True])
 def test_at_step_rejects_out_of_range_with_the_valid_range(env, bad):
     with pytest.raises(ValueError, match=rf"valid steps are 0\.\.{NEW - 1}"):
         at_step(env["store"], env["run"].run_id, bad)

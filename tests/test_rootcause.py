@@ -168,6 +168,13 @@ def test_root_cause_on_a_recorded_run(tiny, tmp_path):
         run.root_cause(0)
     with pytest.raises(ValueError, match="mode"):
         run.root_cause(pos, mode="sideways")
+    # a position as NumPy hands it out (run.tokens()["pos"].to_numpy()) is a position: computed and stored
+    np_pos = run.tokens()["pos"].to_numpy()[pos - 1]
+    assert run.root_cause(np_pos, steps=2)["target_pos"].to_list()[0] == pos - 1
+    assert query.attributions(run.store, run.run_id, pos - 1).height
+    for bad in (2.0, True, "3"):  # no position: said before any work
+        with pytest.raises(ValueError, match="pos must be an integer"):
+            run.root_cause(bad)
 
 
 def _argmax(model, ids) -> int:

@@ -80,7 +80,7 @@ def positions(pos: int | Iterable[int] | None, n_tokens: int, run_id: str = "") 
     """The positions asked for (None: every one), each checked to be in 1 .. n_tokens - 1."""
     if pos is None:
         return None
-    want = [int(pos)] if isinstance(pos, int) or hasattr(pos, "__index__") else [int(p) for p in pos]
+    want = [query.as_position(p) for p in ([pos] if isinstance(pos, int) or hasattr(pos, "__index__") else pos)]
     bad = [p for p in want if not 1 <= p < n_tokens]
     if bad:
         raise ValueError(f"pos {bad[0]} is outside run {run_id}'s produced positions 1..{n_tokens - 1} (position 0 "

@@ -98,6 +98,10 @@ def at_step(store: Store, run_id: str, t: int) -> StepState:
     """
     info = query.run_row(store, run_id)
     first, last = step_range(store, run_id)
+    try:
+        t = query.as_position(t, "step")
+    except ValueError:
+        pass  # said below, with the valid range
     if isinstance(t, bool) or not isinstance(t, int) or not first <= t <= last:
         raise ValueError(f"step {t!r} is out of range for run {run_id}: valid steps are {first}..{last} "
                          f"(0 = prefill, n = n-th decode step)")

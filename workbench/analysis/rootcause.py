@@ -819,6 +819,7 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if steps < 1 or (batch_size is not None and batch_size < 1):
         raise ValueError(f"steps and batch_size must be >= 1 (got steps={steps}, batch_size={batch_size})")
+    pos = query.as_position(pos)
     info = query.run_row(store, run_id)
     ids_all = query.table(store, "tokens", run_id, "pos", cols=["token_id"])["token_id"].to_list()
     if len(ids_all) < 2:

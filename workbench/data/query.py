@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import operator
 import re
 import threading
 
@@ -16,6 +17,17 @@ from workbench.data.schema import columns
 from workbench.data.signals import TABLES as SIGNAL_TABLES
 from workbench.data.store import FINAL_STATUSES, Store
 from workbench.data.summary import ModelSummary
+
+
+def as_position(value, what: str = "pos") -> int:
+    """``value`` as a plain int (a Python, NumPy or torch integer: what ``run.tokens()["pos"]`` hands out), or a
+    ValueError naming ``what`` (a bool, a float or a string is no position)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} must be an integer, got {value!r}") from None
 
 
 class RunNotFound(KeyError):
