@@ -6,7 +6,8 @@ model without a profile, and findings that name injected faults.
   stdlib's turtledemo scripts and other packages' test suites: no file in common with the calibration set),
   greedy, recorded batched without detection, then detected. Reported per kind and per prompt-length bucket:
   warning/critical rows per 1,000 generated tokens (target <= 5), counted without ``repetition`` rows, which are
-  read off the generated text and so true by construction (degenerate generation: reported beside them);
+  read off the generated text and so true by construction (degenerate generation: reported beside them); and very
+  short runs (kind ``short``): the first 4 prompts of each kind cut to 1, 2 and 4 tokens, generating as many;
 - no profile: a tiny random Mixtral (workbench/capture/tiny.py), the same prompts cut to its context; every row
   must be info (target 0 warning/critical rows);
 - faults: every kind of ``workbench.analysis.faults.KINDS`` (new kinds join automatically) plus NaN in the residual
@@ -58,7 +59,8 @@ def section(args) -> str:
     return f"{SECTION}: held-out fault kinds" if kinds and all(k in faults.HELD_OUT for k in kinds) else SECTION
 CALIBRATION = ROOT / "data" / "prompts" / "calibration.jsonl"
 CLEAN = ROOT / "data" / "prompts" / "clean_kinds.jsonl"
-LENGTHS = ((1, 32), (32, 128), (128, 512), (512, 1025))  # prompt tokens [lo, hi)
+LENGTHS = ((1, 5), (5, 32), (32, 128), (128, 512), (512, 1025))  # prompt tokens [lo, hi)
+SHORT = (1, 2, 4)  # very short runs: the first prompts of each kind cut to this many tokens, as many generated
 EXTRA = ("non_finite", "kv")  # fault kinds of this benchmark beside faults.KINDS
 
 
@@ -90,6 +92,22 @@ def clean_runs(store, run_ids: list[str], kinds: dict[str, str], model=None) -> 
                     "repetition": loud.filter(pl.col("kind") == "repetition").height,
                     "info_repetition": a.filter((pl.col("kind") == "repetition") & (pl.col("severity") == "info")).height,
                     "findings": findings(store, rid).height, "tested": what_was_tested(store, rid)})
+    return out
+
+
+def short_items(items: list[dict], tok, per_kind: int = 4) -> list[dict]:
+    """Very short runs (kind ``short``): the first ``per_kind`` prompts of each kind cut to each of ``SHORT`` tokens,
+    generating as many (a run-level mean or a load over 1-8 positions is no whole prompt's)."""
+    seen: dict[str, int] = {}
+    out = []
+    for it in items:
+        kind = str(it.get("id", "?")).split(":")[0]
+        if seen.get(kind, 0) >= per_kind:
+            continue
+        seen[kind] = seen.get(kind, 0) + 1
+        ids = tok.encode(it["prompt"]).ids
+        out += [{"prompt": tok.decode(ids[:k]), "id": f"short:{k}:{it.get('id')}", "max_new_tokens": k}
+                for k in SHORT if len(ids) >= k]
     return out
 
 
@@ -239,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {BUNDLED} ({res['cells']} cells from {len(res['runs'])} runs)", flush=True)
         clean, tiny, results, loop = [], [], [], {}
         if "clean" not in skip:
-            run_ids, kinds = record_set(items, model, store, args.max_new_tokens)
+            run_ids, kinds = record_set(items + short_items(items, load_tokenizer()), model, store,
+                                        args.max_new_tokens)
             clean = clean_runs(store, run_ids, kinds, model)
             print(json.dumps(summary(clean)), flush=True)
         if "loop" not in skip:
@@ -305,7 +324,9 @@ def markdown(clean, tiny, results, loop, args, seconds, threads) -> str:
                   f"**{s['per_1000']:.2f} warning/critical rows per 1,000 generated tokens** ({s['alarms']} rows; target "
                   f"<= 5 in every cell below). Degenerate generation is reported beside them, not counted: "
                   f"{s['repetition_rows']} `repetition` rows in {s['runs_with_repetition']} of {s['runs']} runs (the "
-                  "demo model loops often; each row is a loop, a repeated span or a copy that the text shows).", "",
+                  "demo model loops often; each row is a loop, a repeated span or a copy that the text shows). Kind "
+                  f"`short`: the first 4 prompts of each kind cut to {', '.join(map(str, SHORT))} tokens, generating as "
+                  "many (run-level means and expert loads over a handful of positions).", "",
                   "| prompts | runs | generated tokens | warning/critical rows | per 1,000 tokens | repetition rows |",
                   "|---|---|---|---|---|---|"]
         for label, key in (("kind", lambda r: r["kind"]), ("prompt tokens", lambda r: length_bucket(r["n_prompt"]))):

@@ -585,8 +585,9 @@ def test_a_reference_must_be_another_run_of_the_same_model_with_attention(tmp_pa
 
 def test_very_short_clean_runs_raise_no_run_level_or_load_alarms(tmp_path):
     """A run of 1-4 tokens: a mean over a handful of positions (the first ones attend to little) or an expert's load
-    over a few tokens is no whole prompt's, so the run-level and load tests do not judge it (before: 1+1 and 2+2
-    token runs of clean prompts raised 1-5 critical head_norm_shift / overloaded_expert rows each)."""
+    over a few tokens is no whole prompt's, so the run-level and load tests do not judge it, nor the component
+    statistics a 2-token run (before: 1+1 and 2+2 token runs of clean prompts raised 1-5 critical head_norm_shift /
+    overloaded_expert rows each, and a component_outlier warning at layer 1's input norm)."""
     from workbench.model import load_checkpoint, load_tokenizer
     model, tok = load_checkpoint(), load_tokenizer()
     db = workbench.Store(tmp_path / "w.duckdb")
@@ -596,5 +597,5 @@ def test_very_short_clean_runs_raise_no_run_level_or_load_alarms(tmp_path):
             loud = workbench.record(ids[:k], model=model, db=db, max_new_tokens=k).anomalies().filter(
                 (pl.col("severity") != "info") & pl.col("kind").is_in(
                     ["head_norm_shift", "head_entropy_shift", "block_shift", "overloaded_expert", "starved_expert",
-                     "routing_collapse"]))
+                     "routing_collapse", "component_outlier"]))
             assert loud.height == 0, (name, k, loud["explanation"].to_list())

@@ -547,3 +547,14 @@ def test_an_unusual_block_names_the_one_expert_whose_removal_matters():
     assert behind_block(two, [(block, 3.05)]) == []  # two experts of the layer matter alike: neither alone
     small = df.with_columns(pl.when(pl.col("expert") == 7).then(-1.0).otherwise(pl.col("score")).alias("score"))
     assert 1.0 < CORROBORATE * 5.4 and behind_block(small, [(block, 3.05)]) == []  # too small beside the head
+
+
+def test_a_run_without_token_rows_says_why_it_cannot_be_explained(tiny, tmp_path):
+    db = tmp_path / "w.duckdb"
+    probes = tuple(p for p in workbench.PROBES if p != "tokens")
+    run = workbench.record(list(range(30, 38)), model=tiny, max_new_tokens=4, db=db, probes=probes, detect=False)
+    assert run.info["n_tokens"] == 12
+    listed = query.runs(run.store).filter(pl.col("run_id") == run.run_id)
+    assert listed["n_tokens"].to_list() == [12]  # from the runs row: there are no tokens rows to count
+    with pytest.raises(ValueError, match="recorded without the tokens probe"):
+        run.root_cause(9, steps=2)

@@ -1091,7 +1091,8 @@ def _signed_nats(nats: float, sign: float) -> float:
 
 
 def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool = True,
-             signals: dict | None = None, found: dict | None = None) -> list[tuple[tuple, float]]:
+             signals: dict | None = None, found: dict | None = None,
+             min_stats: int = 2) -> list[tuple[tuple, float]]:
     """((kind, layer, head, expert, source_pos), signed surprise in nats) for every profiled component, on the
     context ``ids`` (the tokens before the explained one), plus the routing consistency rows (no profile
     needed). A head's output and its two attention-pattern scalars give one ``head`` row: the largest.
@@ -1127,7 +1128,7 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
     if prof is not None and len(ids) >= 1:
         firsts = _first_evidence(got, int(ids[0]), prof, a.dtype)
         known = _known_evidence(a, got, prof)
-    if prof is not None and len(ids) >= 2:
+    if prof is not None and len(ids) >= max(min_stats, 2):  # the statistics' cells (``min_stats``: context tokens)
         zs: dict[tuple, tuple[float, float]] = {}  # component -> (|z|, sign)
         positional: dict[int, list[float]] = {}
         for k, r in prep.rest:  # the statistics' cells (not the exact ones above)
@@ -1288,13 +1289,19 @@ WORDS = {"embed": "the input embedding of the token at position {pos}",
          "router": "the router", "expert": "expert {expert}", "rotary": "the rotary part (every head's reach)"}
 
 
+STATS_MIN_TOKENS = 3  # the detector's component statistics: runs of at least this many tokens (2 positions judged)
+
+
 def anomaly_rows(a: Adapter, ids: list[int], prof: pl.DataFrame | None) -> list[dict]:
     """Anomaly rows (kind ``component_outlier``, the schema of workbench.analysis.anomalies) for the components
-    whose activations over the first ``MAX_TOKENS`` of ``ids`` are at least ``WARNING_NATS`` unusual."""
+    whose activations over the first ``MAX_TOKENS`` of ``ids`` are at least ``WARNING_NATS`` unusual. The
+    statistics judge a run of at least ``STATS_MIN_TOKENS`` tokens (the exact checks every run): one position's
+    output against the calibration's two-token prefixes is no test of a model (a clean 1+1-token run, a prompt's
+    first token and the model's own next one, stood 21-23 nats out at a layer's input norm)."""
     rows = []
     a = adapter_for(a)
     signals: dict = {}
-    for key, nats in evidence(a, list(ids)[:MAX_TOKENS], prof, last=False, signals=signals):
+    for key, nats in evidence(a, list(ids)[:MAX_TOKENS], prof, last=False, signals=signals, min_stats=STATS_MIN_TOKENS):
         kind, layer, head, expert, pos = key
         if abs(nats) < WARNING_NATS:
             continue

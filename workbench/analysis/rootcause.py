@@ -822,6 +822,9 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
     pos = query.as_position(pos)
     info = query.run_row(store, run_id)
     ids_all = query.table(store, "tokens", run_id, "pos", cols=["token_id"])["token_id"].to_list()
+    if not ids_all and int(info.get("n_tokens") or 0) > 0:
+        raise ValueError(f"run {run_id} has no tokens rows (recorded without the tokens probe): root cause needs the "
+                         "token ids; record it again with the tokens probe")
     if len(ids_all) < 2:
         raise ValueError(f"run {run_id} has {len(ids_all)} tokens: nothing to explain")
     if not 1 <= pos < len(ids_all):

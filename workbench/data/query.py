@@ -118,7 +118,7 @@ def runs(store: Store) -> pl.DataFrame:
     """All runs, newest first, with their length and anomaly count."""
     return store.sql("""
         SELECT r.run_id, r.created_at, r.status, r.model, r.dtype, r.prompt, r.seed, r.parent_run_id,
-               r.n_prompt_tokens, coalesce(t.n, 0) AS n_tokens, coalesce(a.n, 0) AS n_anomalies, r.error
+               r.n_prompt_tokens, coalesce(t.n, r.n_tokens, 0) AS n_tokens, coalesce(a.n, 0) AS n_anomalies, r.error
         FROM runs r
         LEFT JOIN (SELECT run_id, count(*) AS n FROM tokens GROUP BY run_id) t USING (run_id)
         LEFT JOIN (SELECT run_id, count(*) AS n FROM anomalies GROUP BY run_id) a USING (run_id)
