@@ -544,11 +544,13 @@ def test_a_run_without_token_rows_says_the_component_check_did_not_run(tmp_path,
     assert not [w for w in recwarn if "component check" in str(w.message)]
     meta = json.loads(bare.refresh().info["detection"])
     assert meta["component_check"].startswith("not run") and not meta.get("component_tests")
-    assert "component check not run" in an.what_was_tested(db, bare.run_id)
+    line = an.what_was_tested(db, bare.run_id)
+    assert "component check not run" in line and "no check for repetition loops" in line
     full = workbench.record("def f(x):\n", model=model, db=db, max_new_tokens=3)  # with tokens: judged
     meta = json.loads(full.refresh().info["detection"])
     assert meta["component_tests"] > 0 and "component_check" not in meta
-    assert "components against their activation profile" in an.what_was_tested(db, full.run_id)
+    line = an.what_was_tested(db, full.run_id)
+    assert "components against their activation profile" in line and "and a check for repetition loops" in line
 
 
 def test_entropy_shift_judges_each_head_against_the_references_distribution():

@@ -108,6 +108,17 @@ def test_at_step_rejects_out_of_range_with_the_valid_range(env, bad):
         at_step(env["store"], env["run"].run_id, bad)
 
 
+def test_replay_of_a_run_without_token_rows_says_there_were_none_to_compare(env, capsys):
+    store = env["store"]
+    probes = ("steps", "routing", "attention")
+    run = record(PROMPT, model=str(env["ckpt"]), max_new_tokens=3, db=store, probes=probes, detect=False)
+    res = replay_run(store, run.run_id)
+    assert res["match"] is True and res["tokens_match"] is None
+    assert res["n_tokens"] == [len(PROMPT) + 3] * 2
+    assert cli.main(["replay", run.run_id, "--db", str(store.path)]) == 0
+    assert "no tokens rows to compare" in capsys.readouterr().out
+
+
 def test_replay_of_a_greedy_run_matches_exactly(env, capsys):
     store, run = env["store"], env["run"]
     res = replay_run(store, run.run_id)

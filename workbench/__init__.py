@@ -29,7 +29,7 @@ _LAZY = {
     "profile": "workbench.analysis.baseline",
 }
 _MODULES = {"faults": "workbench.analysis.faults", "tiny": "workbench.capture.tiny",
-            "interventions": "workbench.interventions"}
+            "interventions": "workbench.interventions", "model": "workbench.model", "probes": "workbench.probes"}
 # ``workbench.capture(model, inputs, names, max_bytes=...)``: the capture room's package is itself callable (its
 # name is the function's; workbench/capture/__init__.py), so it needs no entry here and loads torch only when called
 

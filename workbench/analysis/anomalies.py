@@ -682,8 +682,8 @@ def _compute(store, run_id: str, reference: str | None = None, model=None,
     summary = query.model_summary(info)
     ref_att = _reference_attention(store, info, summary, str(reference)) if reference is not None else None
     n_experts = summary.n_routed_experts if summary.moe_layers else 0
-    meta: dict = {}
     tokens = query.tokens(store, run_id)
+    meta: dict = {"token_rows": tokens.height}  # none: recorded without the tokens probe (no loop check either)
     df = detect_frames(tokens, query.attention(store, run_id), query.routing(store, run_id),
                        n_experts, kv=query.kv(store, run_id), reference_attention=ref_att,
                        profile=prof,
@@ -770,7 +770,8 @@ def what_was_tested(store, run_id: str) -> str:
         base += f", {meta['component_tests']} components against their activation profile"
     if meta.get("component_check"):  # a model and a profile, but no component judged: say why
         base += f" (component check {meta['component_check']})"
-    base += " and a check for repetition loops"
+    base += " and a check for repetition loops" if meta.get("token_rows", 1) else " (no tokens rows: no check for " \
+        "repetition loops)"
     if crit + warn == 0:
         return f"{base}, none significant at FDR {alpha:g}"
     parts = [f"{crit} critical" if crit else "", f"{warn} warning" if warn else ""]

@@ -132,7 +132,8 @@ def replay_run(store: Store, run_id: str, *, model=None, tokenizer=None, tol: fl
         tol: absolute tolerance for real-valued signals (token ids, experts, cache sizes must be equal).
         progress: show a progress bar on stderr while re-generating.
     Returns: ``{"match", "run_id" (new), "parent_run_id" (replayed), "first_divergence" (None or
-        {"step", "pos", "signal", "magnitude", ...}), "tokens_match", "n_tokens", "tolerance"}``.
+        {"step", "pos", "signal", "magnitude", ...}), "tokens_match" (None: no tokens rows to compare),
+        "n_tokens" (each run's tokens), "tolerance"}``.
     Raises:
         ValueError: checkpoint hash differs, the model is not available, or the run has no prompt ids.
     """
@@ -150,8 +151,10 @@ def replay_run(store: Store, run_id: str, *, model=None, tokenizer=None, tol: fl
     detect(store, new_id, model=adapter)
     div = first_divergence(store, run_id, new_id, tol, n_prompt=len(ids))
     ta, tb = (query.table(store, "tokens", r, "pos", cols=["pos", "token_id"]) for r in (run_id, new_id))
-    return {
+    new = query.run_row(store, new_id)
+    return {  # tokens_match None: neither run has tokens rows to compare (recorded without the tokens probe)
         "match": div is None, "run_id": new_id, "parent_run_id": run_id, "first_divergence": div,
-        "tokens_match": ta.equals(tb), "n_tokens": [ta.height, tb.height], "tolerance": tol,
-        "status": query.run_row(store, new_id)["status"],
+        "tokens_match": ta.equals(tb) if ta.height or tb.height else None,
+        "n_tokens": [int(info["n_tokens"] or ta.height), int(new["n_tokens"] or tb.height)], "tolerance": tol,
+        "status": new["status"],
     }

@@ -23,7 +23,8 @@ def main(args) -> int:
         print(json.dumps(res, default=str))
     else:
         print(f"replayed {res['parent_run_id']} as {res['run_id']}: "
-              + ("tokens and signals match" if res["match"] else "DIVERGED"))
+              + ("DIVERGED" if not res["match"] else "tokens and signals match" if res["tokens_match"] is not None
+                 else "signals match (no tokens rows to compare: recorded without the tokens probe)"))
         d = res["first_divergence"]
         if d:
             mag = "n/a" if d.get("magnitude") is None else f"{d['magnitude']:.3g}"
