@@ -7,7 +7,9 @@ model without a profile, and findings that name injected faults.
   greedy, recorded batched without detection, then detected. Reported per kind and per prompt-length bucket:
   warning/critical rows per 1,000 generated tokens (target <= 5), counted without ``repetition`` rows, which are
   read off the generated text and so true by construction (degenerate generation: reported beside them); and very
-  short runs (kind ``short``): the first 4 prompts of each kind cut to 1, 2 and 4 tokens, generating as many;
+  short runs (kind ``short``): the first 4 prompts of each kind cut to 1, 2 and 4 tokens, generating as many; text
+  unlike the calibration's code (data/prompts/other_kinds.jsonl: prose, data, sql, markdown, numbers, multilingual);
+  degenerate input (a word or syllable repeated, random tokens);
 - no profile: a tiny random Mixtral (workbench/capture/tiny.py), the same prompts cut to its context; every row
   must be info (target 0 warning/critical rows);
 - faults: every kind of ``workbench.analysis.faults.KINDS`` (new kinds join automatically) plus NaN in the residual
@@ -59,7 +61,10 @@ def section(args) -> str:
     return f"{SECTION}: held-out fault kinds" if kinds and all(k in faults.HELD_OUT for k in kinds) else SECTION
 CALIBRATION = ROOT / "data" / "prompts" / "calibration.jsonl"
 CLEAN = ROOT / "data" / "prompts" / "clean_kinds.jsonl"
+# text unlike the calibration's code: prose, data and config files, SQL, markdown, numbers, other languages
+OTHER = ROOT / "data" / "prompts" / "other_kinds.jsonl"
 LENGTHS = ((1, 5), (5, 32), (32, 128), (128, 512), (512, 1025))  # prompt tokens [lo, hi)
+CODE_KINDS = ("library", "script", "test", "docs", "short")  # clean_kinds.jsonl's kinds (and its prompts cut short)
 SHORT = (1, 2, 4)  # very short runs: the first prompts of each kind cut to this many tokens, as many generated
 EXTRA = ("non_finite", "kv")  # fault kinds of this benchmark beside faults.KINDS
 
@@ -109,6 +114,14 @@ def short_items(items: list[dict], tok, per_kind: int = 4) -> list[dict]:
         out += [{"prompt": tok.decode(ids[:k]), "id": f"short:{k}:{it.get('id')}", "max_new_tokens": k}
                 for k in SHORT if len(ids) >= k]
     return out
+
+
+def degenerate_items(tok, seed: int = 0) -> list[dict]:
+    """Degenerate input (kind ``degenerate``): one word repeated, a syllable repeated, random tokens."""
+    rng = random.Random(seed)
+    noise = tok.decode([rng.randrange(300, tok.get_vocab_size()) for _ in range(40)])
+    return [{"prompt": "a " * 40, "id": "degenerate:word"}, {"prompt": "ha" * 60, "id": "degenerate:syllable"},
+            {"prompt": noise, "id": "degenerate:random"}]
 
 
 def record_set(items: list[dict], model, store, max_new_tokens: int) -> tuple[list[str], dict[str, str]]:
@@ -257,8 +270,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {BUNDLED} ({res['cells']} cells from {len(res['runs'])} runs)", flush=True)
         clean, tiny, results, loop = [], [], [], {}
         if "clean" not in skip:
-            run_ids, kinds = record_set(items + short_items(items, load_tokenizer()), model, store,
-                                        args.max_new_tokens)
+            tk = load_tokenizer()
+            run_ids, kinds = record_set(items + short_items(items, tk) + load_prompts(OTHER) + degenerate_items(tk),
+                                        model, store, args.max_new_tokens)
             clean = clean_runs(store, run_ids, kinds, model)
             print(json.dumps(summary(clean)), flush=True)
         if "loop" not in skip:
@@ -318,7 +332,9 @@ def markdown(clean, tiny, results, loop, args, seconds, threads) -> str:
              f"and comments), up to 1,024 tokens, {args.calibration_tokens} greedy tokens each). Alarms: "
              "Benjamini-Hochberg over every test of a run at FDR 0.01, two-sided where a value can break both ways.", ""]
     if clean:
-        s = summary(clean)
+        code = [r for r in clean if r["kind"] in CODE_KINDS]
+        s = summary(code)
+        o = summary([r for r in clean if r["kind"] not in CODE_KINDS])
         lines += [f"**Clean runs** (data/prompts/clean_kinds.jsonl: {s['runs']} prompts, none from a calibration file; "
                   f"at most {args.max_new_tokens} greedy tokens each; {s['tokens']} generated tokens): "
                   f"**{s['per_1000']:.2f} warning/critical rows per 1,000 generated tokens** ({s['alarms']} rows; target "
@@ -327,6 +343,10 @@ def markdown(clean, tiny, results, loop, args, seconds, threads) -> str:
                   "demo model loops often; each row is a loop, a repeated span or a copy that the text shows). Kind "
                   f"`short`: the first 4 prompts of each kind cut to {', '.join(map(str, SHORT))} tokens, generating as "
                   "many (run-level means and expert loads over a handful of positions).", "",
+                  f"**Text unlike the calibration's code** (data/prompts/other_kinds.jsonl: prose, data and config "
+                  f"files, SQL, markdown, numbers, other languages; and degenerate input: a word or a syllable "
+                  f"repeated, random tokens; {o['runs']} runs, {o['tokens']} generated tokens): **{o['per_1000']:.2f} "
+                  f"warning/critical rows per 1,000 generated tokens** ({o['alarms']} rows).", "",
                   "| prompts | runs | generated tokens | warning/critical rows | per 1,000 tokens | repetition rows |",
                   "|---|---|---|---|---|---|"]
         for label, key in (("kind", lambda r: r["kind"]), ("prompt tokens", lambda r: length_bucket(r["n_prompt"]))):

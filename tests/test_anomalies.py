@@ -371,6 +371,30 @@ def test_repetition_finds_a_loop_repeated_spans_and_a_copy_and_nothing_in_varied
     assert f.select("component", "pos_start", "pos_end").rows() == [("generation", 40, 71)]
 
 
+def test_a_prompt_that_loops_is_degenerate_input_not_judged_and_said_once(tmp_path):
+    """A prompt holding a loop ("a a a a ...", a line pasted many times): one info row says so, and the detectors
+    judge neither its positions (nor the generation going on with it) nor the heads after it (its keys stay in
+    context); before, "a " * 40 on the clean demo model raised 241 warning/critical rows. A generated loop after
+    it is still a repetition warning."""
+    from workbench.analysis.repetition import input_loops
+    from workbench.model import load_checkpoint
+    ids = [int(x) for x in np.random.default_rng(2).permutation(2000)[:30]]
+    toks = tokens_frame([0.9] * 70, n_prompt=45).with_columns(
+        pl.Series("token_id", ids[:5] + [7, 8] * 20 + [7, 8] * 3 + ids[5:24]))
+    got = input_loops(toks)
+    assert [(s.pos, s.tokens) for s in got] == [(5, 46)]  # in the prompt from 5, and 6 generated tokens go on
+    assert "degenerate input" in got[0].explanation and "generation going on with it" in got[0].explanation
+    # a 20-token unit twice and a half in the prompt: under two periods, no loop
+    assert input_loops(toks.with_columns(pl.Series("token_id", ids[:20] * 3 + ids[:10]))) == []
+    model = load_checkpoint()
+    db = workbench.Store(tmp_path / "w.duckdb")
+    for prompt in ("a " * 40, "ha" * 60):
+        a = workbench.record(prompt, model=model, db=db, max_new_tokens=32).anomalies()
+        assert a.filter((pl.col("severity") != "info") & (pl.col("kind") != "repetition")).height == 0, a
+        note = a.filter((pl.col("kind") == "repetition") & (pl.col("severity") == "info"))
+        assert note.height == 1 and note["pos"][0] == 1 and "the prompt repeats" in note["explanation"][0]
+
+
 def test_routing_is_judged_against_the_calibrated_spread_of_clean_prompts():
     """A load as concentrated as clean calibration prompts of several kinds is no collapse; far beyond it is,
     and an expert the profile expects that no token picks over a long run is dead, one picked rarely starved."""

@@ -64,7 +64,7 @@ from scipy.stats import binom, chi2, false_discovery_control, norm
 from workbench.analysis.baseline import (BUCKETS, PROBS, CellTails, bucket_of, load_profile, load_statistic,
                                          resid_growth, run_means, tail_p)
 from workbench.analysis.memo import by_object
-from workbench.analysis.repetition import covered_positions, spans
+from workbench.analysis.repetition import covered_positions, input_loops, spans
 from workbench.data import query
 from workbench.data.schema import columns
 
@@ -591,13 +591,26 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
         raise ValueError(f"alpha must be in (0, 1), got {th['alpha']}")
     base = Baseline.of(profile)
     mp, run_mp = int(th["min_positions"]), int(th["run_min_positions"])
+    raw = {"tokens": tokens, "attention": attention, "routing": routing, "kv": kv, "resid_norm": resid,
+           "head_norm": head_norm}
+    degenerate = input_loops(tokens)  # the prompt's own loops: positions no test judges (one info row each)
+    skip = sorted({p for s in degenerate for p in s.positions})
+    if skip:
+        def judged(df: pl.DataFrame | None) -> pl.DataFrame | None:
+            return df.filter(~pl.col("pos").is_in(skip)) if df is not None and "pos" in df.columns else df
+        tokens, routing, resid, kv_tokens = (judged(x) for x in (tokens, routing, resid, kv_tokens))
+        # the repeated keys stay in every later position's context: its attention spreads over them (entropy at its
+        # maximum, each head's output their values' mean) however clean the model, so the heads are judged only
+        # before the loop
+        attention = attention.filter(pl.col("pos") < skip[0])
+        head_norm = head_norm.filter(pl.col("pos") < skip[0]) if head_norm is not None else None
     ent = entropy_tests(attention, base, mp)
     parts = [token_tests(tokens, base, bool(th["include_prompt"]), mp), ent,
              resid_tests(resid if resid is not None else _empty_signal("pos", "layer", "norm"), base, mp),
              kv_tests(kv_tokens if kv_tokens is not None else pl.DataFrame(), base, mp),
              head_norm_tests(head_norm if head_norm is not None else _empty_signal("pos", "layer", "head", "norm"),
                              base, mp),
-             expert_tests(routing, n_experts, base, covered_positions(tokens), run_mp),
+             expert_tests(routing, n_experts, base, covered_positions(raw["tokens"]), run_mp),
              run_level_tests(attention, head_norm if head_norm is not None else _empty_signal("pos", "layer", "head", "norm"),
                              resid if resid is not None else _empty_signal("pos", "layer", "norm"), base, mp, run_mp)]
     if reference_attention is not None:
@@ -606,12 +619,13 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
         else _tests()
     tested = tests.filter(pl.col("basis") != "nothing (no profile cell)")
     flagged = decide(tested, th["alpha"], th["critical_q"])
-    rep = repetition(tokens)
-    extra = [empty()]
+    rep = repetition(raw["tokens"])
+    extra = [_rows([{"kind": "repetition", "severity": "info", "pos": s.pos, "score": float(s.tokens),
+                     "threshold": float(s.threshold), "explanation": s.explanation} for s in degenerate])]
     if not base.has_profile:
         flagged = flagged.with_columns(pl.lit("info").alias("severity"))
         rep = rep.with_columns(pl.lit("info").alias("severity"))
-        extra = [_rows([{"kind": "no_profile", "severity": "info", "score": 0.0, "threshold": 0.0,
+        extra += [_rows([{"kind": "no_profile", "severity": "info", "score": 0.0, "threshold": 0.0,
                          "explanation": f"no baseline profile for this model: its {tested.height} tests were judged "
                                         "against the run's own statistics and are shown as info only; run "
                                         "`workbench profile --prompts data/prompts/calibration.jsonl --model MODEL` "
@@ -621,8 +635,7 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
                      "profile_tests": int(tested["basis"].str.starts_with("the baseline profile").sum()),
                      "calibration_runs": base.calibration_runs})
     out = pl.concat([
-        non_finite({"tokens": tokens, "attention": attention, "routing": routing, "kv": kv, "resid_norm": resid,
-                    "head_norm": head_norm}),
+        non_finite(raw),  # a NaN is a fault whatever the input
         flagged, rep, diffuse_heads(attention, flagged, ent, 0.01),
         near_ties(routing, base, th["info_p"], mp) if routing.height else empty(), *extra,
     ])

@@ -31,34 +31,78 @@ def _quote(texts: list, a: int, b: int) -> str:
     return repr(s if len(s) <= 40 else s[:37] + "...")
 
 
+def _sequence(tokens: pl.DataFrame) -> tuple[list, list[int], list, int] | None:
+    """(ids, positions, texts, index of the first generated token) of a run's tokens from position 1, or None."""
+    t = tokens.filter(pl.col("pos") > 0).sort("pos")
+    if t.height == 0:
+        return None
+    col = "token_id" if "token_id" in t.columns and t["token_id"].null_count() == 0 else "text"
+    ids = t[col].to_list()
+    texts = t["text"].to_list() if "text" in t.columns else [str(i) for i in ids]
+    gen = [i for i, x in enumerate(t["is_prompt"].to_list()) if not x]
+    return ids, t["pos"].to_list(), texts, gen[0] if gen else len(ids)
+
+
+def _loop_at(ids: list, i: int, min_loop: int) -> tuple[int, int] | None:
+    """(period, length) of the longest stretch from ``i`` on where each token repeats the one a period back (the
+    smallest period of 1-32 tokens among those as long), if at least ``min_loop`` tokens and two periods long."""
+    best = None
+    for p in range(1, 33):
+        j = i
+        while j < len(ids) and j - p >= 0 and ids[j] == ids[j - p]:
+            j += 1
+        run = j - i
+        if run >= max(2 * p, min_loop) and (best is None or run > best[1] + p):
+            best = (p, run)
+    return best
+
+
+def input_loops(tokens: pl.DataFrame, min_loop: int = 12) -> list[Span]:
+    """Loops the prompt itself holds (``"a a a a ..."``, a line pasted many times): each from its start in the prompt
+    through the generated tokens that go on repeating it. Degenerate input, not generation: what a model computes over
+    a repeated span is outside anything clean text shows, so the detectors do not judge those positions."""
+    seq = _sequence(tokens)
+    if seq is None:
+        return []
+    ids, pos, texts, g0 = seq
+    out: list[Span] = []
+    i = 1
+    while i < g0:
+        got = _loop_at(ids[:g0], i, min_loop)  # a loop within the prompt alone
+        if got is None:
+            i += 1
+            continue
+        p, run = got
+        start, end = i - p, i + run
+        while end < len(ids) and ids[end] == ids[end - p]:  # and the generated tokens that go on with it
+            end += 1
+        out.append(Span("input_loop", pos[start], end - start, min_loop, tuple(pos[start:end]),
+                        f"the prompt repeats the {p}-token unit {_quote(texts, start, start + p)} from position "
+                        f"{pos[start]} ({end - start} tokens, to position {pos[end - 1]}"
+                        f"{', the generation going on with it' if end > g0 else ''}): degenerate input, those "
+                        "positions are not judged"))
+        i = end
+    return out
+
+
 def spans(tokens: pl.DataFrame, min_loop: int = 12, ngram: int = 8, min_copies: int = 3,
           min_copy: int = 32) -> list[Span]:
     """Loops, repeated n-grams and copies of the prompt in a run's tokens (``pos``, ``token_id`` or ``text``,
-    ``is_prompt``), in that order."""
-    t = tokens.filter(pl.col("pos") > 0).sort("pos")
-    if t.height == 0:
+    ``is_prompt``), in that order; none inside a loop the prompt itself holds (``input_loops``)."""
+    seq = _sequence(tokens)
+    if seq is None:
         return []
-    col = "token_id" if "token_id" in t.columns and t["token_id"].null_count() == 0 else "text"
-    ids = t[col].to_list()
-    pos = t["pos"].to_list()
-    texts = t["text"].to_list() if "text" in t.columns else [str(i) for i in ids]
-    gen = [i for i, x in enumerate(t["is_prompt"].to_list()) if not x]
-    if not gen:
+    ids, pos, texts, g0 = seq
+    n = len(ids)
+    if g0 >= n:
         return []
-    g0, n = gen[0], len(ids)
     out: list[Span] = []
-    covered: set[int] = set()
+    inside = {pos.index(x) for s in input_loops(tokens, min_loop) for x in s.positions}
+    covered: set[int] = set(inside)
     # loops: the smallest period p with ids[i] == ids[i - p] over a long stretch of generated positions
-    i = g0
+    i = max([g0] + [x + 1 for x in inside])
     while i < n:
-        best = None
-        for p in range(1, 33):
-            j = i
-            while j < n and j - p >= 0 and ids[j] == ids[j - p]:
-                j += 1
-            run = j - i
-            if run >= max(2 * p, min_loop) and (best is None or run > best[1] + p):
-                best = (p, run)
+        best = _loop_at(ids, i, min_loop)
         if best is None:
             i += 1
             continue
@@ -107,5 +151,5 @@ def spans(tokens: pl.DataFrame, min_loop: int = 12, ngram: int = 8, min_copies: 
 
 
 def covered_positions(tokens: pl.DataFrame) -> set[int]:
-    """Every position inside a loop, a repeated n-gram or a copy of the prompt."""
-    return {p for s in spans(tokens) for p in s.positions}
+    """Every position inside a loop, a repeated n-gram or a copy of the prompt, or a loop of the prompt itself."""
+    return {p for s in spans(tokens) + input_loops(tokens) for p in s.positions}
