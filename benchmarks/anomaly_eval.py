@@ -94,6 +94,7 @@ def clean_runs(store, run_ids: list[str], kinds: dict[str, str], model=None) -> 
         out.append({"run_id": rid, "kind": kinds.get(rid, "?"), "n_prompt": int(info["n_prompt_tokens"]),
                     "generated": int(info["n_tokens"]) - int(info["n_prompt_tokens"]),
                     "alarms": loud.filter(pl.col("kind") != "repetition")["kind"].to_list(),
+                    "alarm_layers": loud.filter(pl.col("kind") != "repetition")["layer"].to_list(),
                     "repetition": loud.filter(pl.col("kind") == "repetition").height,
                     "info_repetition": a.filter((pl.col("kind") == "repetition") & (pl.col("severity") == "info")).height,
                     "findings": findings(store, rid).height, "tested": what_was_tested(store, rid)})
@@ -204,7 +205,8 @@ def fault_eval(model, store, prompts: list[list[int]], args) -> list[dict]:
             layer_rank = next((f["rank"] for f, h in zip(fs.iter_rows(named=True), hits) if h[0]), None)
             r = {"kind": kind, "layer": layer, "index": index, "prompt": p, "effect": effect,
                  "layer_named": layer_rank is not None, "rank": layer_rank, "component_named": any(h[1] for h in hits),
-                 "n_findings": fs.height, "top": fs["explanation"][0] if fs.height else ""}
+                 "n_findings": fs.height, "top": fs["explanation"][0] if fs.height else "",
+                 "alarms": run.anomalies().filter(pl.col("severity") != "info").select("kind", "layer").rows()}
             results.append(r)
             print(f"{kind:<16} L{layer} {index!s:<5} prompt {p:>2} Δ {min(effect, 99):5.2f}  layer named "
                   f"{r['layer_named']!s:<5} (rank {layer_rank})  component {r['component_named']!s:<5} "

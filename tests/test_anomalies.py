@@ -625,3 +625,29 @@ def test_very_short_clean_runs_raise_no_run_level_or_load_alarms(tmp_path):
                     ["head_norm_shift", "head_entropy_shift", "block_shift", "overloaded_expert", "starved_expert",
                      "routing_collapse", "component_outlier"]))
             assert loud.height == 0, (name, k, loud["explanation"].to_list())
+
+
+def test_a_load_unusual_at_many_layers_at_once_is_the_texts_kind_not_a_fault(tmp_path):
+    """Text unlike the calibration's (numbers, another language) moves the expert load at most MoE layers at once; a
+    broken router moves its own layer's. The distribution-level rows of such a run are info, with one routing_shift
+    row saying why; a load unusual at one layer stays an alarm."""
+    def rows(layers: list[int]) -> pl.DataFrame:
+        return an._rows([{"kind": k, "severity": "critical", "layer": layer, "score": 9.0, "explanation": k}
+                         for layer in layers for k in ("routing_collapse", "head_norm_shift")]
+                        + [{"kind": "entropy_spike", "severity": "warning", "layer": 1, "pos": 4, "explanation": "e"}])
+    one, shift = an.content_shift(rows([2]), 5)
+    assert shift == [] and one.equals(rows([2]))
+    many, shift = an.content_shift(rows([1, 2, 4, 5]), 5)
+    assert shift == [1, 2, 4, 5]
+    assert set(many.filter(pl.col("kind") != "entropy_spike")["severity"]) == {"info"}
+    assert many.filter(pl.col("kind") == "entropy_spike")["severity"].to_list() == ["warning"]  # per position: kept
+    assert an.content_shift(rows([1, 2]), 2)[1] == []  # fewer than three layers: never
+    from workbench.model import load_checkpoint
+    text = "3.14159 2.71828 1.41421 1.73205 0.57721 1.61803 2.50290 4.66920"
+    run = workbench.record(text, model=load_checkpoint(), db=workbench.Store(tmp_path / "w.duckdb"), max_new_tokens=48)
+    a = run.anomalies()
+    loud = a.filter((pl.col("severity") != "info") & (pl.col("kind") != "repetition"))
+    assert loud.height == 0, loud["explanation"].to_list()  # before: 21 warning/critical rows on the clean model
+    note = a.filter(pl.col("kind") == "routing_shift")
+    assert note.height == 1 and "text unlike the calibration's" in note["explanation"][0]
+    assert json.loads(run.refresh().info["detection"])["routing_shift"]

@@ -619,6 +619,7 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
         else _tests()
     tested = tests.filter(pl.col("basis") != "nothing (no profile cell)")
     flagged = decide(tested, th["alpha"], th["critical_q"])
+    flagged, shift = content_shift(flagged, routing["layer"].n_unique() if routing.height else 0)
     rep = repetition(raw["tokens"])
     extra = [_rows([{"kind": "repetition", "severity": "info", "pos": s.pos, "score": float(s.tokens),
                      "threshold": float(s.threshold), "explanation": s.explanation} for s in degenerate])]
@@ -630,7 +631,16 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
                                         "against the run's own statistics and are shown as info only; run "
                                         "`workbench profile --prompts data/prompts/calibration.jsonl --model MODEL` "
                                         "to calibrate"}])]
+    if shift:
+        extra.append(_rows([{"kind": "routing_shift", "severity": "info", "score": float(len(shift)), "threshold": 3.0,
+                             "explanation": f"the run's expert load differs from the calibration's at {len(shift)} MoE "
+                                            f"layers at once ({', '.join(map(str, shift))}): text unlike the "
+                                            "calibration's (a broken router shows at its own layer); its load and "
+                                            "run-level tests are shown as info. To judge text like this, profile the "
+                                            "model on some (`workbench profile`)"}]))
     if meta is not None:
+        if shift:
+            meta["routing_shift"] = shift
         meta.update({"tests": tested.height, "alpha": th["alpha"], "profile": base.has_profile,
                      "profile_tests": int(tested["basis"].str.starts_with("the baseline profile").sum()),
                      "calibration_runs": base.calibration_runs})
@@ -641,6 +651,29 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
     ])
     sev = pl.col("severity").replace_strict({"critical": 0, "warning": 1, "info": 2}, return_dtype=pl.Int32)
     return out.sort(sev, pl.col("pos"), pl.col("layer"), pl.col("head"), pl.col("expert"), nulls_last=False)
+
+
+# a run whose expert load is unusual at this many MoE layers at once (and at least half of them) routes text unlike the
+# calibration's: a router fault shows at its own layer (on the demo's injected faults: 1 layer, or every later one
+# behind a NaN or a corrupted cache entry, which their own rows name); prose-like numbers or other languages: 3-4 of 5
+SHIFT_LAYERS = 3
+SHIFTED = ("routing_collapse", "overloaded_expert", "starved_expert", "head_norm_shift", "head_entropy_shift",
+           "block_shift")  # distribution-level tests the text's kind moves (per-position tests and exact checks stay)
+
+
+def content_shift(flagged: pl.DataFrame, n_moe: int) -> tuple[pl.DataFrame, list[int]]:
+    """(``flagged`` with its ``SHIFTED`` rows as info, the MoE layers whose load was unusual) when the load is unusual
+    at ``SHIFT_LAYERS`` or more MoE layers and at least half of them: the text, not the model; else unchanged, []."""
+    load = flagged.filter(pl.col("kind").is_in(["routing_collapse", "overloaded_expert"])
+                          & (pl.col("severity") != "info"))
+    layers = sorted({int(x) for x in load["layer"].drop_nulls()})
+    if len(layers) < max(SHIFT_LAYERS, (n_moe + 1) // 2):
+        return flagged, []
+    quiet = pl.col("kind").is_in(list(SHIFTED))
+    return flagged.with_columns(
+        pl.when(quiet).then(pl.lit("info")).otherwise(pl.col("severity")).alias("severity"),
+        pl.when(quiet).then(pl.col("explanation") + " (the whole run's routing differs: see routing_shift)")
+        .otherwise(pl.col("explanation")).alias("explanation")), layers
 
 
 def component_rows(store, info: dict, tokens: pl.DataFrame, model, meta: dict) -> pl.DataFrame:
@@ -666,7 +699,7 @@ def component_rows(store, info: dict, tokens: pl.DataFrame, model, meta: dict) -
     # is outside any clean range: the components are judged on the run before its first repeated span
     loops = covered_positions(tokens)
     start = min(loops) if loops else len(ids)
-    return _rows(activations.anomaly_rows(model, ids[:start], prof))
+    return _rows(activations.anomaly_rows(model, ids[:start], prof, routing_shift=bool(meta.get("routing_shift"))))
 
 
 def _reference_attention(store, info: dict, summary, reference: str) -> pl.DataFrame:
