@@ -287,6 +287,20 @@ def test_a_folder_of_shards_refuses_replace_rows(tmp_path):
         TraceStore(tmp_path / "shards").replace_rows("anomalies", {"run_id": "r1"}, pl.DataFrame({"run_id": ["r1"]}))
 
 
+def test_a_folder_that_holds_no_shards_is_refused_with_what_to_pass(tmp_path):
+    from workbench.data.store import StoreError, TraceStore
+
+    other = tmp_path / "scripts"
+    other.mkdir()
+    (other / "a.py").write_text("print(1)\n")
+    with pytest.raises(StoreError, match="not one of Parquet shards"):
+        TraceStore(other)
+    with pytest.raises(StoreError, match="not one of Parquet shards"):
+        Store(other)  # a folder given as the database opens as shards
+    (tmp_path / "empty").mkdir()
+    assert TraceStore(tmp_path / "empty").sql("SELECT count(*) AS n FROM runs")["n"][0] == 0  # runs may come later
+
+
 def test_a_commits_runs_move_on_as_far_as_its_rows_prove_whether_parts_or_frames(tmp_path):
     """Several runs' rows in one commit (a batch's writer): each running run's n_tokens moves on to what its rows
     prove, read from the Rows parts themselves (each names its run) as from the frame they become."""

@@ -98,6 +98,13 @@ def test_latency_fit_recovers_parameters_from_noisy_data():
         whatif.fit_latency(whatif.decode_points(steps, 7))
 
 
+def test_latency_fit_of_a_run_without_steps_rows_says_why(tmp_path):
+    run = workbench.record([5, 6, 7, 8], model=tiny_model(), db=tmp_path / "w.duckdb", max_new_tokens=6,
+                           probes=("tokens", "routing"), detect=False)
+    with pytest.raises(ValueError, match="recorded without the steps probe"):
+        whatif.fit_latency(run)
+
+
 # -- fake quantization --------------------------------------------------------------------------------
 
 EXACT = {

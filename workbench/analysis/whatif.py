@@ -193,7 +193,11 @@ def _points(source) -> pl.DataFrame:
             return source.select(pl.col("L").cast(pl.Float64), pl.col("wall_ms").cast(pl.Float64))
         raise ValueError("a frame to fit needs columns L and wall_ms (see decode_points for a steps table)")
     if hasattr(source, "steps") and hasattr(source, "info"):  # a workbench Run
-        d = decode_points(source.steps(), int(source.info["n_prompt_tokens"] or 0))
+        steps = source.steps()
+        if steps.height == 0:
+            raise ValueError(f"run {source.info['run_id']} has no steps rows (recorded without the steps probe): "
+                             "no decode timings to fit")
+        d = decode_points(steps, int(source.info["n_prompt_tokens"] or 0))
         return d.select(pl.col("L").cast(pl.Float64), "wall_ms")
     raise TypeError(f"cannot fit latency to a {type(source).__name__}: pass frames with L and wall_ms, or runs")
 

@@ -887,6 +887,11 @@ class TraceStore(Store):
         self.path = Path(path)
         if not self.path.is_dir():
             raise StoreError(f"{self.path} is not a folder of Parquet shards")
+        names = {p.name for p in self.path.iterdir()}
+        if names and not names & (set(TABLES) | {"_SUCCESS", "_runs"}):  # empty: a folder runs will be written to
+            raise StoreError(f"{self.path} is a folder but not one of Parquet shards (no table folders such as runs/, "
+                             "no _SUCCESS): pass a .duckdb file, or a folder written by `workbench export` or "
+                             "`workbench record --out`")
         key = "traces:" + str(self.path.resolve())
         with _LOCK:
             self._shared = _SHARED.get(key) or _SHARED.setdefault(key, _Shared(self.path.resolve()))
