@@ -48,6 +48,10 @@ def test_bad_prompts_are_value_errors(tmp_path, checkpoint):
         workbench.record("hello " * 100, model=checkpoint, max_new_tokens=200, db=db)  # tiny context is 256
     with pytest.raises(ValueError, match="unknown probes"):
         workbench.record([1, 2], model=tiny(), probes=["tokens", "vibes"], db=db)
+    with pytest.raises(ValueError, match="no probes chosen"):
+        workbench.record([1, 2], model=tiny(), probes=(), db=db)
+    with pytest.raises(ValueError, match="no prompts given"):
+        workbench.record_many([], model=tiny(), db=db)
     wb = workbench.open(db, create=True)
     assert wb.runs().height == 0 or wb.runs()["status"].to_list() != ["complete"]
 

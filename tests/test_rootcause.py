@@ -558,3 +558,5 @@ def test_a_run_without_token_rows_says_why_it_cannot_be_explained(tiny, tmp_path
     assert listed["n_tokens"].to_list() == [12]  # from the runs row: there are no tokens rows to count
     with pytest.raises(ValueError, match="recorded without the tokens probe"):
         run.root_cause(9, steps=2)
+    with pytest.raises(ValueError, match="no tokens rows"):
+        run.compile_check()

@@ -280,7 +280,11 @@ class Run:
 
     def compile_check(self) -> dict:
         """``ast.parse`` of the run's text: status, the first syntax error's line, col and token ``pos``."""
-        return run_compile_check(self.tokens())
+        tokens = self.tokens()
+        if tokens.height == 0:
+            raise ValueError(f"run {self.run_id} has no tokens rows (recorded without the tokens probe): no text to "
+                             "check")
+        return run_compile_check(tokens)
 
     def fig_precision(self, formats=("fp8_e4m3", "int8", "bf16"), value: str = "delta_nll", **kw):
         """Heat map (layer x format) of ``precision_probe``."""

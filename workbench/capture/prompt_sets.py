@@ -240,6 +240,8 @@ def record_many(prompts, *, model=None, tokenizer=None, db=None, out: str | Path
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     items, settings, batch_id = prepare(prompts, model=model, batch_id=batch_id, settings=settings, **setting_kw)
+    if not items:
+        raise ValueError("no prompts given: a prompt set needs at least one")
     if settings.device_map is not None:
         raise ValueError("device_map applies to single recordings (workbench.record), not prompt sets")
     skip = completed(Store(db) if out is None and not isinstance(db, Store) else db, out, batch_id)

@@ -95,6 +95,8 @@ class RecordSettings:
         unknown = set(self.probes) - set(PROBES)
         if unknown:
             raise ValueError(f"unknown probes {sorted(unknown)}; choose from {PROBES}")
+        if not self.probes:
+            raise ValueError(f"no probes chosen: a run would record nothing; choose from {PROBES}")
         return self
 
     @property
