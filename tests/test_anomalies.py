@@ -651,3 +651,24 @@ def test_a_load_unusual_at_many_layers_at_once_is_the_texts_kind_not_a_fault(tmp
     note = a.filter(pl.col("kind") == "routing_shift")
     assert note.height == 1 and "text unlike the calibration's" in note["explanation"][0]
     assert json.loads(run.refresh().info["detection"])["routing_shift"]
+
+
+def test_a_recompute_without_the_model_keeps_the_component_checks_rows(tmp_path):
+    """The component check runs the model; a recompute from a stored run (a notebook, the app, `workbench anomalies
+    --recompute`) has none loaded: the check's rows and count from the detection after the recording are kept (and
+    said kept), instead of silently dropped with the findings they made."""
+    from workbench.analysis import faults
+    from workbench.model import load_checkpoint
+    model = load_checkpoint()
+    db = workbench.Store(tmp_path / "w.duckdb")
+    with faults.KINDS["dead_shared"](model, 3, index=0):
+        run = workbench.record("def fibonacci(n):\n    if n < 2:\n", model=model, db=db, max_new_tokens=16)
+    comp = run.anomalies().filter(pl.col("kind") == "component_outlier")
+    assert comp.height and (comp["layer"] == 3).any()
+    again = workbench.open(db.path).run(run.run_id)
+    assert again._adapter is None
+    kept = again.anomalies(recompute=True).filter(pl.col("kind") == "component_outlier")
+    assert kept.drop("anomaly_id").sort("explanation").equals(comp.drop("anomaly_id").sort("explanation"))
+    assert ((again.findings()["component"] == "shared_expert") & (again.findings()["layer"] == 3)).any()
+    line = an.what_was_tested(db, run.run_id)
+    assert "components against their activation profile" in line and "kept from the detection" in line

@@ -736,7 +736,11 @@ def _compute(store, run_id: str, reference: str | None = None, model=None,
                        resid=query.signal(store, "resid_norm", run_id), kv_tokens=query.kv_tokens(store, run_id),
                        head_norm=query.signal(store, "head_norm", run_id), meta=meta,
                        **thresholds)
-    if prof is not None:
+    if prof is not None and model is None:
+        comp = _kept_components(store, run_id, meta)
+        if comp.height:
+            df = pl.concat([df, comp], how="vertical_relaxed")
+    elif prof is not None:
         try:
             comp = component_rows(store, info, tokens, model, meta)
         except Exception as e:  # noqa: BLE001 - the recorded signals' rows stand without it
@@ -748,6 +752,24 @@ def _compute(store, run_id: str, reference: str | None = None, model=None,
     df = df.with_columns(pl.lit(run_id).alias("run_id"),
                          pl.arange(0, df.height, dtype=pl.Int32).alias("anomaly_id"))
     return df, meta
+
+
+def _kept_components(store, run_id: str, meta: dict) -> pl.DataFrame:
+    """The component check's rows of the run's last detection, kept by a recompute without the model (the check
+    runs the model: a notebook or the app reading a stored run has none loaded), with what it tested; ``meta`` says
+    where they come from. None kept: the check is said not run."""
+    stored = query.run_row(store, run_id).get("detection")
+    try:
+        last = json.loads(stored) if stored else {}
+    except ValueError:
+        last = {}
+    if last.get("component_tests"):
+        meta["component_tests"] = last["component_tests"]
+        meta["component_check"] = "kept from the detection after the recording: no model loaded to run it again"
+        return query.anomalies(store, run_id).filter(pl.col("kind") == "component_outlier").select(
+            [c for c in SCHEMA if c != "run_id"])
+    meta.setdefault("component_check", last.get("component_check") or "not run: no model loaded")
+    return empty()
 
 
 def _sorted(df: pl.DataFrame) -> pl.DataFrame:
