@@ -672,3 +672,18 @@ def test_a_recompute_without_the_model_keeps_the_component_checks_rows(tmp_path)
     assert ((again.findings()["component"] == "shared_expert") & (again.findings()["layer"] == 3)).any()
     line = an.what_was_tested(db, run.run_id)
     assert "components against their activation profile" in line and "kept from the detection" in line
+
+
+def test_an_entropy_cell_whose_low_quantiles_tie_does_not_make_a_nearby_value_certain():
+    """Prompts that begin alike tie a first-bucket cell's low quantiles (0.1%-5% all 0.625): its own tail is then
+    a hundredth of a unit, and a clean 0.42 scored p = 1e-20. Past the profile's extremes an entropy's p falls by e per
+    ``ENTROPY_TAIL`` at the least: 0.42 is unremarkable at a run's FDR, a collapse onto one key (0.0) still stands
+    out, and inside the quantiles nothing changes."""
+    q = np.concatenate([np.full(7, 0.625), np.linspace(0.63, 0.95, len(pr.PROBS) - 7)])
+    base = an.Baseline(profile_frame([{"signal": "norm_entropy", "layer": 1, "head": 2, "bucket": 0, "n": 240,
+                                       "mean": 0.7, "std": 0.1, "quantiles": list(q)}]))
+    got = an.entropy_tests(attention_frame({(1, 2): [0.9, 0.8, 0.42, 0.0]}).with_columns(
+        pl.Series("pos", [1, 2, 3, 4], pl.Int32)), base)
+    p = dict(zip(got["pos"].to_list(), got["p"].to_list()))
+    assert p[3] > 1e-5 and p[4] < 1e-7  # a run holds thousands of tests: BH at 1% needs p of about 1e-6
+    assert p[1] > 0.05 and p[2] > 0.05

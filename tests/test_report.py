@@ -217,6 +217,8 @@ def test_report_leads_with_the_diagnosis(tmp_path):
     assert html.index("Diagnosis") < html.index("layer 1 head 2") < html.index("<h2>Summary") < html.index("by kind")
     md = Path(run.report(tmp_path / "r.md", "md")).read_text()
     assert md.index("## Diagnosis") < md.index("## Summary")
+    n = f.height
+    assert f"## Diagnosis: {n} finding{'s' if n != 1 else ''}\n" in md and f"Diagnosis: {n} finding" in html
     assert pl.DataFrame(facts["anomalies"]).height == run.anomalies().height
 
 
