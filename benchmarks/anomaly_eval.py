@@ -145,7 +145,10 @@ def draw(kind: str, rng: random.Random, model, n_prompt: int) -> tuple[int, int]
     if kind in EXTRA:  # at a prompt position, so the damage reaches the generated tokens
         return rng.randrange(s.n_layers), rng.randrange(1, n_prompt)
     fk = faults.ALL_KINDS[kind]
-    layer = rng.choice(fk.layers(model))
+    layers = fk.layers(model)
+    if not layers:  # e.g. a shared-expert kind on a family without shared experts
+        raise ValueError("the model has no layer this kind applies to")
+    layer = rng.choice(layers)
     n = fk.n_index(model, layer)
     return layer, (rng.randrange(n) if n else 0)
 
