@@ -687,3 +687,31 @@ def test_an_entropy_cell_whose_low_quantiles_tie_does_not_make_a_nearby_value_ce
     p = dict(zip(got["pos"].to_list(), got["p"].to_list()))
     assert p[3] > 1e-5 and p[4] < 1e-7  # a run holds thousands of tests: BH at 1% needs p of about 1e-6
     assert p[1] > 0.05 and p[2] > 0.05
+
+
+def test_loop_scan_periods_equal_trying_every_period_at_every_position():
+    """``repetition._Periods`` (run lengths per period from numpy, once) gives at every position and end what trying
+    the 32 periods one token at a time gives, and names as candidates every position where that finds a loop."""
+    from workbench.analysis.repetition import _Periods
+
+    def brute(ids, i, end, min_loop):
+        best = None
+        for p in range(1, 33):
+            j = i
+            while j < end and j - p >= 0 and ids[j] == ids[j - p]:
+                j += 1
+            if j - i >= max(2 * p, min_loop) and (best is None or j - i > best[1] + p):
+                best = (p, j - i)
+        return best
+
+    rng = np.random.default_rng(4)
+    for _ in range(30):
+        ids = []
+        while len(ids) < 150:
+            ids += list(rng.integers(0, 30, rng.integers(1, 6))) * int(rng.integers(1, 9)) if rng.random() < 0.3 \
+                else [int(rng.integers(0, 500))]
+        per = _Periods(ids, 12)
+        for end in (len(ids), len(ids) // 2):
+            found = [i for i in range(1, end) if brute(ids, i, end, 12) is not None]
+            assert all(per.loop_at(i, end, 12) == brute(ids, i, end, 12) for i in range(1, end))
+            assert set(found) <= set(per.cand.tolist())
