@@ -294,7 +294,8 @@ def _pick(hi: np.ndarray, lo: np.ndarray, tail: str) -> tuple[np.ndarray, np.nda
 
 def _sided_cells(x: np.ndarray, tails: CellTails, cell: np.ndarray, tail: str,
                  min_scale: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-    """``_sided`` of values that each name their row of ``tails`` (a profile's cells prepared once)."""
+    """(p, side) of values that each name their row of ``tails`` (a profile's cells prepared once): the upper, the
+    lower or twice the smaller tail (``_pick``)."""
     hi = tails.p(x, cell, upper=True, min_scale=min_scale) if tail != "lower" else np.ones(x.size)
     lo = tails.p(x, cell, upper=False, min_scale=min_scale) if tail != "upper" else np.ones(x.size)
     return _pick(hi, lo, tail)
