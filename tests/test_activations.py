@@ -4,6 +4,7 @@ using it without a reference."""
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -50,7 +51,8 @@ def test_profile_cells_are_the_calibration_moments(tiny, prof):
     kinds = set(prof["kind"])
     assert {"attn_norm", "kv_latent", "head", "attn_block", "mlp_norm", "resid", "router"} <= kinds
     assert prof.filter(pl.col("signal") == "pos_distance").height == s.n_layers * s.n_heads
-    cells = prof.filter(~pl.col("kind").is_in(["router_check", "unembed_rows", "embed", "first_check", "known_input"])
+    cells = prof.filter(~pl.col("kind").is_in(["router_check", "calibration", "unembed_rows", "embed", "first_check",
+                                               "known_input"])
                         & ~pl.col("signal").is_in(["angle", "chosen"]) & ~pl.col("signal").str.starts_with("known")
                         & ~pl.col("signal").str.starts_with("first:"))
     spread = np.array(cells["run_norm_std"].to_list() + cells["run_dev_std"].to_list())
@@ -531,3 +533,23 @@ def test_expert_rows_from_the_forwards_own_calls_equal_the_experts_run_again(tin
         assert torch.equal(own[k].nan_to_num(nan=7.5), again[k].nan_to_num(nan=7.5)), k
     idx = torch.tensor([[0, 1], [1, 2]])
     assert activations._own_slots(idx, torch.ones(2, 2), [(0, torch.ones(1, 4)), (1, torch.ones(1, 4))], 4) is None
+
+
+def test_the_profile_knows_its_longest_context_and_the_check_stops_there(tiny, prof, tmp_path):
+    """A profile says the longest context its calibration ran (a ``calibration`` row); the component check judges a
+    run up to there and says so: past it, what a clean model computes is unknown to the profile (the demo's clean
+    prompts of 1,500-3,800 tokens raised 3-6 critical component rows each, a head 3,600 nats out)."""
+    assert activations.calibrated_context(prof) == 40 and activations.calibrated_context(None) is None
+    assert prof.filter(pl.col("kind") == "calibration")["signal"].to_list() == ["max_context"]
+    from workbench.analysis import anomalies
+    from workbench.capture.prompts import load_prompts
+    from workbench.model import load_checkpoint, load_tokenizer
+    model, tok = load_checkpoint(), load_tokenizer()
+    assert activations.calibrated_context(pl.read_parquet(activations.BUNDLED)) == 1009  # the bundled demo profile's
+    clean = Path(__file__).resolve().parents[1] / "data" / "prompts" / "clean_kinds.jsonl"
+    text = "\n\n".join(it["prompt"] for it in load_prompts(clean)[:40])
+    ids = tok.encode(text).ids[:1500]
+    db = workbench.Store(tmp_path / "w.duckdb")
+    run = workbench.record(ids, model=model, db=db, max_new_tokens=16)
+    assert run.anomalies().filter(pl.col("kind") == "component_outlier").height == 0
+    assert "judged over the first 1009 tokens" in anomalies.what_was_tested(db, run.run_id)

@@ -569,7 +569,8 @@ def build(a: Adapter, prompts: list[list[int]], seed: int = 0, first_tokens: lis
     check = {"kind": "router_check", "layer": None, "head": None, "expert": None, "signal": "disagree",
              "n": disagree, "mean": [], "std": [], "log_norm_mean": 0.0, "log_norm_std": 1.0, "dev_mean": 0.0,
              "dev_std": 1.0, "run_norm_mean": [], "run_norm_std": [], "run_dev_mean": [], "run_dev_std": []}
-    return pl.DataFrame([*cells.values(), check, *out_rows, *first_rows, *known_rows], schema=COLUMNS)
+    reach = {**check, "kind": "calibration", "signal": "max_context", "n": max(len(p) for p in prompts)}
+    return pl.DataFrame([*cells.values(), check, reach, *out_rows, *first_rows, *known_rows], schema=COLUMNS)
 
 
 def _first_tokens(prompts: list[list[int]]) -> list[int]:
@@ -642,13 +643,17 @@ class _Prepared:
         self.made_in = prof.filter(pl.col("kind") == "first_check")["signal"].to_list()
         check = prof.filter(pl.col("kind") == "router_check")
         self.trusted = check.height == 0 or int(check["n"][0]) == 0  # clean routing agreed with RouterMath
+        reach = prof.filter((pl.col("kind") == "calibration") & (pl.col("signal") == "max_context"))
+        # the longest context the calibration ran (a profile made before this row: unknown)
+        self.max_context: int | None = int(reach["n"][0]) if reach.height else None
         self.known_inputs = {r["layer"]: r for r in prof.filter(pl.col("kind") == "known_input").iter_rows(named=True)}
         self.known: dict[int, list[dict]] = {}  # layer -> its known-answer cells
         for r in prof.filter(pl.col("signal").str.starts_with("known")).iter_rows(named=True):
             if r["layer"] is not None:
                 self.known.setdefault(r["layer"], []).append(r)
         rest = prof.filter(~pl.col("signal").str.starts_with("first:") & ~pl.col("kind").is_in(["first_check",
-                                                                                              "known_input"])
+                                                                                              "known_input",
+                                                                                              "calibration"])
                            & ~pl.col("signal").str.starts_with("known"))
         self.rest = [((r["kind"], r["layer"], r["head"], r["expert"], r["signal"]), r)
                      for r in rest.iter_rows(named=True)]
@@ -715,6 +720,11 @@ _PREPARED: dict[int, tuple] = {}  # id(profile) -> (profile, its _Prepared): mem
 
 def _prepared(prof: pl.DataFrame) -> _Prepared:
     return by_object(_PREPARED, prof, _Prepared)
+
+
+def calibrated_context(prof: pl.DataFrame | None) -> int | None:
+    """The longest context (tokens) the profile's calibration ran, or None (no profile, or one made before it said)."""
+    return None if prof is None else _prepared(prof).max_context
 
 
 def _made_in(prof: pl.DataFrame, dtype: torch.dtype) -> bool:

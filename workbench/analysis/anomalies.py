@@ -699,13 +699,20 @@ def component_rows(store, info: dict, tokens: pl.DataFrame, model, meta: dict) -
         meta["component_check"] = "not run: the run has no tokens rows (recorded without the tokens probe)"
         return empty()
     first = pl.col("signal").str.starts_with("first:")  # exact first-position outputs: those of this first token
-    tests = ~pl.col("kind").is_in(["router_check", "first_check", "known_input"])  # not the checks' own rows
+    tests = ~pl.col("kind").is_in(["router_check", "first_check", "known_input", "calibration"])  # no checks' rows
     meta["component_tests"] = int(prof.filter(tests & (
         ~first | pl.col("signal").str.ends_with(f":{ids[0] if ids else -1}"))).height)
     # a loop is a repetition row of its own, and what the model computes once it loops (and as it falls into it)
     # is outside any clean range: the components are judged on the run before its first repeated span
     loops = covered_positions(tokens)
     start = min(loops) if loops else len(ids)
+    # past the longest context the calibration ran, what a clean model computes is unknown to the profile (a model
+    # run beyond the lengths it was trained or calibrated at is no faulty model): judged up to there
+    reach = activations.calibrated_context(prof)
+    if reach is not None and start > reach:
+        meta["component_check"] = (f"judged over the first {reach} tokens, the longest context its calibration ran; "
+                                   "profile on longer prompts to judge the rest")
+        start = reach
     return _rows(activations.anomaly_rows(model, ids[:start], prof, routing_shift=bool(meta.get("routing_shift"))))
 
 
