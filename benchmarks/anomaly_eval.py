@@ -7,7 +7,8 @@ model without a profile, and findings that name injected faults.
   greedy, recorded batched without detection, then detected. Reported per kind and per prompt-length bucket:
   warning/critical rows per 1,000 generated tokens (target <= 5), counted without ``repetition`` rows, which are
   read off the generated text and so true by construction (degenerate generation: reported beside them); and very
-  short runs (kind ``short``): the first 4 prompts of each kind cut to 1, 2 and 4 tokens, generating as many; text
+  short runs (kind ``short``): the first 4 prompts of each kind cut to 1, 2 and 4 tokens, generating as many; long
+  contexts (kind ``long``): the prompts one after another cut to 1,500-3,800 tokens; text
   unlike the calibration's code (data/prompts/other_kinds.jsonl: prose, data, sql, markdown, numbers, multilingual;
   data/prompts/held_out_kinds.jsonl: kinds kept out of every rule's tuning, reported apart);
   degenerate input (a word or syllable repeated, random tokens);
@@ -67,8 +68,8 @@ OTHER = ROOT / "data" / "prompts" / "other_kinds.jsonl"
 # more kinds, written after the rules for the kinds above were set and never used to tune them: HTML, LaTeX, shell,
 # log lines, C, a chat turn, emoji
 HELD_OUT_KINDS = ROOT / "data" / "prompts" / "held_out_kinds.jsonl"
-LENGTHS = ((1, 5), (5, 32), (32, 128), (128, 512), (512, 1025))  # prompt tokens [lo, hi)
-CODE_KINDS = ("library", "script", "test", "docs", "short")  # clean_kinds.jsonl's kinds (and its prompts cut short)
+LENGTHS = ((1, 5), (5, 32), (32, 128), (128, 512), (512, 1025), (1025, 4097))  # prompt tokens [lo, hi)
+CODE_KINDS = ("library", "script", "test", "docs", "short", "long")  # clean_kinds.jsonl's kinds, cut short, joined
 SHORT = (1, 2, 4)  # very short runs: the first prompts of each kind cut to this many tokens, as many generated
 EXTRA = ("non_finite", "kv")  # fault kinds of this benchmark beside faults.KINDS
 
@@ -118,6 +119,21 @@ def short_items(items: list[dict], tok, per_kind: int = 4) -> list[dict]:
         ids = tok.encode(it["prompt"]).ids
         out += [{"prompt": tok.decode(ids[:k]), "id": f"short:{k}:{it.get('id')}", "max_new_tokens": k}
                 for k in SHORT if len(ids) >= k]
+    return out
+
+
+def long_items(items: list[dict], tok, lengths: tuple[int, ...] = (1500, 2500, 3800)) -> list[dict]:
+    """Long contexts (kind ``long``): the clean prompts one after another, cut to each of ``lengths`` tokens (two
+    starting points each): past the longest context the demo's calibration ran (1,009 tokens)."""
+    texts = [it["prompt"] for it in items]
+    out = []
+    for n in lengths:
+        for start in (0, len(texts) // 2):
+            buf, k = "", start
+            while len(tok.encode(buf).ids) < n:
+                buf += texts[k % len(texts)] + "\n\n"
+                k += 1
+            out.append({"prompt": tok.decode(tok.encode(buf).ids[:n]), "id": f"long:{n}:{start}"})
     return out
 
 
@@ -280,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         clean, tiny, results, loop = [], [], [], {}
         if "clean" not in skip:
             tk = load_tokenizer()
-            run_ids, kinds = record_set(items + short_items(items, tk) + load_prompts(OTHER) + degenerate_items(tk)
+            run_ids, kinds = record_set(items + short_items(items, tk) + long_items(items, tk) + load_prompts(OTHER)
+                                        + degenerate_items(tk)
                                         + [{**it, "id": f"held-out {it['id']}"} for it in load_prompts(HELD_OUT_KINDS)],
                                         model, store, args.max_new_tokens)
             clean = clean_runs(store, run_ids, kinds, model)
@@ -353,7 +370,9 @@ def markdown(clean, tiny, results, loop, args, seconds, threads) -> str:
                   f"{s['repetition_rows']} `repetition` rows in {s['runs_with_repetition']} of {s['runs']} runs (the "
                   "demo model loops often; each row is a loop, a repeated span or a copy that the text shows). Kind "
                   f"`short`: the first 4 prompts of each kind cut to {', '.join(map(str, SHORT))} tokens, generating as "
-                  "many (run-level means and expert loads over a handful of positions).", "",
+                  "many (run-level means and expert loads over a handful of positions); kind `long`: the prompts one "
+                  "after another, cut to 1,500, 2,500 and 3,800 tokens (past the longest context the calibration ran).",
+                  "",
                   f"**Text unlike the calibration's code** (data/prompts/other_kinds.jsonl: prose, data and config "
                   f"files, SQL, markdown, numbers, other languages; and degenerate input: a word or a syllable "
                   f"repeated, random tokens; {o['runs']} runs, {o['tokens']} generated tokens): **{o['per_1000']:.2f} "
