@@ -553,3 +553,9 @@ def test_the_profile_knows_its_longest_context_and_the_check_stops_there(tiny, p
     run = workbench.record(ids, model=model, db=db, max_new_tokens=16)
     assert run.anomalies().filter(pl.col("kind") == "component_outlier").height == 0
     assert "judged over the first 1009 tokens" in anomalies.what_was_tested(db, run.run_id)
+    # root cause's evidence past it: the exact checks only (the statistics named a merely long-context head)
+    aprof = activations.load(db, run.info["checkpoint_sha256"])
+    loud = [k for k, v in activations.evidence(run._adapter, ids[:1200], aprof) if abs(v) >= activations.WARNING_NATS]
+    assert loud  # what the statistics say of a clean context past their reach
+    assert not [k for k, v in activations.evidence(run._adapter, ids[:1200], aprof, max_stats=1009)
+                if abs(v) >= activations.WARNING_NATS]

@@ -1102,7 +1102,7 @@ def _signed_nats(nats: float, sign: float) -> float:
 
 def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool = True,
              signals: dict | None = None, found: dict | None = None,
-             min_stats: int = 2) -> list[tuple[tuple, float]]:
+             min_stats: int = 2, max_stats: int | None = None) -> list[tuple[tuple, float]]:
     """((kind, layer, head, expert, source_pos), signed surprise in nats) for every profiled component, on the
     context ``ids`` (the tokens before the explained one), plus the routing consistency rows (no profile
     needed). A head's output and its two attention-pattern scalars give one ``head`` row: the largest.
@@ -1138,7 +1138,9 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
     if prof is not None and len(ids) >= 1:
         firsts = _first_evidence(got, int(ids[0]), prof, a.dtype)
         known = _known_evidence(a, got, prof)
-    if prof is not None and len(ids) >= max(min_stats, 2):  # the statistics' cells (``min_stats``: context tokens)
+    # the statistics' cells judge a context of ``min_stats`` to ``max_stats`` tokens (past the longest context the
+    # calibration ran, what a clean model computes is unknown to them); the exact checks above judge any
+    if prof is not None and max(min_stats, 2) <= len(ids) <= (max_stats or len(ids)):
         zs: dict[tuple, tuple[float, float]] = {}  # component -> (|z|, sign)
         positional: dict[int, list[float]] = {}
         for k, r in prep.rest:  # the statistics' cells (not the exact ones above)

@@ -882,7 +882,8 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
         evidence = profile_evidence(store, run_id, pos, profile, only_routing=aprof is not None) \
             if profile is not None and not rates else []
         found: dict = {}  # the same forward: each expert's own surprise, and the token the model ranks first
-        evidence += activations.evidence(model, ids_all[:pos], aprof, found=found)
+        evidence += activations.evidence(model, ids_all[:pos], aprof, found=found,
+                                         max_stats=activations.calibrated_context(aprof))
         evidence += corroborated(df, found.get("experts", {}))
         evidence += behind_block(df, evidence)
         if progress is not None:
