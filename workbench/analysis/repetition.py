@@ -7,7 +7,8 @@
 
 ``spans(tokens)`` lists them (the anomaly detectors' ``repetition`` rows); ``covered_positions(tokens)`` is the
 set of positions they cover (the routing tests leave those out: a loop's routing repeats with its tokens, and
-the loop is already reported).
+the loop is already reported). ``input_loops(tokens)``: loops the prompt itself holds (degenerate input, one info
+row each; no detector judges their positions), which ``spans`` leaves out.
 """
 from __future__ import annotations
 
