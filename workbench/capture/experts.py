@@ -21,6 +21,16 @@ from torch import nn
 __all__ = ["expert_internals", "expert_outputs", "supported"]
 
 
+def out_norm(y: torch.Tensor) -> torch.Tensor:
+    """The super-expert signal's output side: each row's L2 norm of an expert's output [..., D] (float32)."""
+    return y.float().norm(dim=-1)
+
+
+def act_max(h: torch.Tensor) -> torch.Tensor:
+    """Its activation side: each row's largest |value| of the down projection's input [..., I] (float32)."""
+    return h.float().abs().amax(dim=-1)
+
+
 def _down(module: nn.Module) -> nn.Module | None:
     for name in ("down_proj", "w2"):
         m = getattr(module, name, None)
@@ -109,8 +119,8 @@ def _each(experts: nn.Module, x: torch.Tensor, indices: torch.Tensor, keep: bool
             a = seen[0]
         else:
             y, a = _fused_expert(experts, e, x[rows])
-        norm[rows, slot] = y.float().norm(dim=-1)
-        act[rows, slot] = a.float().abs().amax(dim=-1)
+        norm[rows, slot] = out_norm(y)
+        act[rows, slot] = act_max(a)
         if keep:
             outs[rows, slot] = y.float()
     return norm.cpu(), act.cpu(), None if outs is None else outs.cpu()

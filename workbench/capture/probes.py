@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from workbench.capture.adapters.base import Adapter, Route
-from workbench.capture.experts import expert_internals
+from workbench.capture.experts import act_max, expert_internals, out_norm
 from workbench.capture.rows import add_received, attention_rows, kv_rows, kv_token_cols, steps_rows, token_frame
 from workbench.data.rows import Rows
 from workbench.data.signals import SIGNALS
@@ -268,7 +268,7 @@ def expert_call(expert: int, y: torch.Tensor, act: torch.Tensor | None) -> tuple
     (a decode step's) as they are, reduced with many others at the flush; a call of ``REDUCE_ROWS`` rows or more
     reduced now, to each row's output norm [N] and largest |activation| [N] (``_own_extremes`` takes either)."""
     if act is not None and y.size(0) >= REDUCE_ROWS:
-        return expert, y.detach().float().norm(dim=-1), act.detach().float().abs().amax(dim=-1)
+        return expert, out_norm(y.detach()), act_max(act.detach())
     return expert, _kept(y), None if act is None else _kept(act)
 
 
@@ -644,8 +644,8 @@ def _own_extremes(idxs: list[torch.Tensor], calls: list[list], n_e: int):
     act = torch.full((key.numel(),), float("nan"), device=dev)
     if ys:
         order = torch.argsort(key, stable=True)[:int(valid.sum())]
-        norm[order] = _row_values(ys, lambda t: t.float().norm(dim=-1)).to(dev)
-        act[order] = _row_values(acts, lambda t: t.float().abs().amax(dim=-1)).to(dev)
+        norm[order] = _row_values(ys, out_norm).to(dev)
+        act[order] = _row_values(acts, act_max).to(dev)
     return _extremes(norm.view(idx.shape).cpu(), act.view(idx.shape).cpu(), idx), where
 
 
@@ -706,8 +706,8 @@ def _grouped_internals(experts, x: torch.Tensor, indices: torch.Tensor
         y = torch.bmm(h, w2)  # [E, n_max, D]
         norm = torch.full((n * k,), float("nan"), device=w1.device)
         act = torch.full((n * k,), float("nan"), device=w1.device)
-        norm[pairs] = y[ex, rank].float().norm(dim=-1)
-        act[pairs] = h[ex, rank].float().abs().amax(dim=-1)
+        norm[pairs] = out_norm(y[ex, rank])
+        act[pairs] = act_max(h[ex, rank])
     return norm.view(n, k).cpu(), act.view(n, k).cpu()
 
 
