@@ -87,11 +87,13 @@ def input_loops(tokens: pl.DataFrame, min_loop: int = 12) -> list[Span]:
     through the generated tokens that go on repeating it. Degenerate input, not generation: what a model computes over
     a repeated span is outside anything clean text shows, so the detectors do not judge those positions."""
     seq = _sequence(tokens)
-    if seq is None:
-        return []
+    return [] if seq is None else _input_loops(seq, _Periods(seq[0], min_loop), min_loop)
+
+
+def _input_loops(seq: tuple, per: _Periods, min_loop: int) -> list[Span]:
+    """``input_loops`` of a ``_sequence`` and its ``_Periods``."""
     ids, pos, texts, g0 = seq
     out: list[Span] = []
-    per = _Periods(ids, min_loop)
     i = 1
     while i < g0:
         i = per.next(i)
@@ -118,20 +120,27 @@ def spans(tokens: pl.DataFrame, min_loop: int = 12, ngram: int = 8, min_copies: 
           min_copy: int = 32) -> list[Span]:
     """Loops, repeated n-grams and copies of the prompt in a run's tokens (``pos``, ``token_id`` or ``text``,
     ``is_prompt``), in that order; none inside a loop the prompt itself holds (``input_loops``)."""
+    return _scan(tokens, min_loop, ngram, min_copies, min_copy)[1]
+
+
+def _scan(tokens: pl.DataFrame, min_loop: int = 12, ngram: int = 8, min_copies: int = 3,
+          min_copy: int = 32) -> tuple[list[Span], list[Span]]:
+    """(``input_loops``, ``spans``) of a run's tokens, from one sequence and one ``_Periods``."""
     seq = _sequence(tokens)
     if seq is None:
-        return []
+        return [], []
     ids, pos, texts, g0 = seq
+    per = _Periods(ids, min_loop)
+    inputs = _input_loops(seq, per, min_loop)
     n = len(ids)
     if g0 >= n:
-        return []
+        return inputs, []
     out: list[Span] = []
-    at = {p: k for k, p in enumerate(pos)}
-    inside = {at[x] for s in input_loops(tokens, min_loop) for x in s.positions}
+    index_of = {p: k for k, p in enumerate(pos)}
+    inside = {index_of[x] for s in inputs for x in s.positions}
     covered: set[int] = set(inside)
     # loops: the smallest period p with ids[i] == ids[i - p] over a long stretch of generated positions
     i = max([g0] + [x + 1 for x in inside])
-    per = _Periods(ids, min_loop)
     while i < n:
         i = per.next(i)
         if i is None:
@@ -181,9 +190,10 @@ def spans(tokens: pl.DataFrame, min_loop: int = 12, ngram: int = 8, min_copies: 
                             f"{pos[k + length - 1]} repeat {pos[s0]}-{pos[s0 + length - 1]})"))
             covered.update(range(k, k + length))
             k += length
-    return out
+    return inputs, out
 
 
 def covered_positions(tokens: pl.DataFrame) -> set[int]:
     """Every position inside a loop, a repeated n-gram or a copy of the prompt, or a loop of the prompt itself."""
-    return {p for s in spans(tokens) + input_loops(tokens) for p in s.positions}
+    inputs, found = _scan(tokens)
+    return {p for s in inputs + found for p in s.positions}
