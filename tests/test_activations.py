@@ -92,7 +92,7 @@ def test_each_expert_is_profiled_from_its_own_contribution(tiny, prof):
     """Per routed expert: its weighted contribution where chosen (rows of other positions NaN); the experts' rows
     plus the shared experts' add up to the MoE block's output; how often each is chosen is its own cell."""
     ids = _prompts(1, 30, seed=4)[0]
-    got, _ = activations.capture(tiny, ids)
+    got = activations.capture(tiny, ids)[0]
     s = tiny.summary
     for layer in s.moe_layers:
         experts = [got[k] for k in got if k[0] == "expert" and k[1] == layer]
@@ -152,6 +152,30 @@ def test_routing_that_disagrees_with_the_router_is_named(tiny):
         ev = dict(activations.evidence(tiny, ids[:2], None))
     assert ev[("router", layer, None, None, None)] == activations.MISMATCH_NATS  # one position disagrees
 
+
+
+def test_experts_mixed_with_other_weights_than_the_routers_are_named_at_the_router(tiny):
+    """The experts the router chose, mixed with other weights than its logits give (a top-k cut to 1, a scaling
+    factor gone wrong after the router): a ``router`` row, 10 nats per position; no expert row (no expert changed).
+    A mixing weight 3% off is float noise of a half-precision family, not a fault."""
+    ids = _prompts(1, 30, seed=3)[0]
+    layer = tiny.summary.moe_layers[0]
+    with faults.HELD_OUT["top1"](tiny, layer):
+        signals: dict = {}
+        ev = dict(activations.evidence(tiny, ids, None, signals=signals))
+    key = ("router", layer, None, None, None)
+    assert ev == {key: activations.MISMATCH_NATS * len(ids)} and signals[key] == "weights"
+
+    def off(f):
+        def fn(i, r):
+            if i == layer:
+                w = r.weights * f
+                r.force(torch.ones(w.size(0), dtype=torch.bool), r.indices, w)
+        return fn
+    with tiny.seams({"route": off(1.03)}):
+        assert activations.evidence(tiny, ids, None) == []
+    with tiny.seams({"route": off(2.5)}):  # a routed scaling factor of 2.5 applied twice
+        assert dict(activations.evidence(tiny, ids, None)) == {key: activations.MISMATCH_NATS * len(ids)}
 
 def test_a_context_is_judged_in_its_own_length_bucket_and_older_profiles_keep_theirs():
     n = len(activations.RUN_BUCKETS)
@@ -413,7 +437,13 @@ def test_known_answers_name_an_expert_whose_weights_changed(tiny, prof):
     wkv = tiny.parts(layer)["attn"].wkv_a.weight
     with faults._edited(wkv, lambda w: w.mul_(1.5)):
         assert list(_known(tiny, ids, prof)) == [("kv_latent", layer, None, None, None)]
-    with faults.KINDS["expert"](tiny, layer, index=e):  # a mixing weight scaled: the expert's function is the same
+    with faults.KINDS["expert"](tiny, layer, index=e):  # its output scaled in its weights: another function
+        assert _known(tiny, ids, prof) == {("expert", layer, None, e, None): activations.KNOWN_NATS}
+
+    def mix(i, r):  # a mixing weight scaled after the router: the expert's function is the same
+        if i == layer:
+            r.scale_expert(e, 30.0)
+    with tiny.seams({"route": mix}):
         assert _known(tiny, ids, prof) == {}
     other_dtype = prof.with_columns(pl.when(pl.col("kind") == "first_check").then(pl.lit("bfloat16"))
                                     .otherwise(pl.col("signal")).alias("signal"))

@@ -13,6 +13,7 @@ from helpers import tiny_model
 import workbench
 from workbench.analysis import anomalies as an
 from workbench.analysis import baseline as pr
+from workbench.data import query
 from workbench.analysis import findings as fd
 from workbench.cli import main as cli_main
 from workbench.probes import attach
@@ -715,3 +716,118 @@ def test_loop_scan_periods_equal_trying_every_period_at_every_position():
             found = [i for i in range(1, end) if brute(ids, i, end, 12) is not None]
             assert all(per.loop_at(i, end, 12) == brute(ids, i, end, 12) for i in range(1, end))
             assert set(found) <= set(per.cand.tolist())
+
+
+def _exact_sampler_p(probs: np.ndarray, chosen: int, temperature: float, top_p: float) -> float:
+    """The sampler's p-value of ``chosen`` from the whole distribution (``model.generate.sample``'s arithmetic)."""
+    q = probs ** (1 / temperature)
+    q /= q.sum()
+    order = np.argsort(-q)
+    if top_p < 1:
+        keep = np.cumsum(q[order]) - q[order] < top_p
+        nucleus = np.zeros_like(q)
+        nucleus[order[keep]] = q[order[keep]]
+        if nucleus[chosen] == 0:
+            return 0.0
+        q = nucleus / nucleus.sum()
+    return float(q[probs <= probs[chosen]].sum())
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 1.0), (1.0, 0.9), (0.8, 0.95)])
+def test_sampler_p_is_never_below_the_exact_value_and_exact_at_temperature_one(temperature, top_p):
+    """From the stored top-5 probabilities alone, a sampled token's p-value against its sampler is at least the exact
+    one (computed from the whole distribution), equal to it at temperature 1 for a token in the top 5, and 0 for a
+    token past the top-p nucleus."""
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        v = 50
+        probs = rng.dirichlet(np.full(v, 0.3))
+        chosen = int(rng.integers(v))
+        top = np.sort(probs)[::-1][:5]
+        got = an.sampler_p(np.array([probs[chosen]]), np.array([probs.max()]), [list(top)], temperature, top_p, v)[0]
+        exact = _exact_sampler_p(probs, chosen, temperature, top_p)
+        assert got >= exact - 1e-9
+        if exact == 0.0:
+            continue
+        if temperature == 1.0 and top_p == 1.0 and probs[chosen] >= top[-1]:
+            assert got == pytest.approx(exact, abs=1e-9)
+    # a token the nucleus leaves out could not have been drawn
+    probs = np.array([0.6, 0.3, 0.05, 0.03, 0.02])
+    assert an.sampler_p(probs[[3]], probs[[0]], [list(probs)], 1.0, 0.8, 5)[0] == 0.0
+    # greedy: the most probable token is what it must pick; any other cannot be
+    assert list(an.sampler_p(np.array([0.6, 0.3]), np.array([0.6, 0.6]), [None, None], 0.0, 1.0, 5)) == [1.0, 0.0]
+
+
+def test_sampled_tokens_are_judged_against_their_sampler_so_a_clean_sampled_run_raises_nothing():
+    """At temperature 1 a token of probability 0.01 is drawn one time in a hundred: judged against the calibration's
+    greedy tokens, the demo's clean prompts sampled at temperature 1 raised 300 high_surprise rows per 1,000 tokens.
+    Against the sampler the p-values of sampled tokens are at least uniform: none at FDR 0.01 on 2,000 draws; a greedy run
+    whose token is not the most probable one is critical; without the sampler's settings, the profile still judges."""
+    rng = np.random.default_rng(3)
+    v, n = 40, 2000
+    probs = rng.dirichlet(np.full(v, 0.2), size=n)
+    chosen = np.array([rng.choice(v, p=p) for p in probs])
+    top = [list(np.sort(p)[::-1][:5]) for p in probs]
+    pc = probs[np.arange(n), chosen]
+    toks = pl.DataFrame({"pos": list(range(1, n + 1)), "is_prompt": [False] * n, "prob": pc,
+                         "logprob": np.log(pc), "confidence": probs.max(1), "topk_probs": top},
+                        schema_overrides={"pos": pl.Int32})
+    base = an.Baseline(profile_frame([cell("confidence", rng.beta(8, 2, 5000), bucket=b) for b in range(5)]
+                                     + [cell("surprise", rng.exponential(0.2, 5000), bucket=b) for b in range(5)]))
+    sampler = an.Sampler(1.0, 1.0, v)
+    judged = an.token_tests(toks, base, sampler=sampler).filter(pl.col("kind") == "high_surprise")
+    assert an.decide(judged).height == 0
+    assert set(judged["basis"]) == {"the sampler's own distribution (temperature 1)"}
+    p = judged["p"].to_numpy()
+    for a in (0.01, 0.05, 0.1, 0.5):  # never below uniform under the null (a discrete test: often above)
+        assert float((p <= a).mean()) <= a + 0.02
+    # the same tokens against the greedy calibration: hundreds of alarms
+    assert an.decide(an.token_tests(toks, base).filter(pl.col("kind") == "high_surprise")).height > 100
+    greedy = toks.with_columns(pl.col("confidence").alias("prob"))  # every token the argmax
+    bad = greedy.with_columns(pl.when(pl.col("pos") == 9).then(pl.col("prob") / 2).otherwise(pl.col("prob"))
+                              .alias("prob"))
+    g = an.Sampler(0.0, 1.0, v)
+    assert an.decide(an.token_tests(greedy, base, sampler=g)).filter(pl.col("kind") == "high_surprise").height == 0
+    got = an.decide(an.token_tests(bad, base, sampler=g)).filter(pl.col("kind") == "high_surprise")
+    assert got.select("pos", "severity").rows() == [(9, "critical")]
+    assert "greedy decoding" in got["explanation"][0]
+
+
+def test_a_sampled_run_knows_its_sampler_and_raises_no_surprise_rows(tmp_path):
+    """The recorded settings reach the detectors: a demo run sampled at temperature 1.3 raises no high_surprise row,
+    and a run whose params do not say how it sampled (an imported trace) is judged against the profile."""
+    from workbench.model import load_checkpoint
+    model = load_checkpoint()
+    db = workbench.Store(tmp_path / "w.duckdb")
+    run = workbench.record("def fibonacci(n):\n    ", model=model, db=db, max_new_tokens=48, temperature=1.3, seed=4)
+    assert an.Sampler.of_run(query.run_row(db, run.run_id), 10) == an.Sampler(1.3, 1.0, 10)
+    assert run.anomalies().filter(pl.col("kind") == "high_surprise").height == 0
+    assert an.Sampler.of_run({"params": "{}"}, 10) is None and an.Sampler.of_run({"params": "[1]"}, 10) is None
+
+
+def test_a_generation_loop_is_left_out_of_the_run_level_means():
+    """Over a loop the heads attend across copies of the same keys (entropy up) however clean the model: the run-level
+    means leave the loop's positions out (the loop is its own row), and judge the positions before it."""
+    rng = np.random.default_rng(5)
+    base = an.Baseline(profile_frame(
+        [cell("norm_entropy", np.clip(0.5 + 0.1 * rng.standard_normal(5000), 0, 1), layer=0, head=0, bucket=b)
+         for b in range(6)]
+        + [cell("run_norm_entropy", 0.5 + 0.01 * rng.standard_normal(300), layer=0, head=0, bucket=b)
+           for b in range(6)]))
+    n = 96
+    ids = list(rng.integers(100, 1000, 40)) + [7, 8, 9] * 20
+    toks = pl.DataFrame({"pos": list(range(n)), "token_id": ids[:n], "text": [str(i) for i in ids[:n]],
+                         "is_prompt": [i < 30 for i in range(n)]}, schema_overrides={"pos": pl.Int32})
+    loop = sorted(an.covered_positions(toks))
+    assert loop and loop[0] >= 38
+    ent = [0.95 if p in set(loop) else 0.5 for p in range(n)]
+    att = attention_frame({(0, 0): ent})
+    empty_heads = pl.DataFrame(schema={"pos": pl.Int32, "layer": pl.Int32, "head": pl.Int32, "norm": pl.Float64})
+    empty_resid = pl.DataFrame(schema={"pos": pl.Int32, "layer": pl.Int32, "norm": pl.Float64})
+    judged_all = an.decide(an.run_level_tests(att, empty_heads, empty_resid, base))
+    assert "head_entropy_shift" in judged_all["kind"].to_list()  # the loop alone makes the means unusual
+    assert an.decide(an.run_level_tests(att, empty_heads, empty_resid, base, exclude=set(loop))).height == 0
+    sharp = att.with_columns(pl.when(pl.col("pos") < 38).then(0.2).otherwise(pl.col("norm_entropy"))
+                             .alias("norm_entropy"))
+    got = an.decide(an.run_level_tests(sharp, empty_heads, empty_resid, base, exclude=set(loop)))
+    assert got.select("kind").to_series().to_list() and set(got["kind"]) == {"head_entropy_shift"}

@@ -70,7 +70,9 @@ own logits select other experts than the ones the tokens were sent to (``RouterM
 was changed after the router (a dropped expert, a dispatch bug): a ``router`` row for the layer and an
 ``expert`` row for the expert that lost the most slots, scored 10 nats per position that disagrees, position 0
 included (the check is exact; used only where the router math agreed with the model on every calibration
-position: the ``router_check`` row).
+position: the ``router_check`` row). Likewise where the chosen experts are mixed with other weights than the
+router's logits give (``WEIGHT_TOL``: a top-k cut to 1, a scaling factor or a normalisation gone wrong after the
+router): a ``router`` row, 10 nats per position.
 
 Context lengths: a run-level z is judged against calibration prefixes of its own length bucket (``RUN_BUCKETS``:
 the 2-token context alone, then 3, 4-5, 6-9, 10-17, 18-31, 32-127, 128-511 and 512 tokens or more); the first
@@ -141,6 +143,7 @@ EXPLAINS = 10.0  # nats: a clearly unusual part (an earlier layer's caps later l
 REACH = 16.0  # an upstream part of EXPLAINS nats or more explains parts up to this many times as unusual (a z up to
 # 4x its own), one of BLOCK_NATS parts up to 2x, and in between the reach grows linearly: a 10-nat part explains
 # no 1000-nat part, a 4-nat one no 60-nat head
+WEIGHT_TOL = 0.05  # a mixing weight this far (relative) from what the router's logits give was changed after it
 MISMATCH_NATS = 10.0  # per context position whose experts differ from what the router's logits select
 BLOCK_NATS = 4.0  # an MoE block this unusual names the expert whose own contribution is far the most unusual
 LAST_WEIGHT = 0.5  # the last context position's z counts at this weight beside the context mean
@@ -159,13 +162,17 @@ FIRST_NATS = 30.0  # a component whose first-position output differs from the cl
 FIRST_SIGNALS = ("out", "logit", "chosen")
 
 
-def capture(a: Adapter, ids: list[int]) -> tuple[dict[Key, torch.Tensor], dict[int, torch.Tensor]]:
-    """One teacher-forced forward of ``ids``: every component's output [T, D] (float32, CPU), and per MoE layer
-    the experts the router's logits select but the tokens did not go to ([T, E] bool)."""
+def capture(a: Adapter, ids: list[int]) -> tuple[dict[Key, torch.Tensor], dict[int, torch.Tensor],
+                                                 dict[int, torch.Tensor]]:
+    """One teacher-forced forward of ``ids``: every component's output [T, D] (float32, CPU); per MoE layer the
+    experts the router's logits select but the tokens did not go to ([T, E] bool); and per MoE layer whose
+    ``RouterMath`` is exact, the positions whose experts were mixed with other weights than the router's logits give
+    ([T] bool: more than 5% off, e.g. a top-k dropped to 1 or a scaling factor gone wrong after the router)."""
     taps = _Taps(a)
     taps.capture = True
     logits: dict[int, torch.Tensor] = {}
     lost: dict[int, torch.Tensor] = {}
+    reweighted: dict[int, torch.Tensor] = {}
     pos_stats: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
 
     def routed(layer: int, r: Route) -> None:
@@ -176,6 +183,11 @@ def capture(a: Adapter, ids: list[int]) -> tuple[dict[Key, torch.Tensor], dict[i
         exp = torch.zeros(lg.size(0), e, dtype=torch.bool).scatter_(1, want.cpu(), True)
         got = torch.zeros(lg.size(0), e, dtype=torch.bool).scatter_(1, r.indices.detach().cpu(), True)
         lost[layer] = exp & ~got
+        if getattr(r.math, "exact", True):
+            w_exp = r.math.weights_for(lg.float(), r.indices.detach().to(lg.device)).float()
+            w = r.weights.detach().float().to(w_exp.device)
+            tol = WEIGHT_TOL * w_exp.abs() + 1e-3 * float(w_exp.abs().amax().clamp(min=1e-6))
+            reweighted[layer] = ((w - w_exp).abs() > tol).any(-1).cpu()
 
     def probs(layer: int, p: torch.Tensor, q_start: int, window=None) -> None:  # p [Tq, H, S]
         p = p.detach().float()
@@ -265,7 +277,7 @@ def capture(a: Adapter, ids: list[int]) -> tuple[dict[Key, torch.Tensor], dict[i
             for h in range(ld.size(1)):
                 out[("head", layer, h, None, "pos_distance")] = ld[:, h:h + 1]
                 out[("head", layer, h, None, "prev_weight")] = pw[:, h:h + 1]
-    return out, lost
+    return out, lost, reweighted
 
 
 def expert_slots(a: Adapter, layer: int, x: torch.Tensor, indices: torch.Tensor,
@@ -492,8 +504,8 @@ def build(a: Adapter, prompts: list[list[int]], seed: int = 0, first_tokens: lis
     fits: dict[int, float] = {}  # MoE layer -> the worst relative error of the experts' contributions' sum
     angle_rows: dict[Key, list[torch.Tensor]] = {}  # rotary layer -> each prompt's angles [T, F]
     for ids in prompts:
-        got, lost = capture(a, ids)
-        disagree += sum(int(m.any(1).sum()) for m in lost.values())
+        got, lost, reweighted = capture(a, ids)
+        disagree += sum(int(m.any(1).sum()) for m in lost.values()) + sum(int(m.sum()) for m in reweighted.values())
         captured.append(got)
         for k, y in got.items():
             if k[0] == "expert_fit":
@@ -1113,7 +1125,7 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
     unusual, unless its z is past ``OWN_ALONE_Z``, e.g. an expert that outputs nothing; root cause uses it where
     the expert's ablation says it also matters to the explained token), and
     ``"top_token"``, the token the model ranks first after the last position."""
-    got, lost = capture(a, list(ids))
+    got, lost, reweighted = capture(a, list(ids))
     experts: dict | None = None
     if found is not None:
         found["top_token"] = int(got[("unembed", None, None, None, "logit")][-1].argmax())
@@ -1134,6 +1146,9 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
             put(("router", layer, None, None, None), MISMATCH_NATS * float(bad.sum()), "mismatch")
             e = int(m.sum(0).argmax())
             put(("expert", layer, None, e, None), MISMATCH_NATS * float(m[:, e].sum()), "mismatch")
+    for layer, m in reweighted.items() if trusted else ():
+        if m.any():  # the experts the router chose, mixed with other weights than its logits give
+            put(("router", layer, None, None, None), MISMATCH_NATS * float(m.sum()), "weights")
     firsts, known = {}, {}
     if prof is not None and len(ids) >= 1:
         firsts = _first_evidence(got, int(ids[0]), prof, a.dtype)
@@ -1334,6 +1349,8 @@ def anomaly_rows(a: Adapter, ids: list[int], prof: pl.DataFrame | None, routing_
             how = f"is chosen {'more' if nats > 0 else 'less'} often than on clean text of this length"
         elif kind == "router" and expert is not None:
             what, how = f"the router's logit for expert {expert}", "is outside its clean range"
+        elif kind == "router" and signals.get(key) == "weights":
+            how = "mixes the experts it chose with other weights than its own logits give"
         elif kind == "router":
             how = "sends tokens to other experts than its own logits select"
         elif kind == "expert" and signals.get(key) == "behind":

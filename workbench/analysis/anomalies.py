@@ -312,16 +312,103 @@ def _norm_sf(z: np.ndarray) -> np.ndarray:
 
 # -- detectors: one row per test -------------------------------------------------------------------
 def token_tests(tokens: pl.DataFrame, base: Baseline, include_prompt: bool = False,
-                min_positions: int = 8) -> pl.DataFrame:
-    """``low_confidence`` and ``high_surprise`` tests of every generated token."""
+                min_positions: int = 8, sampler: Sampler | None = None) -> pl.DataFrame:
+    """``low_confidence`` and ``high_surprise`` tests of every generated token.
+
+    ``sampler``: how the run chose its tokens. With it, a generated token's surprise is judged against that
+    sampler's own distribution (``sampler_p``: exact, no profile needed), not against the calibration's greedy
+    tokens: a sampled token of probability 0.05 is what temperature 1 does one time in twenty, not a fault. Without
+    it (settings unknown, e.g. imported traces), and for teacher-forced prompt tokens, against the profile."""
     t = _generated(tokens, include_prompt).filter(_finite("confidence") & _finite("logprob")) \
         .with_columns(bucket_of(pl.col("pos")).alias("bucket"), (-pl.col("logprob")).alias("surprise"))
-    out = []
-    for kind, signal, col, tail in (("low_confidence", "confidence", "confidence", "lower"),
-                                    ("high_surprise", "surprise", "surprise", "upper")):
-        p, side, basis = base.judge(t, signal, col, ["bucket"], tail, min_positions)
-        out.append(_tests(kind=kind, pos=t["pos"], value=t[col], p=p, side=side, basis=basis))
+    p, side, basis = base.judge(t, "confidence", "confidence", ["bucket"], "lower", min_positions)
+    out = [_tests(kind="low_confidence", pos=t["pos"], value=t["confidence"], p=p, side=side, basis=basis)]
+    p, side, basis = base.judge(t, "surprise", "surprise", ["bucket"], "upper", min_positions)
+    if sampler is not None and t.height:
+        gen = ~t["is_prompt"].to_numpy()
+        sp = sampler.p(t.filter(pl.col("is_prompt").not_()))
+        p = np.asarray(p, dtype=float).copy()
+        p[gen] = sp
+        side = np.asarray(side, dtype=object).copy()
+        side[gen] = "high"
+        basis = np.asarray(basis, dtype=object).copy()
+        basis[gen] = sampler.basis
+    out.append(_tests(kind="high_surprise", pos=t["pos"], value=t["surprise"], p=p, side=side, basis=basis))
     return pl.concat(out)
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """How a run chose its generated tokens: ``temperature`` (<= 0: greedy), ``top_p`` and the vocabulary size."""
+
+    temperature: float
+    top_p: float
+    vocab: int
+
+    @classmethod
+    def of_run(cls, info: dict, vocab: int) -> Sampler | None:
+        """The run's sampler from its ``params`` (None where they do not say: an imported trace)."""
+        try:
+            params = json.loads(info.get("params") or "{}")
+        except (TypeError, ValueError):
+            return None
+        if not isinstance(params, dict) or "temperature" not in params:
+            return None
+        try:
+            return cls(float(params["temperature"]), float(params.get("top_p", 1.0)), int(vocab))
+        except (TypeError, ValueError):
+            return None
+
+    @property
+    def basis(self) -> str:
+        if self.temperature <= 0:
+            return "greedy decoding (the token must be the most probable)"
+        return (f"the sampler's own distribution (temperature {self.temperature:g}"
+                + (f", top-p {self.top_p:g}" if self.top_p < 1 else "") + ")")
+
+    def p(self, t: pl.DataFrame) -> np.ndarray:
+        """Per generated token of ``t`` (columns prob, confidence, topk_probs), the chance that this sampler draws a
+        token at most as probable (``sampler_p``)."""
+        return sampler_p(t["prob"].to_numpy(), t["confidence"].to_numpy(),
+                         t["topk_probs"].to_list() if "topk_probs" in t.columns else [None] * t.height,
+                         self.temperature, self.top_p, self.vocab)
+
+
+def sampler_p(prob: np.ndarray, confidence: np.ndarray, topk: list, temperature: float, top_p: float,
+              vocab: int) -> np.ndarray:
+    """The sampler's own p-value of each chosen token: the chance it draws a token no more probable than the one
+    it drew, ``1 - sum of q_i over tokens with p_i > p_chosen`` (q: the tempered distribution, whose order is
+    p's). Only the stored top-k probabilities are known, so the sum runs over those (a lower bound) and the
+    tempered normaliser is bounded above (the rest of the mass: each below the k-th probability; at temperature > 1
+    spread evenly over the rest of the vocabulary): the value is never below the exact one. A token past the
+    top-p nucleus (the tempered mass above it already >= top_p) could not have been drawn: p = 0. Greedy: 1 for the
+    most probable token (within float rounding), 0 for any other."""
+    prob = np.asarray(prob, dtype=float)
+    n = prob.size
+    if temperature <= 0:
+        conf = np.asarray(confidence, dtype=float)
+        return np.where(prob >= conf * (1 - 1e-5) - 1e-12, 1.0, 0.0)
+    a = 1.0 / temperature
+    out = np.ones(n)
+    for i in range(n):
+        k = np.asarray(topk[i] if topk[i] is not None else [], dtype=float)
+        k = k[np.isfinite(k) & (k >= 0)]
+        pc = prob[i]
+        if k.size == 0 or not np.isfinite(pc):
+            continue
+        rest = max(0.0, 1.0 - float(k.sum()))
+        kmin = float(k.min())
+        n_rest = max(1, vocab - k.size)
+        if a >= 1:
+            tail = rest * kmin ** (a - 1) if kmin > 0 else 0.0
+        else:
+            tail = n_rest ** (1 - a) * rest ** a
+        z = float((k ** a).sum()) + tail
+        if z <= 0:
+            continue
+        above = float((k[k > pc * (1 + 1e-6)] ** a).sum()) / z
+        out[i] = 0.0 if top_p < 1 and above >= top_p else max(0.0, 1.0 - above)
+    return out
 
 
 def entropy_tests(attention: pl.DataFrame, base: Baseline, min_positions: int = 8) -> pl.DataFrame:
@@ -336,7 +423,8 @@ def entropy_tests(attention: pl.DataFrame, base: Baseline, min_positions: int = 
 
 
 def run_level_tests(attention: pl.DataFrame, head_norm: pl.DataFrame, resid: pl.DataFrame, base: Baseline,
-                    min_positions: int = 8, run_min_positions: int = 16) -> pl.DataFrame:
+                    min_positions: int = 8, run_min_positions: int = 16,
+                    exclude: set[int] | None = None) -> pl.DataFrame:
     """Run-level, two-sided, against the spread of the same means over the calibration runs:
     ``head_entropy_shift`` (a head's mean normalised entropy per context bucket: collapsed or flattened over the
     run), ``head_norm_shift`` (its mean log output norm) and ``block_shift`` (a block's mean log change of the
@@ -345,7 +433,17 @@ def run_level_tests(attention: pl.DataFrame, head_norm: pl.DataFrame, resid: pl.
     A mean over fewer than ``run_min_positions`` positions (or, per context bucket, fewer than the bucket holds
     when that is less) is not tested: the calibration's spread is that of means over whole prompts, and a few
     positions (the first ones above all, which attend to little) scatter far wider (a 1- or 2-token run raised
-    several critical rows on clean text); its positions' own tests stand."""
+    several critical rows on clean text); its positions' own tests stand.
+
+    ``exclude``: positions left out of the means (``covered_positions``: a loop's or a repeated span's). Over a loop
+    the heads attend across the copies of the same keys (entropy up, outputs their values' mean) however clean the
+    model; the loop is reported as such, and a 256-token greedy generation on prose that loops raised 3 run-level
+    shifts per 100 generated tokens before they were left out."""
+    if exclude:
+        drop = pl.col("pos").is_in(sorted(exclude))
+        attention = attention.filter(~drop)
+        head_norm = head_norm.filter(~drop) if head_norm.height else head_norm
+        resid = resid.filter(~drop) if resid.height else resid
     out = []
     width = pl.Series([b - a for a, b in zip(BUCKETS[:-1], BUCKETS[1:])], dtype=pl.Int64)
 
@@ -583,8 +681,11 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
                   kv: pl.DataFrame | None = None, reference_attention: pl.DataFrame | None = None,
                   profile: pl.DataFrame | None = None, resid: pl.DataFrame | None = None,
                   kv_tokens: pl.DataFrame | None = None, head_norm: pl.DataFrame | None = None,
-                  meta: dict | None = None, **thresholds) -> pl.DataFrame:
+                  meta: dict | None = None, sampler: Sampler | None = None, **thresholds) -> pl.DataFrame:
     """Run every detector on a run's frames; returns rows sorted by severity then position (no ids).
+
+    ``sampler``: how the run chose its tokens (``Sampler.of_run``); a generated token's surprise is judged against
+    it (``token_tests``).
 
     Without a profile every row but ``non_finite`` is informational, and one ``no_profile`` info row says how
     to make one. ``meta``, if given, receives what was tested: ``tests``, ``profile_tests`` (judged against
@@ -612,14 +713,16 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
         attention = attention.filter(pl.col("pos") < skip[0])
         head_norm = head_norm.filter(pl.col("pos") < skip[0]) if head_norm is not None else None
     ent = entropy_tests(attention, base, mp)
-    parts = [token_tests(tokens, base, bool(th["include_prompt"]), mp), ent,
+    covered = covered_positions(raw["tokens"])
+    parts = [token_tests(tokens, base, bool(th["include_prompt"]), mp, sampler), ent,
              resid_tests(resid if resid is not None else _empty_signal("pos", "layer", "norm"), base, mp),
              kv_tests(kv_tokens if kv_tokens is not None else pl.DataFrame(), base, mp),
              head_norm_tests(head_norm if head_norm is not None else _empty_signal("pos", "layer", "head", "norm"),
                              base, mp),
-             expert_tests(routing, n_experts, base, covered_positions(raw["tokens"]), run_mp),
+             expert_tests(routing, n_experts, base, covered, run_mp),
              run_level_tests(attention, head_norm if head_norm is not None else _empty_signal("pos", "layer", "head", "norm"),
-                             resid if resid is not None else _empty_signal("pos", "layer", "norm"), base, mp, run_mp)]
+                             resid if resid is not None else _empty_signal("pos", "layer", "norm"), base, mp, run_mp,
+                             covered)]
     if reference_attention is not None:
         parts.append(entropy_shift_tests(attention, reference_attention, mp))
     tests = pl.concat([p for p in parts if p.height], how="vertical_relaxed") if any(p.height for p in parts) \
@@ -749,7 +852,7 @@ def _compute(store, run_id: str, reference: str | None = None, model=None,
                        profile=prof,
                        resid=query.signal(store, "resid_norm", run_id), kv_tokens=query.kv_tokens(store, run_id),
                        head_norm=query.signal(store, "head_norm", run_id), meta=meta,
-                       **thresholds)
+                       sampler=Sampler.of_run(info, summary.vocab_size), **thresholds)
     if prof is not None and model is None:
         comp = _kept_components(store, run_id, meta)
         if comp.height:

@@ -73,19 +73,12 @@ def break_head(model, layer: int, head: int, scale: float = 30.0, noise: float =
         yield
 
 
-@contextlib.contextmanager
-def break_expert(model, layer: int, expert: int, scale: float = 30.0) -> Iterator[None]:
-    """Multiply one routed expert's output by ``scale`` (its mixing weight, wherever it is chosen: the
-    layer's output is linear in each expert's weight, so this scales exactly that expert's contribution)."""
+def break_expert(model, layer: int, expert: int, scale: float = 30.0) -> contextlib.AbstractContextManager:
+    """Multiply one routed expert's output by ``scale``, in its weights (its down projection: the output is linear in
+    it), as a fault of that expert would be; the router and the mixing weights are untouched."""
     a = adapter_for(model)
     _check_moe(a, layer, expert)
-
-    def fn(i: int, r: Route) -> None:
-        if i == layer:
-            r.scale_expert(expert, scale)
-
-    with a.seams({"route": fn}):
-        yield
+    return _edited(a.expert_down(layer, expert), lambda t: t.mul_(scale))
 
 
 @contextlib.contextmanager
@@ -521,6 +514,138 @@ def noise_kv_weight(model, layer: int, amount: float = 1.0, seed: int = 0) -> co
     lin = _attn_map(a, layer, ("kv_up", "value"), "key/value projection")
     return _edited(lin.weight, _noised(lin.weight, amount, seed))
 
+
+# -- kinds added 2026-12-04 (session 18): written as an outside check would, measured before any rule saw them ------
+
+def _experts_of(a: Adapter, layer: int, expert: int):
+    """(experts module, fused): the routed experts of ``layer``, and whether they are one fused module with stacked
+    ``gate_up_proj`` / ``down_proj`` tensors (transformers 5) rather than a ModuleList."""
+    _check_moe(a, layer, expert)
+    experts = a.parts(layer)["experts"]
+    fused = getattr(experts, "gate_up_proj", None)
+    if isinstance(fused, torch.Tensor) and fused.dim() == 3 and not isinstance(experts, torch.nn.ModuleList):
+        return experts, True
+    if not isinstance(experts, torch.nn.ModuleList):
+        raise ValueError(f"layer {layer}'s experts are one fused module without stacked projections")
+    return experts, False
+
+
+def copy_expert(model, layer: int, expert: int) -> contextlib.AbstractContextManager:
+    """One routed expert's weights overwritten by its partner's (``partner``): a checkpoint that loaded one expert's
+    tensors twice. Only ``expert`` is at fault: it computes its partner's function where the router chose it."""
+    a = adapter_for(model)
+    experts, fused = _experts_of(a, layer, expert)
+    other = partner(expert, a.summary.n_routed_experts)
+    if fused:
+        pairs = [(getattr(experts, n)[expert], getattr(experts, n)[other]) for n in ("gate_up_proj", "down_proj")
+                 if isinstance(getattr(experts, n, None), torch.Tensor)]
+    else:
+        pairs = list(zip(experts[expert].parameters(), experts[other].parameters()))
+    return _edited_all_from([w for w, _ in pairs], [v.detach().clone() for _, v in pairs])
+
+
+@contextlib.contextmanager
+def _edited_all_from(tensors: list[torch.Tensor], values: list[torch.Tensor]) -> Iterator[None]:
+    """Set each of ``tensors`` to its ``values`` for the block; every one restored on exit."""
+    with contextlib.ExitStack() as stack:
+        for t, v in zip(tensors, values):
+            stack.enter_context(_edited(t, lambda w, v=v: w.copy_(v)))
+        yield
+
+
+def swap_router_rows(model, layer: int, expert: int) -> contextlib.AbstractContextManager:
+    """Two experts' rows of the router weight exchanged (``expert`` and its ``partner``): an expert-index permutation
+    bug; each of the pair receives the other's tokens."""
+    a = adapter_for(model)
+    _check_moe(a, layer, expert)
+    w = a.parts(layer)["router"].weight  # [E, D]
+    other = partner(expert, w.size(0))
+    return _swapped(w[expert], w[other])
+
+
+@contextlib.contextmanager
+def top1_routing(model, layer: int) -> Iterator[None]:
+    """One MoE layer mixes only its first choice: the other chosen experts' weights set to 0 (a top-k of 1 where the
+    model was trained with more; the first keeps its weight)."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    if layer not in a.summary.moe_layers:
+        raise ValueError(f"layer {layer} is a dense layer (no router); MoE layers are {a.summary.moe_layers}")
+
+    def fn(i: int, r: Route) -> None:
+        if i == layer:
+            w = r.weights.clone()
+            w[:, 1:] = 0
+            r.force(torch.ones(w.size(0), dtype=torch.bool), r.indices, w)
+
+    with a.seams({"route": fn}):
+        yield
+
+
+def quantize_expert(model, layer: int, expert: int, levels: float = 2.0) -> contextlib.AbstractContextManager:
+    """One routed expert's down projection rounded per output row to ``2 * levels + 1`` values (a broken low-bit
+    quantisation of that expert)."""
+    a = adapter_for(model)
+    _check_moe(a, layer, expert)
+    w = a.expert_down(layer, expert)
+
+    def edit(t: torch.Tensor) -> None:
+        s = t.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+        t.copy_(torch.round(t / s * levels) / levels * s)
+    return _edited(w, edit)
+
+
+def scale_attn_map(model, layer: int, role: str, scale: float) -> contextlib.AbstractContextManager:
+    """One layer's attention map of ``role`` ("out": the output projection; "query": the query projection, i.e.
+    an attention temperature) multiplied by ``scale``."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    lin = _attn_map(a, layer, (role,), f"{role} projection")
+    return _edited(lin.weight, lambda t: t.mul_(scale))
+
+
+def noise_dense_mlp(model, layer: int, amount: float = 1.0, seed: int = 0) -> contextlib.AbstractContextManager:
+    """Gaussian noise on a dense layer's MLP down projection (standard deviation ``amount`` times its RMS)."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    if layer in a.summary.moe_layers:
+        raise ValueError(f"layer {layer} is an MoE layer; dense layers are "
+                         f"{[i for i in range(a.summary.n_layers) if i not in a.summary.moe_layers]}")
+    lin = _linear(a.parts(layer)["mlp"], ("w2", "down_proj", "fc2", "c_proj"), "down projection",
+                  f"layer {layer}'s MLP")
+    return _edited(lin.weight, _noised(lin.weight, amount, seed))
+
+
+def noise_shared_up(model, layer: int, amount: float = 2.0, seed: int = 0) -> contextlib.AbstractContextManager:
+    """Gaussian noise on the shared experts' gate projection (their input side)."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    shared = a.parts(layer).get("shared")
+    if shared is None:
+        raise ValueError(f"layer {layer} has no shared experts")
+    lin = _linear(shared, ("w1", "gate_proj", "gate_up_proj"), "gate projection", f"layer {layer}'s shared experts")
+    return _edited(lin.weight, _noised(lin.weight, amount, seed))
+
+
+def scale_norm_channel(model, layer: int, scale: float = 30.0) -> contextlib.AbstractContextManager:
+    """One channel of block ``layer``'s MLP input norm weight multiplied by ``scale`` (an outlier channel; which one
+    follows from the layer: ``(7 * layer + 3) % hidden``)."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    norm = a.parts(layer)["mlp_norm"]
+    if norm is None or getattr(norm, "weight", None) is None:
+        raise ValueError(f"layer {layer} has no MLP input norm with a weight")
+    ch = (7 * layer + 3) % norm.weight.size(0)
+    return _edited(norm.weight[ch:ch + 1], lambda t: t.mul_(scale))
+
+
+def noise_embedding(model, amount: float = 0.5, seed: int = 0) -> contextlib.AbstractContextManager:
+    """Gaussian noise on the whole input embedding (standard deviation ``amount`` times its RMS; a tied output
+    projection changes with it)."""
+    a = adapter_for(model)
+    w = a.embedding().weight
+    return _edited(w, _noised(w, amount, seed))
+
 # -- the registry -------------------------------------------------------------------------------------------
 LAYER_ROWS = ("attn_block", "mlp_block", "resid")  # root-cause rows that name a whole layer
 
@@ -533,7 +658,8 @@ class FaultKind:
         name: its key in ``KINDS`` (or ``HELD_OUT``).
         index: what ``index`` selects ("head", "expert", "channel", "token") or None (unused).
         where: the layers it applies to: "any", "moe" (MoE layers), "shared" (MoE layers with shared experts),
-            "not_last" (every layer but the last), "model" (not a layer: ``layer`` is ignored, pass 0).
+            "not_last" (every layer but the last), "dense" (layers without experts), "model" (not a layer: ``layer``
+            is ignored, pass 0).
         strength: the default scale, amount or factor.
         culprit: the root-cause kinds (``root_cause``'s ``kind`` column) that name it, at its layer and index.
         layer_wide: a whole-layer fault: a row of ``LAYER_ROWS`` at its layer names it too.
@@ -563,6 +689,8 @@ class FaultKind:
             return list(summ.moe_layers)
         if self.where == "shared":
             return list(summ.moe_layers) if summ.n_shared_experts else []
+        if self.where == "dense":
+            return [i for i in range(summ.n_layers) if i not in summ.moe_layers]
         if self.where == "not_last":  # the final norm undoes a scale of the last block's output
             return list(range(summ.n_layers - 1))
         return list(range(summ.n_layers))
@@ -677,5 +805,27 @@ HELD_OUT: dict[str, FaultKind] = {k.name: k for k in [
               ("shared_expert",), doc="half of the shared experts' down projection sign-flipped"),
     FaultKind("kv_weight_noise", lambda m, l, i, s: noise_kv_weight(m, l, amount=s), None, "any", 1.0,
               ("attn_block", "head", "kv_latent"), True, doc="Gaussian noise on one layer's key/value projection"),
+    # added 2026-12-04 (session 18) as an outside check would: realistic bugs (a loading bug, a permuted index, a top-k
+    # misconfiguration, a broken quantisation, a temperature, an outlier channel), measured before any rule saw them
+    FaultKind("expert_copy", lambda m, l, i, s: copy_expert(m, l, i), "expert", "moe", None, ("expert",),
+              doc="one expert's weights overwritten by its partner's (0-1, 2-3, ...)"),
+    FaultKind("router_swap", lambda m, l, i, s: swap_router_rows(m, l, i), "expert", "moe", None,
+              ("router", "expert"), doc="two experts' router rows exchanged (0-1, 2-3, ...)", paired=True),
+    FaultKind("top1", lambda m, l, i, s: top1_routing(m, l), None, "moe", None, ("router", "mlp_block"),
+              doc="one MoE layer mixes only its first choice"),
+    FaultKind("expert_quant", lambda m, l, i, s: quantize_expert(m, l, i, levels=s), "expert", "moe", 1.0,
+              ("expert",), doc="one expert's down projection rounded to 3 values per row"),
+    FaultKind("attn_out_scale", lambda m, l, i, s: scale_attn_map(m, l, "out", s), None, "any", 4.0,
+              ("attn_block", "head"), True, doc="one layer's attention output projection multiplied"),
+    FaultKind("query_scale", lambda m, l, i, s: scale_attn_map(m, l, "query", s), None, "any", 3.0,
+              ("attn_block", "head"), True, doc="one layer's query projection multiplied (attention temperature)"),
+    FaultKind("dense_noise", lambda m, l, i, s: noise_dense_mlp(m, l, amount=s), None, "dense", 1.0,
+              ("dense_mlp", "mlp_block"), True, doc="Gaussian noise on a dense layer's MLP down projection"),
+    FaultKind("shared_up_noise", lambda m, l, i, s: noise_shared_up(m, l, amount=s), None, "shared", 2.0,
+              ("shared_expert",), doc="Gaussian noise on the shared experts' gate projection"),
+    FaultKind("norm_channel", lambda m, l, i, s: scale_norm_channel(m, l, scale=s), None, "any", 30.0,
+              ("mlp_norm",), True, doc="one channel of the MLP input norm multiplied"),
+    FaultKind("embed_noise", lambda m, l, i, s: noise_embedding(m, amount=s), None, "model", 0.5, ("embed",),
+              doc="Gaussian noise on the whole input embedding"),
 ]}
 ALL_KINDS: dict[str, FaultKind] = KINDS | HELD_OUT
