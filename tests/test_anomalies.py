@@ -440,6 +440,9 @@ def test_what_was_tested_says_what_a_nothing_found_means(tmp_path, capsys):
     loud = run2.anomalies().filter(pl.col("severity") != "info").height
     expect = f"{meta['tests']} tests against the baseline profile (6 calibration prompts)"
     assert line.startswith(expect), line
+    # a greedy run's generated tokens: their surprise against its sampler, said so (no reference was given)
+    assert meta["sampler_tests"] == 6 and f"{expect}, 6 of them (the generated tokens' surprise) against the run's own " \
+        "sampler" in line and "reference" not in line, line
     assert line.endswith("none significant at FDR 0.01") if loud == 0 else "at FDR 0.01" in line
     assert cli_main(["findings", run2.run_id, "--db", str(tmp_path / "w.duckdb")]) == 0
     assert expect in " ".join(capsys.readouterr().out.split())  # rich wraps lines
@@ -831,3 +834,29 @@ def test_a_generation_loop_is_left_out_of_the_run_level_means():
                              .alias("norm_entropy"))
     got = an.decide(an.run_level_tests(sharp, empty_heads, empty_resid, base, exclude=set(loop)))
     assert got.select("kind").to_series().to_list() and set(got["kind"]) == {"head_entropy_shift"}
+
+
+def test_rows_the_runs_own_interventions_account_for_are_info_and_say_so(tmp_path):
+    """Ablating a head or boosting an expert is what the user did, not a fault of the model: the demo with head 1 of
+    layer 3 scaled to 0 raised 2,700 critical rows over 12 runs (its output norm at every position) before; now that
+    head's rows are info and name the intervention. Without the intervention the same head is judged."""
+    from workbench import interventions as iv
+    from workbench.model import load_checkpoint
+    model = load_checkpoint()
+    db = workbench.Store(tmp_path / "w.duckdb")
+    prompt = "def read_lines(path):\n    with open(path) as f:\n        "
+    run = workbench.record(prompt, model=model, db=db, max_new_tokens=24, interventions=[iv.scale_head(3, 1, 0.0)])
+    a = run.anomalies()
+    mine = a.filter((pl.col("layer") == 3) & (pl.col("head") == 1))
+    assert mine.height > 10 and set(mine["severity"]) == {"info"}
+    assert all("the run's own intervention scale_head:L3H1=0 does this" in e for e in mine["explanation"])
+    # the same rows without the declared intervention (the head's output norm 0 throughout): critical
+    rows = an.declared(mine.with_columns(pl.lit("critical").alias("severity")), pl.DataFrame(
+        {"kind": ["ban"], "layer": [3], "expert": [9], "head": [None], "path": [None], "spec": ["ban:L3E9"]},
+        schema_overrides={"head": pl.Int64, "path": pl.Utf8}))
+    assert set(rows["severity"]) == {"critical"}  # another intervention does not account for them
+    scaled = an.declared(mine.with_columns(pl.lit("warning").alias("severity")), pl.DataFrame(
+        {"kind": ["scale"], "layer": [None], "expert": [None], "head": [None], "path": ["layers.3.attn"],
+         "spec": ["scale:layers.3.attn=0"]}, schema_overrides={"layer": pl.Int64, "expert": pl.Int64,
+                                                                "head": pl.Int64}))
+    assert set(scaled["severity"]) == {"info"}  # a module path inside layer 3

@@ -15,7 +15,9 @@ against the run itself). Two-sided tests (twice the smaller tail) say in their e
 value broke, since a component can fail both ways: blown up, or collapsed, gone, starved.
 
 - ``low_confidence`` (lower tail) / ``high_surprise`` (upper): a generated token's max probability /
-  -logprob, by position bucket;
+  -logprob, by position bucket; where the run's sampler is recorded (``Sampler``), a generated token's surprise is
+  judged against that sampler instead (``sampler_p``: the chance it draws a token no more probable; greedy: the
+  token must be the most probable), so sampling at temperature 1 is not a fault;
 - ``entropy_spike`` / ``entropy_collapse`` (two-sided): normalised attention entropy of a layer x head at a
   position, by context bucket: the head spread its attention, or collapsed onto a few keys;
   ``entropy_shift``: the same against a reference run's distribution for that head (its quantiles);
@@ -32,7 +34,8 @@ value broke, since a component can fail both ways: blown up, or collapsed, gone,
 - ``head_entropy_shift`` / ``head_norm_shift`` / ``block_shift`` (two-sided, run-level, ``pos`` null): a head's
   mean normalised entropy per context bucket, its mean log output norm, a block's mean log change of the
   residual norm, against the same means over the calibration runs: a shift that lasts the whole run (a head
-  whose attention sharpened, a skipped or weakened block) is clear there though no single position is odd;
+  whose attention sharpened, a skipped or weakened block) is clear there though no single position is odd (the
+  positions of a loop or a repeated span are left out: they are reported as such);
 - ``repetition`` (no test: read off the generated ids, severity warning): a loop, a repeated n-gram, a verbatim
   copy of a span of the prompt (``repetition``);
 - ``non_finite``: NaN or Inf in a recorded signal: always critical (no test needed).
@@ -41,6 +44,9 @@ Without a profile the same tests run against the run's own robust statistics (me
 a uniform expert load, but every row they raise is ``info`` (so are repetition rows), with one ``no_profile``
 row saying to run ``workbench profile``: nothing is a warning on a model nobody calibrated.
 ``what_was_tested(store, run_id)`` words what a run's detection tested, for a "nothing found".
+
+Rows the run's own declared interventions account for (a head it scaled, an expert it banned, boosted or forced, a
+router it biased: ``declared``) are ``info`` and name the intervention: what the user did is no fault of the model.
 
 Informational rows (severity ``info``, outside the correction): ``routing_near_tie`` (a margin in the
 profile's lowest 0.1%) and ``diffuse_head`` (a head in its profile's top 1% where a flagged low-confidence
@@ -753,6 +759,7 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
             meta["routing_shift"] = shift
         meta.update({"tests": tested.height, "alpha": th["alpha"], "profile": base.has_profile,
                      "profile_tests": int(tested["basis"].str.starts_with("the baseline profile").sum()),
+                     "sampler_tests": int(tested["basis"].is_in([sampler.basis]).sum()) if sampler is not None else 0,
                      "calibration_runs": base.calibration_runs})
     out = pl.concat([
         non_finite(raw),  # a NaN is a fault whatever the input
@@ -866,9 +873,66 @@ def _compute(store, run_id: str, reference: str | None = None, model=None,
             comp = empty()
         if comp.height:
             df = pl.concat([df, comp], how="vertical_relaxed")
+    ivs = _interventions_of(store, run_id)
+    if ivs is not None:
+        df = declared(df, ivs)
+        meta["interventions"] = ivs["spec"].to_list()
     df = df.with_columns(pl.lit(run_id).alias("run_id"),
                          pl.arange(0, df.height, dtype=pl.Int32).alias("anomaly_id"))
     return df, meta
+
+
+ROUTING_KINDS = ("overloaded_expert", "dead_expert", "starved_expert", "routing_collapse", "routing_near_tie")
+
+
+def declared(df: pl.DataFrame, ivs: pl.DataFrame) -> pl.DataFrame:
+    """``df`` with the rows the run's own interventions (``interventions`` rows: kind, layer, expert, head, path, spec)
+    account for turned to ``info``, saying which: what the user did to the model is no fault of it. A head scaled:
+    that head's rows; an expert banned, boosted or forced: that expert's rows at its layer and the layer's routing
+    rows (load, collapse, the router's own); a router bias: the layer's routing rows; a module scaled: the rows of
+    the layer its path names (``layers.3.``). What they change downstream is still judged."""
+    if not df.height or ivs is None or not ivs.height:
+        return df
+    import re
+    rules = []
+    for iv in ivs.iter_rows(named=True):
+        k, layer = iv["kind"], iv["layer"]
+        at = pl.col("layer") == layer if layer is not None else None
+        routing = pl.col("kind").is_in(ROUTING_KINDS) | ((pl.col("kind") == "component_outlier")
+                                                          & (pl.col("component") == "router"))
+        if k == "scale_head":
+            cond = at & (pl.col("head") == iv["head"])
+        elif k in ("ban", "boost", "force"):
+            cond = at & ((pl.col("expert") == iv["expert"]) | routing)
+        elif k == "router_bias":
+            cond = at & (routing | pl.col("expert").is_not_null())
+        else:  # scale: a module path
+            m = re.search(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)", iv["path"] or "")
+            cond = pl.col("layer") == int(m.group(1)) if m else None
+        if cond is not None:
+            rules.append((cond.fill_null(False), str(iv["spec"])))
+    if not rules:
+        return df
+    if "component" not in df.columns:
+        df = df.with_columns(pl.lit(None, dtype=pl.Utf8).alias("component"))
+    spec = pl.lit(None, dtype=pl.Utf8)
+    for cond, sp in reversed(rules):
+        spec = pl.when(cond).then(pl.lit(sp)).otherwise(spec)
+    hit = (pl.col("severity") != "info") & spec.is_not_null()
+    return df.with_columns(
+        pl.when(hit).then(pl.lit("info")).otherwise(pl.col("severity")).alias("severity"),
+        pl.when(hit).then(pl.col("explanation") + pl.lit(" (the run's own intervention ") + spec
+                          + pl.lit(" does this: info)")).otherwise(pl.col("explanation")).alias("explanation"))
+
+
+def _interventions_of(store, run_id: str) -> pl.DataFrame | None:
+    """The run's ``interventions`` rows, or None (none, or a store without the table)."""
+    try:
+        got = store.sql("SELECT kind, layer, expert, head, path, spec FROM interventions WHERE run_id = ? "
+                        "ORDER BY idx", [run_id])
+    except Exception:  # noqa: BLE001 - an older database or a shard folder without the table: nothing declared
+        return None
+    return got if got.height else None
 
 
 def _kept_components(store, run_id: str, meta: dict) -> pl.DataFrame:
@@ -948,9 +1012,11 @@ def what_was_tested(store, run_id: str) -> str:
         return line + (f"; {loops} repetition row{'s' if loops != 1 else ''} (info)" if loops else "")
     cal = meta.get("calibration_runs")
     base = f"{n} tests against the baseline profile" + (f" ({cal} calibration prompts)" if cal else "")
-    n_prof = int(meta.get("profile_tests", n))
-    if n_prof < n:
-        base += f", {n - n_prof} of them against the run's reference"
+    n_prof, n_samp = int(meta.get("profile_tests", n)), int(meta.get("sampler_tests", 0))
+    if n_samp:
+        base += f", {n_samp} of them (the generated tokens' surprise) against the run's own sampler"
+    if n_prof + n_samp < n:
+        base += f", {n - n_prof - n_samp} of them against the run's reference"
     if meta.get("component_tests"):
         base += f", {meta['component_tests']} components against their activation profile"
     if meta.get("component_check"):  # a model and a profile, but no component judged: say why

@@ -777,7 +777,7 @@ HELD_OUT: dict[str, FaultKind] = {k.name: k for k in [
     FaultKind("dead_expert", lambda m, l, i, s: break_expert(m, l, i, scale=s), "expert", "moe", 0.0, ("expert",),
               doc="one routed expert outputs nothing"),
     FaultKind("weak_expert", lambda m, l, i, s: break_expert(m, l, i, scale=s), "expert", "moe", 4.0, ("expert",),
-              doc="one routed expert's output multiplied by a small factor"),
+              doc="one routed expert's output multiplied by a modest factor (4, not 30)"),
     FaultKind("expert_swap", lambda m, l, i, s: swap_expert_down(m, l, i), "expert", "moe", None, ("expert",),
               doc="one expert's down projection swapped with its partner's (0-1, 2-3, ...)", paired=True),
     FaultKind("dead_head", lambda m, l, i, s: break_head(m, l, i, scale=s), "head", "any", 0.0, ("head",),
