@@ -154,7 +154,7 @@ def test_routing_that_disagrees_with_the_router_is_named(tiny):
 
 
 
-def test_experts_mixed_with_other_weights_than_the_routers_are_named_at_the_router(tiny):
+def test_experts_mixed_with_other_weights_than_the_routers_are_named_at_the_router(tiny, prof):
     """The experts the router chose, mixed with other weights than its logits give (a top-k cut to 1, a scaling
     factor gone wrong after the router): a ``router`` row, 10 nats per position; no expert row (no expert changed).
     A mixing weight 3% off is float noise of a half-precision family, not a fault."""
@@ -165,6 +165,11 @@ def test_experts_mixed_with_other_weights_than_the_routers_are_named_at_the_rout
         ev = dict(activations.evidence(tiny, ids, None, signals=signals))
     key = ("router", layer, None, None, None)
     assert ev == {key: activations.MISMATCH_NATS * len(ids)} and signals[key] == "weights"
+    with faults.HELD_OUT["top1"](tiny, layer):  # against the profile: the experts whose weight went to 0 look dead,
+        ev = activations.evidence(tiny, ids, prof)  # a consequence of the routing: the router comes first
+        rows = activations.anomaly_rows(tiny, ids, prof)
+    assert _top(ev, 1)[0] == key
+    assert any(r["layer"] == layer and "other weights than its own logits give" in r["explanation"] for r in rows)
 
     def off(f):
         def fn(i, r):

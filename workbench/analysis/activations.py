@@ -1140,15 +1140,20 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
 
     prep = _prepared(prof) if prof is not None else None
     trusted = prep is None or prep.trusted  # clean routing agreed with RouterMath
+    exact: dict[tuple, tuple[float, str]] = {}  # the routing checks: exact, so no consequence of anything upstream
     for layer, m in lost.items() if trusted else ():
         bad = m.any(1)  # positions whose experts differ from the router's own choice (exact: position 0 too)
         if bad.any():
-            put(("router", layer, None, None, None), MISMATCH_NATS * float(bad.sum()), "mismatch")
             e = int(m.sum(0).argmax())
-            put(("expert", layer, None, e, None), MISMATCH_NATS * float(m[:, e].sum()), "mismatch")
+            exact[("router", layer, None, None, None)] = (MISMATCH_NATS * float(bad.sum()), "mismatch")
+            exact[("expert", layer, None, e, None)] = (MISMATCH_NATS * float(m[:, e].sum()), "mismatch")
     for layer, m in reweighted.items() if trusted else ():
-        if m.any():  # the experts the router chose, mixed with other weights than its logits give
-            put(("router", layer, None, None, None), MISMATCH_NATS * float(m.sum()), "weights")
+        key = ("router", layer, None, None, None)
+        if m.any() and MISMATCH_NATS * float(m.sum()) > exact.get(key, (0.0, ""))[0]:
+            # the experts the router chose, mixed with other weights than its logits give
+            exact[key] = (MISMATCH_NATS * float(m.sum()), "weights")
+    for key, (v, sig) in exact.items():
+        put(key, v, sig)
     firsts, known = {}, {}
     if prof is not None and len(ids) >= 1:
         firsts = _first_evidence(got, int(ids[0]), prof, a.dtype)
@@ -1272,15 +1277,20 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
     for key, v in known.items():  # an answer on fixed inputs is no consequence of anything upstream: never capped
         if abs(v) >= abs(best.get(key, 0.0)):
             best[key], why[key] = v, "known"
-    if known:  # and a component known to compute another function explains whatever is unusual after it, any size
-        first = min(known, key=_flow)
-        top = max(abs(v) for v in known.values())
+    for key, (v, sig) in exact.items():  # nor is routing that disagrees with its own router's logits
+        if key not in known or abs(v) > abs(best[key]):
+            best[key], why[key] = v, sig
+    anchors = {**{k: v for k, (v, _) in exact.items()}, **known}
+    if anchors:  # and a component known to compute another function (or routing changed after its router) explains
+        # whatever is unusual after it, any size: an expert whose mixing weight was cut to 0 looks dead
+        first = min(anchors, key=_flow)
+        top = max(abs(v) for v in anchors.values())
         up = min(top, 2 * KNOWN_AFTER)  # a consequence stays a suspect for root cause, no warning of its own
         for key in list(best):
-            if key not in known and _flow(key) > _flow(first):
+            if key not in anchors and _flow(key) > _flow(first):
                 best[key] = _capped(best[key], up)
         for key, v in (experts or {}).items():
-            if key not in known and _flow(key) > _flow(first):
+            if key not in anchors and _flow(key) > _flow(first):
                 experts[key] = _capped(v, up)
     return list(best.items())
 
