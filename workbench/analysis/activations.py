@@ -132,7 +132,9 @@ OLD_BUCKETS = (3, 32, 128, 512)  # profiles made before the 2-token bucket (thei
 MIN_RUNS = 5  # calibration prefixes a bucket needs, else it takes the nearest shorter bucket's spread
 # within a layer, what a part's input passes through first: a part more unusual than this is explained by it
 UPSTREAM = {"kv_latent": ("attn_norm",), "rotary": ("attn_norm",), "head": ("attn_norm", "kv_latent", "rotary"),
-            "attn_block": ("attn_norm", "kv_latent", "rotary", "head"), "router": ("mlp_norm",),
+            "attn_block": ("attn_norm", "kv_latent", "rotary", "head"),
+            # the MLP's input norm reads the stream after the attention: a head that broke changes it too
+            "mlp_norm": ("attn_norm", "kv_latent", "rotary", "head", "attn_block"), "router": ("mlp_norm",),
             "shared_expert": ("mlp_norm",), "mlp_block": ("mlp_norm", "router", "shared_expert", "expert"),
             "dense_mlp": ("mlp_norm",),
             "resid": ("attn_norm", "attn_block", "mlp_norm", "router", "shared_expert", "expert", "mlp_block",
