@@ -1313,7 +1313,7 @@ def _flow(key: tuple) -> tuple[float, int]:
 
 
 BUNDLED = Path(__file__).resolve().parents[2] / "data" / "demo" / "activations.parquet"
-BUNDLE_SOURCE = "prompts of data/prompts/calibration.jsonl, first"  # scripts/build_activation_profile.py's
+BUNDLE_SOURCE = "prompts of data/prompts/calibration"  # scripts/build_activation_profile.py's
 
 
 # detection over a whole run (workbench.analysis.anomalies.detect with the recording's model)

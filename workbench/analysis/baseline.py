@@ -196,6 +196,8 @@ def load_profile(store: Store, sha: str | None) -> pl.DataFrame | None:
     if cached is not None and cached[0] == query.profile_stamp(store, sha):
         return cached[1]
     got = query.profile(store, sha)
+    if got.height and _stale_bundle(got["source"][0], sha):  # a copy of an older release's bundled profile: refreshed
+        got = got.clear()
     missing = CURRENT_SIGNALS - set(got["signal"].unique().to_list()) if got.height else set()
     if missing:  # a profile made by an older workbench: the bundled one replaces it, else it is not used
         bundled = pl.read_parquet(BUNDLED) if BUNDLED.exists() else None
@@ -220,6 +222,20 @@ def load_profile(store: Store, sha: str | None) -> pl.DataFrame | None:
     return out
 
 
+def _stale_bundle(source: str | None, sha: str) -> bool:
+    """Whether a stored profile of model ``sha`` is a copy of a bundled file of that model (its prompts a calibration
+    set under data/prompts/) other than the one this release bundles."""
+    try:
+        src = json.loads(source or "{}")
+    except ValueError:
+        return False
+    if not isinstance(src, dict) or not str(src.get("prompts", "")).startswith(BUNDLED_PROMPTS) or not BUNDLED.exists():
+        return False
+    head = pl.read_parquet(BUNDLED, columns=["checkpoint_sha256", "source"]).head(1)
+    return head.height == 1 and head["checkpoint_sha256"][0] == sha and head["source"][0] != source
+
+
+BUNDLED_PROMPTS = "data/prompts/calibration"  # how the bundled profiles name their prompts (relative to the project)
 # cells the detectors of this version read (a profile without them was made by an older workbench)
 CURRENT_SIGNALS = frozenset({"log_head_norm", "log_resid_growth", "run_norm_entropy", "run_log_head_norm",
                              "run_log_resid_growth"})
