@@ -23,6 +23,9 @@ model without a profile, and findings that name injected faults.
 
     .venv/bin/python benchmarks/anomaly_eval.py                  # writes its section of RESULTS.md
     .venv/bin/python benchmarks/anomaly_eval.py --make-profile   # rebuild data/demo/profile.parquet first
+
+The bundled profiles themselves come from ``scripts/build_activation_profile.py --profile-out data/demo/profile.parquet``
+(both calibration sets; ``--make-profile`` here rebuilds the signal profile from them alone).
 """
 from __future__ import annotations
 
@@ -62,6 +65,7 @@ def section(args) -> str:
     kinds = [k for k in args.kinds.split(",") if k]
     return f"{SECTION}: held-out fault kinds" if kinds and all(k in faults.HELD_OUT for k in kinds) else SECTION
 CALIBRATION = ROOT / "data" / "prompts" / "calibration.jsonl"
+CALIBRATION_TEXT = ROOT / "data" / "prompts" / "calibration_text.jsonl"  # the bundled profiles' text prompts
 CLEAN = ROOT / "data" / "prompts" / "clean_kinds.jsonl"
 # text unlike the calibration's code: prose, data and config files, SQL, markdown, numbers, other languages
 OTHER = ROOT / "data" / "prompts" / "other_kinds.jsonl"
@@ -304,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmpdir)
         store = workbench.Store(args.db or tmp / "eval.duckdb")
         if args.make_profile or not BUNDLED.exists():
-            res = profile(CALIBRATION, model=model, db=store, max_new_tokens=args.calibration_tokens, progress=True)
+            res = profile([it["prompt"] for f in (CALIBRATION, CALIBRATION_TEXT) for it in load_prompts(f)],
+                          model=model, db=store, max_new_tokens=args.calibration_tokens, progress=True)
             export_profile(store, res["sha"], BUNDLED)
             print(f"wrote {BUNDLED} ({res['cells']} cells from {len(res['runs'])} runs)", flush=True)
         clean, tiny, results, loop = [], [], [], {}
@@ -362,7 +367,7 @@ def _cells(runs: list[dict], key) -> list[tuple[str, dict]]:
 
 
 def markdown(clean, tiny, results, loop, args, seconds, threads) -> str:
-    n_all = len(load_prompts(CALIBRATION))
+    n_all = len(load_prompts(CALIBRATION)) + len(load_prompts(CALIBRATION_TEXT))
     try:
         n_cal = json.loads(pl.read_parquet(BUNDLED, columns=["source"])["source"][0])["runs"]
     except (OSError, ValueError, KeyError, IndexError):
@@ -370,9 +375,12 @@ def markdown(clean, tiny, results, loop, args, seconds, threads) -> str:
     lines = [section(args), "",
              f"`benchmarks/anomaly_eval.py` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {seconds:.0f} s, "
              f"{platform.machine()} {os.cpu_count()} CPU cores shared with other work, {threads} torch "
-             f"thread{'s' if threads != 1 else ''}; the slowest part's time where parts ran in parallel). Demo model with its bundled profile (data/demo/profile.parquet: {n_cal} calibration prompts "
-             f"of the {n_all} of data/prompts/calibration.jsonl, four kinds (library code, scripts and algorithms, tests, docstrings "
-             f"and comments), up to 1,024 tokens, {args.calibration_tokens} greedy tokens each). Alarms: "
+             f"thread{'s' if threads != 1 else ''}; the slowest part's time where parts ran in parallel). Demo model with its bundled profiles (data/demo/profile.parquet and activations.parquet, "
+             f"scripts/build_activation_profile.py: {n_cal} calibration prompts of the {n_all} of "
+             "data/prompts/calibration.jsonl, code of four kinds (library code, scripts and algorithms, tests, docstrings "
+             "and comments, up to 1,024 tokens), and data/prompts/calibration_text.jsonl, text (prose, data and config "
+             "files, SQL, markdown, numbers, seven languages, lists; written 2026-12-04, other prompts than the "
+             f"evaluation's), {args.calibration_tokens} greedy tokens each). Alarms: "
              "Benjamini-Hochberg over every test of a run at FDR 0.01, two-sided where a value can break both ways.", ""]
     if clean:
         code = [r for r in clean if r["kind"] in CODE_KINDS]
@@ -392,8 +400,9 @@ def markdown(clean, tiny, results, loop, args, seconds, threads) -> str:
                   "many (run-level means and expert loads over a handful of positions); kind `long`: the prompts one "
                   "after another, cut to 1,500, 2,500 and 3,800 tokens (past the longest context the calibration ran).",
                   "",
-                  f"**Text unlike the calibration's code** (data/prompts/other_kinds.jsonl: prose, data and config "
-                  f"files, SQL, markdown, numbers, other languages; and degenerate input: a word or a syllable "
+                  f"**Text of other kinds** (data/prompts/other_kinds.jsonl: prose, data and config "
+                  f"files, SQL, markdown, numbers, other languages, kinds the calibration's text set has, other "
+                  f"prompts; and degenerate input: a word or a syllable "
                   f"repeated, random tokens; {o['runs']} runs, {o['tokens']} generated tokens): **{o['per_1000']:.2f} "
                   f"warning/critical rows per 1,000 generated tokens** ({o['alarms']} rows). Kinds written after "
                   f"the detectors' rules were set and never used to tune them (data/prompts/held_out_kinds.jsonl: "

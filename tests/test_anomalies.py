@@ -522,6 +522,30 @@ def test_run_level_tests_catch_a_shift_no_single_position_shows():
     assert "sharper than on clean runs" in f[("head", 0, 1)]
 
 
+def test_a_stored_copy_of_an_older_bundled_profile_is_refreshed_and_a_users_own_is_kept(tmp_path):
+    """A database that copied the demo's bundled profile before a release changed it (its source names a
+    calibration set under data/prompts/) reads the bundled one now; a profile the user made (another source), and a
+    bundled-looking profile of another model, are kept as they are."""
+    from workbench.data.store import Store
+
+    bundled = pl.read_parquet(pr.BUNDLED)
+    sha = bundled["checkpoint_sha256"][0]
+    older = json.dumps({"prompts": "data/prompts/calibration.jsonl", "runs": 100, "max_new_tokens": 16})
+    assert older != bundled["source"][0]
+    stale = bundled.with_columns(pl.lit(older).alias("source"), pl.col("n") * 0 + 1)
+    store = Store(tmp_path / "w.duckdb")
+    store.replace_rows("profiles", {"checkpoint_sha256": sha}, stale)
+    got = pr.load_profile(store, sha)
+    assert got["source"][0] == bundled["source"][0] and got["n"].to_list() == bundled["n"].to_list()
+    mine = bundled.with_columns(pl.lit(json.dumps({"prompts": "/home/me/prompts.jsonl", "runs": 9})).alias("source"),
+                                pl.col("n") * 0 + 1)
+    store.replace_rows("profiles", {"checkpoint_sha256": sha}, mine)
+    assert set(pr.load_profile(store, sha)["n"].to_list()) == {1}
+    other = stale.with_columns(pl.lit("e" * 64).alias("checkpoint_sha256"))
+    store.replace_rows("profiles", {"checkpoint_sha256": "e" * 64}, other)
+    assert pr.load_profile(store, "e" * 64)["source"][0] == older
+
+
 def test_a_profile_made_by_an_older_workbench_is_upgraded_or_not_used(tmp_path):
     """An old profile lacks the cells today's detectors read: the bundled demo's replaces it for the demo model;
     another model's is not used (its runs are judged as without a profile, with a warning), never half-read."""

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -893,7 +894,6 @@ def declared(df: pl.DataFrame, ivs: pl.DataFrame) -> pl.DataFrame:
     the layer its path names (``layers.3.``). What they change downstream is still judged."""
     if not df.height or ivs is None or not ivs.height:
         return df
-    import re
     rules = []
     for iv in ivs.iter_rows(named=True):
         k, layer = iv["kind"], iv["layer"]

@@ -331,7 +331,8 @@ def profile(prompts, *, model=None, db=None, max_new_tokens: int = 32, tokenizer
         prompts: a prompt-set path (workbench.capture.prompts: JSONL, folder of .txt, or .txt) or a list of
             prompts (strings or token-id lists). A good set spans the kinds of text the model will see (code of
             several kinds, tests, prose) and lengths up to the context the model will be run at
-            (data/prompts/calibration.jsonl: four kinds, up to 1,024 tokens).
+            (the demo's: data/prompts/calibration.jsonl, code of four kinds up to 1,024 tokens, and
+            data/prompts/calibration_text.jsonl, prose, data, SQL, markdown, numbers, seven languages, lists).
     """
     # recording imports torch; reading a profile (the detectors, a stored run's report) must not
     from workbench.capture.prompt_sets import record_many  # lazy: imports torch
