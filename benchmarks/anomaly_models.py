@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import polars as pl  # noqa: E402
-from anomaly_eval import CALIBRATION, CLEAN, HELD_OUT_KINDS, OTHER, clean_runs, fault_eval, record_set, summary  # noqa: E402
+from anomaly_eval import (CALIBRATION, CLEAN, HELD_OUT_KINDS, OTHER, clean_runs, fault_eval, record_set,  # noqa: E402
+                          sampled_items, summary)
 from results_md import write_section  # noqa: E402
 
 import workbench  # noqa: E402
@@ -83,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         cal = [it["prompt"] for it in cut([{"prompt": p} for p in calibration_set(args.calibration)], tok, room)]
         res = workbench.profile(cal, model=model, db=store, max_new_tokens=args.new_tokens)
         print(f"profile: {len(res['runs'])} runs, {res['cells']} cells", flush=True)
-        items = (cut(load_prompts(CLEAN), tok, room) + cut(load_prompts(OTHER), tok, room)
-                 + [{**it, "id": f"held-out {it['id']}"} for it in cut(load_prompts(HELD_OUT_KINDS), tok, room)])
+        clean_items, other_items = cut(load_prompts(CLEAN), tok, room), cut(load_prompts(OTHER), tok, room)
+        items = (clean_items + other_items
+                 + [{**it, "id": f"held-out {it['id']}"} for it in cut(load_prompts(HELD_OUT_KINDS), tok, room)]
+                 + sampled_items(clean_items, other_items))
         run_ids, kinds = record_set(items, model, store, args.new_tokens)
         clean = clean_runs(store, run_ids, kinds, model)
         prompts = [ids for ids in (tok.encode(it["prompt"]).ids[:60] for it in load_prompts(CLEAN)) if len(ids) >= 24]
@@ -103,7 +106,9 @@ def markdown(args, model, n_cal: int, clean: list[dict], results: list[dict], se
     groups = {"code (clean_kinds.jsonl)": [r for r in clean if r["kind"] in ("library", "script", "test", "docs")],
               "other kinds (other_kinds.jsonl)": [r for r in clean if r["kind"] in
                                                   ("prose", "data", "sql", "markdown", "numbers", "multilingual")],
-              "held-out kinds (held_out_kinds.jsonl)": [r for r in clean if r["kind"].startswith("held-out")]}
+              "held-out kinds (held_out_kinds.jsonl)": [r for r in clean if r["kind"].startswith("held-out")],
+              "sampled (every third clean prompt at temperature 1.0, the other kinds at 0.7)":
+                  [r for r in clean if r["kind"] in ("sampled", "sampled-other")]}
     s = model.summary
     lines = [f"## Anomaly detectors (calibrated): profiled tiny {args.family}", "",
              f"`python benchmarks/anomaly_models.py --family {args.family} --calibration {args.calibration}` "

@@ -233,6 +233,31 @@ def test_explain_cli(tiny, tmp_path, capsys):
     assert "ig_plain" in capsys.readouterr().out
     assert cli_main(["explain", run.run_id, "99", "--db", str(db)]) == 2
     assert cli_main(["explain", "missing", "5", "--db", str(db)]) == 2
+    assert out["sampler_note"] is None  # greedy: the token is the model's own first choice
+
+
+def test_a_sampled_token_the_model_did_not_prefer_is_said_to_be_the_samplers_draw(tmp_path):
+    """Why a sampled token is there is the sampler first: root cause says so (with the chance of a draw that unlikely)
+    beside the components that shaped the distribution; nothing is said of the model's own first choice, of a prompt
+    token, or of a greedy run."""
+    from workbench.analysis.rootcause import sampler_note
+    from workbench.model import load_checkpoint
+
+    db = workbench.Store(tmp_path / "w.duckdb")
+    model = load_checkpoint()
+    run = workbench.record("def read_lines(path):\n    ", model=model, db=db, max_new_tokens=40, temperature=1.5,
+                           seed=3, detect=False)
+    t = run.tokens().filter(~pl.col("is_prompt"))
+    drawn = t.filter(pl.col("rank") > 1)
+    assert drawn.height, "temperature 1.5 draws some token the model did not rank first"
+    r = drawn.row(0, named=True)
+    note = sampler_note(db, run.run_id, r["pos"])
+    assert note.startswith("the sampler drew this token (temperature 1.5)") and f"its rank {r['rank']}" in note
+    firsts = t.filter(pl.col("rank") == 1)
+    assert sampler_note(db, run.run_id, firsts["pos"][0]) is None
+    assert sampler_note(db, run.run_id, 1) is None  # a prompt token
+    greedy = workbench.record("def read_lines(path):\n    ", model=model, db=db, max_new_tokens=4, detect=False)
+    assert sampler_note(db, greedy.run_id, greedy.info["n_tokens"] - 1) is None
 
 
 def test_root_cause_against_a_reference(tiny, tmp_path, capsys):

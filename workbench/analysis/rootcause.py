@@ -475,6 +475,31 @@ def suspects(causes: pl.DataFrame, findings: pl.DataFrame) -> pl.DataFrame:
         "rank", "kind", "layer", "head", "expert", "score", "cause_rank", "finding", "evidence")
 
 
+def sampler_note(store, run_id: str, pos: int) -> str | None:
+    """A line saying the token at ``pos`` was the sampler's draw, not the model's choice, when the run sampled
+    (temperature > 0) and the model ranked another token first: why a sampled token is there is the sampler first,
+    whatever the components did. With the chance of a draw this unlikely (``anomalies.sampler_p``). None otherwise
+    (greedy, the model's first choice, a prompt token, no such position)."""
+    from workbench.analysis.anomalies import Sampler, sampler_p  # lazy: the detectors beside root cause
+
+    info = query.run_row(store, run_id)
+    sampler = Sampler.of_run(info, query.model_summary(info).vocab_size)
+    if sampler is None or sampler.temperature <= 0:
+        return None
+    t = query.tokens(store, run_id).filter(pl.col("pos") == int(pos))
+    if not t.height or t["is_prompt"][0]:
+        return None
+    r = t.row(0, named=True)
+    if r["rank"] is None or r["rank"] <= 1 or r["prob"] is None:
+        return None
+    p = float(sampler_p([r["prob"]], [r["confidence"]], [r.get("topk_probs")], sampler.temperature, sampler.top_p,
+                        sampler.vocab)[0])
+    how = f"temperature {sampler.temperature:g}" + (f", top-p {sampler.top_p:g}" if sampler.top_p < 1 else "")
+    return (f"the sampler drew this token ({how}): the model gave it p = {r['prob']:.3g}, its rank {r['rank']} (its "
+            f"first choice had p = {r['confidence']:.3g}); a draw at most this likely happens with probability "
+            f"{p:.2g} at these settings: the causes below explain the model's distribution, not this draw")
+
+
 def ig_check(df: pl.DataFrame, steps: int | None = None, tolerance: float = 0.05) -> str | None:
     """A warning when a ranking's Integrated Gradients did not converge: |delta| over ``tolerance`` of
     |f(x) - f(baseline)| (token rows sum to that gap plus delta). None when it converged (or has no IG rows)."""
