@@ -884,3 +884,29 @@ def test_rows_the_runs_own_interventions_account_for_are_info_and_say_so(tmp_pat
          "spec": ["scale:layers.3.attn=0"]}, schema_overrides={"layer": pl.Int64, "expert": pl.Int64,
                                                                 "head": pl.Int64}))
     assert set(scaled["severity"]) == {"info"}  # a module path inside layer 3
+
+
+def test_a_cell_of_few_calibration_values_claims_no_tail_it_cannot_resolve():
+    """From 40 calibration values the stored 0.1% / 99.9% quantiles are the sample's extremes: read as such, 1.2% of
+    fresh draws from the very same distribution scored p <= 1e-6 (a user profiling a model on 40 prompts got
+    run-level alarms on clean text). With the cell's n a value within the range has p >= 1 / (n + 1) and the tail
+    beyond falls at the pace the top tenth shows: p-values near uniform. A cell of thousands of values is
+    unchanged."""
+    rng = np.random.default_rng(0)
+    old, new = [], []
+    for _ in range(200):
+        q = np.quantile(rng.standard_normal(40), pr.PROBS)
+        x = rng.standard_normal(500)
+        cell = np.zeros(x.size, dtype=int)
+        old.append(pr.CellTails.of(q[None]).p(x, cell))
+        new.append(pr.CellTails.of(q[None], np.array([40])).p(x, cell))
+    old, new = np.concatenate(old), np.concatenate(new)
+    assert (old <= 1e-6).mean() > 0.005  # what the extremes claimed
+    for a in (1e-2, 1e-3, 1e-4):
+        assert (new <= a).mean() <= 2 * a
+    assert (new <= 1e-6).mean() == 0.0
+    q = np.quantile(rng.standard_normal(5000), pr.PROBS)
+    x = np.linspace(-6, 6, 101)
+    assert np.array_equal(pr.CellTails.of(q[None], np.array([5000])).p(x, np.zeros(101, dtype=int)), pr.tail_p(x, q))
+    assert np.array_equal(pr.CellTails.of(q[None], np.array([5000])).p(x, np.zeros(101, dtype=int), upper=False),
+                          pr.tail_p(x, q, upper=False))

@@ -267,7 +267,7 @@ class Baseline:
         if key not in self._cells:
             c = self.cells(signal, min_n)
             q = c["quantiles"].explode().to_numpy().astype(np.float64).reshape(c.height, -1)
-            self._cells[key] = CellTails.of(q)
+            self._cells[key] = CellTails.of(q, c["n"].to_numpy())
         return self._cells[key]
 
     def dispersion(self, layer: int) -> np.ndarray | None:

@@ -280,9 +280,9 @@ def _tail_scale(q2: np.ndarray) -> np.ndarray:
     return np.maximum((q2[:, -1] - q2[:, -3]) / math.log((1 - PROBS[-3]) / (1 - PROBS[-1])), 0.01 * span)
 
 
-def _tail_rows(x: np.ndarray, q2: np.ndarray, scale: np.ndarray) -> np.ndarray:
+def _tail_rows(x: np.ndarray, q2: np.ndarray, scale: np.ndarray, floor: np.ndarray | None = None) -> np.ndarray:
     """P(X >= x) of each value against its own row of monotone quantiles [N, K]: np.interp per row (j = the last
-    quantile <= x, linear to the next one) inside, the exponential tail beyond."""
+    quantile <= x, linear to the next one) inside, the exponential tail beyond (``floor``: ``CellTails``')."""
     j = (q2 <= x[:, None]).sum(1) - 1
     jc = np.clip(j, 0, q2.shape[1] - 2)
     rows = np.arange(x.size)
@@ -290,12 +290,13 @@ def _tail_rows(x: np.ndarray, q2: np.ndarray, scale: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         cdf = (PROBS[jc + 1] - PROBS[jc]) / (q1 - q0) * (x - q0) + PROBS[jc]
     cdf = np.where(j < 0, 0.0, np.where(j >= q2.shape[1] - 1, PROBS[-1], cdf))
-    return _tail_end(x, 1.0 - cdf, q2[:, 0], q2[:, -1], scale)
+    return _tail_end(x, 1.0 - cdf, q2[:, 0], q2[:, -1], scale, floor)
 
 
-def _tail_end(x, inside, lo, hi, scale) -> np.ndarray:
-    beyond = (1 - PROBS[-1]) * np.exp(-np.clip(x - hi, 0, None) / scale)
-    p = np.where(x > hi, beyond, np.where(x < lo, 1.0, inside))
+def _tail_end(x, inside, lo, hi, scale, floor=None) -> np.ndarray:
+    edge = 1 - PROBS[-1] if floor is None else np.maximum(1 - PROBS[-1], floor)
+    beyond = edge * np.exp(-np.clip(x - hi, 0, None) / scale)
+    p = np.where(x > hi, beyond, np.where(x < lo, 1.0, inside if floor is None else np.maximum(inside, edge)))
     return np.clip(p, 1e-300, 1.0)
 
 
@@ -308,18 +309,42 @@ class CellTails:
     lower: np.ndarray  # [C, K] running max of the negated, reversed quantiles (the lower tail as an upper one)
     upper_scale: np.ndarray  # [C]
     lower_scale: np.ndarray  # [C]
+    floor: np.ndarray | None = None  # [C]: 1 / (n + 1), the least p a value within the cell's range can have
 
     @classmethod
-    def of(cls, quantiles: np.ndarray) -> "CellTails":
+    def of(cls, quantiles: np.ndarray, n: np.ndarray | None = None) -> "CellTails":
+        """``n``: each cell's number of values. A cell of n values resolves no tail beyond 1 / (n + 1): its stored
+        0.1% / 99.9% quantiles are its extremes, and from 40 calibration runs a value at the largest one is a 1-in-41
+        event, not 1 in 1,000 (nor its decay the near-zero gap between two copies of the maximum). With ``n``, a value
+        inside the range has p >= 1 / (n + 1), beyond it p falls from there, at least as slowly as the cell's top
+        (bottom) tenth resolves. Without: ``tail_p``'s values exactly."""
         q = np.atleast_2d(np.asarray(quantiles, dtype=np.float64))
         up, lo = np.maximum.accumulate(q, axis=-1), np.maximum.accumulate(-q[:, ::-1], axis=-1)
-        return cls(up, lo, _tail_scale(up), _tail_scale(lo))
+        su, sl = _tail_scale(up), _tail_scale(lo)
+        if n is None:
+            return cls(up, lo, su, sl)
+        n = np.maximum(np.asarray(n, dtype=np.float64), 1.0)
+        return cls(up, lo, np.maximum(su, _resolved_scale(up, n)), np.maximum(sl, _resolved_scale(lo, n)),
+                   1.0 / (n + 1.0))
 
     def p(self, x: np.ndarray, cell: np.ndarray, upper: bool = True, min_scale: float = 0.0) -> np.ndarray:
-        """``tail_p(x, quantiles[cell], upper, min_scale)``, equal to it value for value."""
+        """``tail_p(x, quantiles[cell], upper, min_scale)``, equal to it value for value (without ``n``)."""
         x = np.asarray(x, dtype=np.float64)
         q2, scale = (self.upper, self.upper_scale) if upper else (self.lower, self.lower_scale)
-        return _tail_rows(x if upper else -x, q2[cell], np.maximum(scale[cell], max(min_scale, 1e-9)))
+        return _tail_rows(x if upper else -x, q2[cell], np.maximum(scale[cell], max(min_scale, 1e-9)),
+                          None if self.floor is None else self.floor[cell])
+
+
+def _resolved_scale(q2: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Per row of monotone quantiles [C, K] from n values: the exponential tail's scale the top of what n values
+    resolve shows, from the quantile at 1 - m / (n + 1) to the one at 1 - 1 / (n + 1) (m = min(10, n / 2)); 0 where
+    n resolves the stored extreme quantiles (n >= 1000)."""
+    out = np.zeros(q2.shape[0])
+    for c in np.flatnonzero(n < 1000):
+        m = max(min(10.0, n[c] / 2), 2.0)
+        hi, mid = 1 - 1 / (n[c] + 1), 1 - m / (n[c] + 1)
+        out[c] = max(np.interp(hi, PROBS, q2[c]) - np.interp(mid, PROBS, q2[c]), 0.0) / math.log(m)
+    return out
 
 
 def profile(prompts, *, model=None, db=None, max_new_tokens: int = 32, tokenizer=None, seed: int = 0,
