@@ -63,7 +63,10 @@ SECTION = "## Anomaly detectors (calibrated)"
 def section(args) -> str:
     """The RESULTS section: its own for a run of held-out fault kinds only (faults.HELD_OUT, by --kinds)."""
     kinds = [k for k in args.kinds.split(",") if k]
-    return f"{SECTION}: held-out fault kinds" if kinds and all(k in faults.HELD_OUT for k in kinds) else SECTION
+    name = f"{SECTION}: held-out fault kinds" if kinds and all(k in faults.HELD_OUT for k in kinds) else SECTION
+    t = getattr(args, "fault_temperature", 0.0)
+    return f"{name}: faulty runs sampled at temperature {t:g}" if t > 0 else name
+
 CALIBRATION = ROOT / "data" / "prompts" / "calibration.jsonl"
 CALIBRATION_TEXT = ROOT / "data" / "prompts" / "calibration_text.jsonl"  # the bundled profiles' text prompts
 CLEAN = ROOT / "data" / "prompts" / "clean_kinds.jsonl"
@@ -230,7 +233,8 @@ def fault_eval(model, store, prompts: list[list[int]], args) -> list[dict]:
                 if kind in ("embedding", "unembedding"):  # a token the run meets: one of the prompt's
                     index = ids[rng.randrange(1, len(ids))]
                 with inject(kind, model, layer, index):  # detected as after a recording: with the faulty model
-                    run = workbench.record(ids, model=model, db=store, max_new_tokens=args.fault_tokens)
+                    run = workbench.record(ids, model=model, db=store, max_new_tokens=args.fault_tokens,
+                                           temperature=args.fault_temperature, seed=k)
                     seq = run.tokens()["token_id"].to_list()
                     bad = teacher_forced_logprobs(model, seq)
             except (ValueError, NotImplementedError, KeyError) as e:  # a kind this model lacks
@@ -276,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-draws", type=int, default=12)
     ap.add_argument("--max-new-tokens", type=int, default=64, help="generated tokens of a clean run")
     ap.add_argument("--fault-tokens", type=int, default=24, help="generated tokens of a faulty run")
+    ap.add_argument("--fault-temperature", type=float, default=0.0,
+                    help="sample the faulty runs at this temperature (its own RESULTS section; default greedy)")
     ap.add_argument("--tiny-tokens", type=int, default=32)
     ap.add_argument("--calibration-tokens", type=int, default=32)
     ap.add_argument("--min-effect", type=float, default=0.5)
@@ -446,11 +452,12 @@ def markdown(clean, tiny, results, loop, args, seconds, threads) -> str:
         named = sum(r["layer_named"] for r in results) / len(results)
         comp = sum(r["component_named"] for r in results) / len(results)
         which = ("`faults.HELD_OUT` (kinds outside `faults.KINDS`; which of them shaped a rule afterwards: "
-                 "the notes of \"Root cause (fault injection)\")" if section(args) != SECTION
+                 "the notes of \"Root cause (fault injection)\")" if "held-out" in section(args)
                  else "`faults.KINDS` plus NaN and a scaled KV entry")
         lines += [f"**Injected faults with a symptom** ({len(results)} faults, up to {args.per_kind} per kind of "
                   f"{which}, each moving some token's logprob by >= "
-                  f"{args.min_effect:g} nats teacher-forced, {args.fault_tokens} generated tokens): a finding names "
+                  f"{args.min_effect:g} nats teacher-forced, {args.fault_tokens} generated tokens"
+                  f"{f', sampled at temperature {args.fault_temperature:g}' if args.fault_temperature > 0 else ''}): a finding names "
                   f"the faulted layer in **{named:.0%}** (target >= 90%: {'met' if named >= 0.9 else 'missed'}); "
                   f"it names the faulted component (head, expert; the layer for layer-wide kinds) in {comp:.0%}.", "",
                   "| fault kind | faults | a finding names the layer | ... the component | median rank |",

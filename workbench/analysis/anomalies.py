@@ -362,7 +362,8 @@ class Sampler:
         if not isinstance(params, dict) or "temperature" not in params:
             return None
         try:
-            return cls(float(params["temperature"]), float(params.get("top_p", 1.0)), int(vocab))
+            # a vocabulary the run does not record: a size no tokenizer reaches keeps the bound conservative
+            return cls(float(params["temperature"]), float(params.get("top_p", 1.0)), int(vocab) if vocab else 1 << 20)
         except (TypeError, ValueError):
             return None
 
