@@ -71,7 +71,7 @@ from scipy.stats import binom, chi2, false_discovery_control, norm
 from workbench.analysis.baseline import (BUCKETS, PROBS, CellTails, bucket_of, load_profile, load_statistic,
                                          resid_growth, run_means, tail_p)
 from workbench.analysis.memo import by_object
-from workbench.analysis.repetition import covered_positions, input_loops, spans
+from workbench.analysis.repetition import covered_positions, scan, spans
 from workbench.data import query
 from workbench.data.schema import columns
 
@@ -602,12 +602,13 @@ def near_ties(routing: pl.DataFrame, base: Baseline, info_p: float = 1e-3, min_p
 
 
 # -- degenerate generation -------------------------------------------------------------------------
-def repetition(tokens: pl.DataFrame, **kw) -> pl.DataFrame:
+def repetition(tokens: pl.DataFrame, found: list | None = None, **kw) -> pl.DataFrame:
     """``repetition`` rows (severity warning), one per loop, repeated n-gram or copy of the prompt
-    (``workbench.analysis.repetition.spans``). ``pos`` is where it starts, ``score`` how many tokens it covers,
-    ``threshold`` the minimum that counts."""
+    (``workbench.analysis.repetition.spans``; ``found``: those spans, already scanned). ``pos`` is where it starts,
+    ``score`` how many tokens it covers, ``threshold`` the minimum that counts."""
     return _rows([{"kind": "repetition", "severity": "warning", "pos": s.pos, "score": float(s.tokens),
-                   "threshold": float(s.threshold), "explanation": s.explanation} for s in spans(tokens, **kw)])
+                   "threshold": float(s.threshold), "explanation": s.explanation}
+                  for s in (spans(tokens, **kw) if found is None else found)])
 
 
 def non_finite(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
@@ -709,7 +710,8 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
     mp, run_mp = int(th["min_positions"]), int(th["run_min_positions"])
     raw = {"tokens": tokens, "attention": attention, "routing": routing, "kv": kv, "resid_norm": resid,
            "head_norm": head_norm}
-    degenerate = input_loops(tokens)  # the prompt's own loops: positions no test judges (one info row each)
+    degenerate, found = scan(tokens)  # the prompt's own loops (positions no test judges; one info row each), and
+    # the generation's loops, repeated spans and copies: the token sequence scanned once for all three uses
     skip = sorted({p for s in degenerate for p in s.positions})
     if skip:
         def judged(df: pl.DataFrame | None) -> pl.DataFrame | None:
@@ -721,7 +723,7 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
         attention = attention.filter(pl.col("pos") < skip[0])
         head_norm = head_norm.filter(pl.col("pos") < skip[0]) if head_norm is not None else None
     ent = entropy_tests(attention, base, mp)
-    covered = covered_positions(raw["tokens"])
+    covered = {p for sp in degenerate + found for p in sp.positions}  # ``covered_positions``
     parts = [token_tests(tokens, base, bool(th["include_prompt"]), mp, sampler), ent,
              resid_tests(resid if resid is not None else _empty_signal("pos", "layer", "norm"), base, mp),
              kv_tests(kv_tokens if kv_tokens is not None else pl.DataFrame(), base, mp),
@@ -738,7 +740,7 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
     tested = tests.filter(pl.col("basis") != "nothing (no profile cell)")
     flagged = decide(tested, th["alpha"], th["critical_q"])
     flagged, shift = content_shift(flagged, routing["layer"].n_unique() if routing.height else 0)
-    rep = repetition(raw["tokens"])
+    rep = repetition(raw["tokens"], found)
     extra = [_rows([{"kind": "repetition", "severity": "info", "pos": s.pos, "score": float(s.tokens),
                      "threshold": float(s.threshold), "explanation": s.explanation} for s in degenerate])]
     if not base.has_profile:

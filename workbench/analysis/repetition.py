@@ -193,6 +193,12 @@ def _scan(tokens: pl.DataFrame, min_loop: int = 12, ngram: int = 8, min_copies: 
     return inputs, out
 
 
+def scan(tokens: pl.DataFrame) -> tuple[list[Span], list[Span]]:
+    """(``input_loops(tokens)``, ``spans(tokens)``) from one scan of the sequence (the detectors need both, and the
+    positions they cover)."""
+    return _scan(tokens)
+
+
 def covered_positions(tokens: pl.DataFrame) -> set[int]:
     """Every position inside a loop, a repeated n-gram or a copy of the prompt, or a loop of the prompt itself."""
     inputs, found = _scan(tokens)
