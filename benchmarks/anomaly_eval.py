@@ -24,8 +24,9 @@ model without a profile, and findings that name injected faults.
     .venv/bin/python benchmarks/anomaly_eval.py                  # writes its section of RESULTS.md
     .venv/bin/python benchmarks/anomaly_eval.py --make-profile   # rebuild data/demo/profile.parquet first
 
-The bundled profiles themselves come from ``scripts/build_activation_profile.py --profile-out data/demo/profile.parquet``
-(both calibration sets; ``--make-profile`` here rebuilds the signal profile from them alone).
+The bundled profiles themselves come from
+``scripts/build_activation_profile.py --profile-out data/demo/profile.parquet`` (both calibration sets;
+``--make-profile`` here rebuilds the signal profile from them alone).
 """
 from __future__ import annotations
 
@@ -156,8 +157,10 @@ def sampled_items(items: list[dict], other: list[dict]) -> list[dict]:
     """Sampled generation (kinds ``sampled``, ``sampled-other``): every third clean prompt at temperature 1.0 and
     the other kinds' prompts at 0.7 (a seed each): a sampled token of probability 0.05 is what sampling does, and
     the text it leads to is not the calibration's greedy text."""
-    return ([{**it, "id": f"sampled:{it.get('id')}", "temperature": 1.0, "seed": k} for k, it in enumerate(items[::3])]
-            + [{**it, "id": f"sampled-other:{it.get('id')}", "temperature": 0.7, "seed": k} for k, it in enumerate(other)])
+    return ([{**it, "id": f"sampled:{it.get('id')}", "temperature": 1.0, "seed": k}
+             for k, it in enumerate(items[::3])]
+            + [{**it, "id": f"sampled-other:{it.get('id')}", "temperature": 0.7, "seed": k}
+               for k, it in enumerate(other)])
 
 
 def long_generation_items(items: list[dict], other: list[dict], n: int = 256) -> list[dict]:
@@ -392,7 +395,8 @@ def markdown(clean, tiny, results, loop, args, seconds, threads) -> str:
         code = [r for r in clean if r["kind"] in CODE_KINDS]
         s = summary(code)
         gen_kinds = ("sampled", "sampled-other", "long-gen")
-        o = summary([r for r in clean if r["kind"] not in CODE_KINDS + gen_kinds and not r["kind"].startswith("held-out")])
+        o = summary([r for r in clean if r["kind"] not in CODE_KINDS + gen_kinds
+                     and not r["kind"].startswith("held-out")])
         smp = summary([r for r in clean if r["kind"] in gen_kinds[:2]])
         lg = summary([r for r in clean if r["kind"] == "long-gen"])
         h = summary([r for r in clean if r["kind"].startswith("held-out")])
@@ -457,7 +461,8 @@ def markdown(clean, tiny, results, loop, args, seconds, threads) -> str:
         lines += [f"**Injected faults with a symptom** ({len(results)} faults, up to {args.per_kind} per kind of "
                   f"{which}, each moving some token's logprob by >= "
                   f"{args.min_effect:g} nats teacher-forced, {args.fault_tokens} generated tokens"
-                  f"{f', sampled at temperature {args.fault_temperature:g}' if args.fault_temperature > 0 else ''}): a finding names "
+                  + (f", sampled at temperature {args.fault_temperature:g}" if args.fault_temperature > 0 else "")
+                  + "): a finding names "
                   f"the faulted layer in **{named:.0%}** (target >= 90%: {'met' if named >= 0.9 else 'missed'}); "
                   f"it names the faulted component (head, expert; the layer for layer-wide kinds) in {comp:.0%}.", "",
                   "| fault kind | faults | a finding names the layer | ... the component | median rank |",

@@ -523,27 +523,33 @@ def test_run_level_tests_catch_a_shift_no_single_position_shows():
 
 
 def test_a_stored_copy_of_an_older_bundled_profile_is_refreshed_and_a_users_own_is_kept(tmp_path):
-    """A database that copied the demo's bundled profile before a release changed it (its source names a
-    calibration set under data/prompts/) reads the bundled one now; a profile the user made (another source), and a
-    bundled-looking profile of another model, are kept as they are."""
+    """A database that copied the demo's bundled profile before a release changed it (the older release's stamp, or a
+    bundle's missing created_at) reads the bundled one now; a profile the user made with `workbench profile`, even
+    from the same prompt file, and a bundle-stamped profile of another model are kept as they are."""
+    from datetime import datetime
+
     from workbench.data.store import Store
 
     bundled = pl.read_parquet(pr.BUNDLED)
     sha = bundled["checkpoint_sha256"][0]
-    older = json.dumps({"prompts": "data/prompts/calibration.jsonl", "runs": 100, "max_new_tokens": 16})
-    assert older != bundled["source"][0]
-    stale = bundled.with_columns(pl.lit(older).alias("source"), pl.col("n") * 0 + 1)
+    (old_source, old_stamp), = pr.OLD_BUNDLES
+    assert old_source != bundled["source"][0] and bundled["created_at"].null_count() == bundled.height
     store = Store(tmp_path / "w.duckdb")
-    store.replace_rows("profiles", {"checkpoint_sha256": sha}, stale)
-    got = pr.load_profile(store, sha)
-    assert got["source"][0] == bundled["source"][0] and got["n"].to_list() == bundled["n"].to_list()
-    mine = bundled.with_columns(pl.lit(json.dumps({"prompts": "/home/me/prompts.jsonl", "runs": 9})).alias("source"),
-                                pl.col("n") * 0 + 1)
+    for stale in (bundled.with_columns(pl.lit(old_source).alias("source"), pl.col("n") * 0 + 1,
+                                       pl.lit(datetime.fromisoformat(old_stamp)).alias("created_at")),
+                  bundled.with_columns(pl.lit('{"prompts": "data/prompts/calibration.jsonl", "runs": 9}')
+                                       .alias("source"), pl.col("n") * 0 + 1)):  # a bundle: no created_at
+        store.replace_rows("profiles", {"checkpoint_sha256": sha}, stale)
+        got = pr.load_profile(store, sha)
+        assert got["source"][0] == bundled["source"][0] and got["n"].to_list() == bundled["n"].to_list()
+    mine = pl.read_parquet(pr.BUNDLED).with_columns(  # the user's own, from the very prompt file bundles name
+        pl.lit('{"prompts": "data/prompts/calibration.jsonl", "runs": 136, "max_new_tokens": 32}').alias("source"),
+        pl.col("n") * 0 + 1, pl.lit(datetime(2026, 12, 3, 9, 0)).alias("created_at"))
     store.replace_rows("profiles", {"checkpoint_sha256": sha}, mine)
     assert set(pr.load_profile(store, sha)["n"].to_list()) == {1}
-    other = stale.with_columns(pl.lit("e" * 64).alias("checkpoint_sha256"))
+    other = bundled.with_columns(pl.lit("e" * 64).alias("checkpoint_sha256"), pl.lit(old_source).alias("source"))
     store.replace_rows("profiles", {"checkpoint_sha256": "e" * 64}, other)
-    assert pr.load_profile(store, "e" * 64)["source"][0] == older
+    assert pr.load_profile(store, "e" * 64)["source"][0] == old_source
 
 
 def test_a_profile_made_by_an_older_workbench_is_upgraded_or_not_used(tmp_path):
@@ -884,6 +890,14 @@ def test_rows_the_runs_own_interventions_account_for_are_info_and_say_so(tmp_pat
          "spec": ["scale:layers.3.attn=0"]}, schema_overrides={"layer": pl.Int64, "expert": pl.Int64,
                                                                 "head": pl.Int64}))
     assert set(scaled["severity"]) == {"info"}  # a module path inside layer 3
+    # the component check runs the model without the interventions: its rows are the model's, never explained away
+    comp = an.declared(an._rows([{"kind": "component_outlier", "severity": "critical", "layer": 3, "head": 1,
+                                  "score": 90.0, "threshold": 20.0, "explanation": "layer 3 head 1 ...",
+                                  "component": "head"},
+                                 {"kind": "non_finite", "severity": "critical", "layer": 3, "head": 1, "score": 1.0,
+                                  "threshold": 0.0, "explanation": "NaN"}]),
+                       run.interventions().select("kind", "layer", "expert", "head", "path", "spec"))
+    assert set(comp["severity"]) == {"critical"}
 
 
 def test_a_cell_of_few_calibration_values_claims_no_tail_it_cannot_resolve():

@@ -1279,8 +1279,8 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
     for key, v in known.items():  # an answer on fixed inputs is no consequence of anything upstream: never capped
         if abs(v) >= abs(best.get(key, 0.0)):
             best[key], why[key] = v, "known"
-    for key, (v, sig) in exact.items():  # nor is routing that disagrees with its own router's logits
-        if key not in known or abs(v) > abs(best[key]):
+    for key, (v, sig) in exact.items():  # nor is routing that disagrees with its own router's logits (at least)
+        if abs(v) >= abs(best.get(key, 0.0)):
             best[key], why[key] = v, sig
     anchors = {**{k: v for k, (v, _) in exact.items()}, **known}
     if anchors:  # and a component known to compute another function (or routing changed after its router) explains

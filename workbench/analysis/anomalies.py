@@ -69,7 +69,7 @@ import polars as pl
 from scipy.stats import binom, chi2, false_discovery_control, norm
 
 from workbench.analysis.baseline import (BUCKETS, PROBS, CellTails, bucket_of, load_profile, load_statistic,
-                                         resid_growth, run_means, tail_p)
+                                         resid_growth, run_means)
 from workbench.analysis.memo import by_object
 from workbench.analysis.repetition import covered_positions, scan, spans
 from workbench.data import query
@@ -277,6 +277,18 @@ class Baseline:
             return None
         d = d.filter((pl.col("layer") == layer) & pl.col("quantiles").is_not_null())
         return np.asarray(d["quantiles"][0], dtype=np.float64) if d.height else None
+
+    def dispersion_p(self, layer: int, stat: float) -> float | None:
+        """P(a clean run's load concentration at ``layer`` >= ``stat``) against the calibration's runs (their number
+        bounds the tail it can claim: ``CellTails``), or None without that cell."""
+        d = self.cells("load_dispersion", min_n=8)
+        if d.height == 0 or "quantiles" not in d.columns:
+            return None
+        d = d.filter((pl.col("layer") == layer) & pl.col("quantiles").is_not_null())
+        if not d.height:
+            return None
+        tails = CellTails.of(np.asarray(d["quantiles"][0], dtype=np.float64)[None], d["n"].to_numpy()[:1])
+        return float(tails.p(np.array([stat]), np.zeros(1, dtype=int))[0])
 
     def shares(self, layer: int, n_experts: int) -> tuple[np.ndarray, bool]:
         """(expected share per expert, from a profile?) for one MoE layer."""
@@ -576,7 +588,7 @@ def expert_tests(routing: pl.DataFrame, n_experts: int, base: Baseline, exclude:
             rows.append({"kind": "dead_expert" if chosen[e] == 0 else "starved_expert", "layer": layer, "expert": e,
                          "value": float(chosen[e]), "p": float(under[e]), "side": "low", "basis": basis})
         stat = load_statistic(slots.astype(np.float64), share)
-        p = float(tail_p(np.array([stat]), disp)[0]) if disp is not None else \
+        p = base.dispersion_p(int(layer), stat) if disp is not None else \
             float(chi2.sf(stat * g.height + n_experts - 1, n_experts - 1))
         rows.append({"kind": "routing_collapse", "layer": layer, "value": stat, "p": p, "side": "high",
                      "basis": basis})
@@ -892,17 +904,17 @@ ROUTING_KINDS = ("overloaded_expert", "dead_expert", "starved_expert", "routing_
 def declared(df: pl.DataFrame, ivs: pl.DataFrame) -> pl.DataFrame:
     """``df`` with the rows the run's own interventions (``interventions`` rows: kind, layer, expert, head, path, spec)
     account for turned to ``info``, saying which: what the user did to the model is no fault of it. A head scaled:
-    that head's rows; an expert banned, boosted or forced: that expert's rows at its layer and the layer's routing
-    rows (load, collapse, the router's own); a router bias: the layer's routing rows; a module scaled: the rows of
-    the layer its path names (``layers.3.``). What they change downstream is still judged."""
+    that head's rows; an expert banned, boosted or forced: that expert's rows at its layer and the layer's load
+    rows; a router bias: the layer's load and expert rows; a module scaled: the rows of the layer its path names
+    (``layers.3.``). Never a ``component_outlier`` row (the component check runs the model without the
+    interventions: what it finds is the model's) nor a ``non_finite`` one; other layers' rows are still judged."""
     if not df.height or ivs is None or not ivs.height:
         return df
     rules = []
     for iv in ivs.iter_rows(named=True):
         k, layer = iv["kind"], iv["layer"]
         at = pl.col("layer") == layer if layer is not None else None
-        routing = pl.col("kind").is_in(ROUTING_KINDS) | ((pl.col("kind") == "component_outlier")
-                                                          & (pl.col("component") == "router"))
+        routing = pl.col("kind").is_in(ROUTING_KINDS)
         if k == "scale_head":
             cond = at & (pl.col("head") == iv["head"])
         elif k in ("ban", "boost", "force"):
@@ -912,7 +924,9 @@ def declared(df: pl.DataFrame, ivs: pl.DataFrame) -> pl.DataFrame:
         else:  # scale: a module path
             m = re.search(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)", iv["path"] or "")
             cond = pl.col("layer") == int(m.group(1)) if m else None
-        if cond is not None:
+        if cond is not None:  # the component check runs the clean model: its rows are never the intervention's;
+            # a NaN is a fault whatever was done
+            cond = cond & ~pl.col("kind").is_in(["component_outlier", "non_finite"])
             rules.append((cond.fill_null(False), str(iv["spec"])))
     if not rules:
         return df

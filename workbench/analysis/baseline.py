@@ -196,7 +196,7 @@ def load_profile(store: Store, sha: str | None) -> pl.DataFrame | None:
     if cached is not None and cached[0] == query.profile_stamp(store, sha):
         return cached[1]
     got = query.profile(store, sha)
-    if got.height and _stale_bundle(got["source"][0], sha):  # a copy of an older release's bundled profile: refreshed
+    if got.height and _stale_bundle(got["source"][0], got["created_at"][0], sha):  # an older release's bundle
         got = got.clear()
     missing = CURRENT_SIGNALS - set(got["signal"].unique().to_list()) if got.height else set()
     if missing:  # a profile made by an older workbench: the bundled one replaces it, else it is not used
@@ -222,20 +222,23 @@ def load_profile(store: Store, sha: str | None) -> pl.DataFrame | None:
     return out
 
 
-def _stale_bundle(source: str | None, sha: str) -> bool:
-    """Whether a stored profile of model ``sha`` is a copy of a bundled file of that model (its prompts a calibration
-    set under data/prompts/) other than the one this release bundles."""
-    try:
-        src = json.loads(source or "{}")
-    except ValueError:
+def _stale_bundle(source: str | None, created_at, sha: str) -> bool:
+    """Whether a stored profile of model ``sha`` is a copy of a bundled file of that model other than the one this
+    release bundles. A bundle is known by its stamp: no ``created_at`` (scripts/build_activation_profile.py writes
+    none, ``workbench profile`` always does) or one of the older releases' stamps (``OLD_BUNDLES``); a profile the
+    user made, even from the same prompt file, is never replaced."""
+    if not BUNDLED.exists():
         return False
-    if not isinstance(src, dict) or not str(src.get("prompts", "")).startswith(BUNDLED_PROMPTS) or not BUNDLED.exists():
+    stamp = (source, None if created_at is None else str(created_at))
+    if created_at is not None and stamp not in OLD_BUNDLES:
         return False
     head = pl.read_parquet(BUNDLED, columns=["checkpoint_sha256", "source"]).head(1)
     return head.height == 1 and head["checkpoint_sha256"][0] == sha and head["source"][0] != source
 
 
-BUNDLED_PROMPTS = "data/prompts/calibration"  # how the bundled profiles name their prompts (relative to the project)
+# (source, created_at) of the bundled demo profiles of earlier releases (made by `workbench profile`, so stamped)
+OLD_BUNDLES = {('{"prompts": "data/prompts/calibration.jsonl", "runs": 136, "max_new_tokens": 32}',
+                "2026-12-02 17:07:38.611399")}
 # cells the detectors of this version read (a profile without them was made by an older workbench)
 CURRENT_SIGNALS = frozenset({"log_head_norm", "log_resid_growth", "run_norm_entropy", "run_log_head_norm",
                              "run_log_resid_growth"})

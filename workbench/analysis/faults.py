@@ -78,7 +78,20 @@ def break_expert(model, layer: int, expert: int, scale: float = 30.0) -> context
     it), as a fault of that expert would be; the router and the mixing weights are untouched."""
     a = adapter_for(model)
     _check_moe(a, layer, expert)
-    return _edited(a.expert_down(layer, expert), lambda t: t.mul_(scale))
+    return _edited_all([a.expert_down(layer, expert)] + _expert_biases(a, layer, expert, ("down_proj_bias",)),
+                       lambda t: t.mul_(scale))
+
+
+def _expert_biases(a: Adapter, layer: int, expert: int, names: tuple[str, ...]) -> list[torch.Tensor]:
+    """One routed expert's bias rows of fused experts (gpt-oss: ``gate_up_proj_bias``, ``down_proj_bias`` [E, ...]):
+    what a fault of the expert's weights changes too; [] where the family has none."""
+    experts = a.parts(layer)["experts"]
+    out = []
+    for n in names:
+        b = getattr(experts, n, None)
+        if isinstance(b, torch.Tensor) and b.dim() >= 2 and b.size(0) == a.summary.n_routed_experts:
+            out.append(b[expert])
+    return out
 
 
 @contextlib.contextmanager
@@ -537,7 +550,8 @@ def copy_expert(model, layer: int, expert: int) -> contextlib.AbstractContextMan
     experts, fused = _experts_of(a, layer, expert)
     other = partner(expert, a.summary.n_routed_experts)
     if fused:
-        pairs = [(getattr(experts, n)[expert], getattr(experts, n)[other]) for n in ("gate_up_proj", "down_proj")
+        pairs = [(getattr(experts, n)[expert], getattr(experts, n)[other])
+                 for n in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
                  if isinstance(getattr(experts, n, None), torch.Tensor)]
     else:
         pairs = list(zip(experts[expert].parameters(), experts[other].parameters()))
@@ -558,9 +572,23 @@ def swap_router_rows(model, layer: int, expert: int) -> contextlib.AbstractConte
     bug; each of the pair receives the other's tokens."""
     a = adapter_for(model)
     _check_moe(a, layer, expert)
-    w = a.parts(layer)["router"].weight  # [E, D]
+    router = a.parts(layer)["router"]
+    w = router.weight  # [E, D]
     other = partner(expert, w.size(0))
-    return _swapped(w[expert], w[other])
+    # and the per-expert terms beside the weight (a router bias, DeepSeek-V3's selection bias): the whole row moves
+    biases = [getattr(router, n, None) for n in ("bias", "e_score_correction_bias")]
+    pairs = [(w[expert], w[other])] + [(b[expert:expert + 1], b[other:other + 1]) for b in biases
+                                       if isinstance(b, torch.Tensor) and b.dim() == 1 and b.numel() == w.size(0)]
+    return _swapped_all(pairs)
+
+
+@contextlib.contextmanager
+def _swapped_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """``_swapped`` on several pairs, when the block is entered; every one restored on exit."""
+    with contextlib.ExitStack() as stack:
+        for w, v in pairs:
+            stack.enter_context(_swapped(w, v))
+        yield
 
 
 @contextlib.contextmanager
@@ -573,10 +601,9 @@ def top1_routing(model, layer: int) -> Iterator[None]:
         raise ValueError(f"layer {layer} is a dense layer (no router); MoE layers are {a.summary.moe_layers}")
 
     def fn(i: int, r: Route) -> None:
-        if i == layer:
-            w = r.weights.clone()
-            w[:, 1:] = 0
-            r.force(torch.ones(w.size(0), dtype=torch.bool), r.indices, w)
+        if i == layer:  # the first choice: the largest weight of each row (a family's top-k need not sort its slots)
+            keep = torch.zeros_like(r.weights, dtype=torch.bool).scatter_(1, r.weights.argmax(1, keepdim=True), True)
+            r.force(torch.ones(r.weights.size(0), dtype=torch.bool), r.indices, r.weights * keep)
 
     with a.seams({"route": fn}):
         yield

@@ -495,6 +495,10 @@ def sampler_note(store, run_id: str, pos: int) -> str | None:
     p = float(sampler_p([r["prob"]], [r["confidence"]], [r.get("topk_probs")], sampler.temperature, sampler.top_p,
                         sampler.vocab)[0])
     how = f"temperature {sampler.temperature:g}" + (f", top-p {sampler.top_p:g}" if sampler.top_p < 1 else "")
+    if p == 0.0:  # past the nucleus: no draw at these settings gives it
+        return (f"this token (p = {r['prob']:.3g}, rank {r['rank']}) lies outside what the sampler could draw at the "
+                f"recorded settings ({how}): the recorded logits and the sampler disagree (another sampler, a forced "
+                "token, or logits recorded from another computation than the one sampled)")
     return (f"the sampler drew this token ({how}): the model gave it p = {r['prob']:.3g}, its rank {r['rank']} (its "
             f"first choice had p = {r['confidence']:.3g}); a draw at most this likely happens with probability "
             f"{p:.2g} at these settings: the causes below explain the model's distribution, not this draw")
