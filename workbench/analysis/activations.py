@@ -1349,9 +1349,10 @@ def anomaly_rows(a: Adapter, ids: list[int], prof: pl.DataFrame | None, routing_
         what = WORDS.get(kind, kind).format(head=head, expert=expert, pos=pos)
         where = "" if layer is None else f"layer {layer} "
         if signals.get(key) == "first":
-            what = {"embed": "the first token's input embedding", "unembed": "the output logits"}.get(kind, what)
+            what = {"embed": "the first token's input embedding",
+                    "unembed": "the output logits (the final norm's and the output projection's work)"}.get(kind, what)
             what = f"the router's output for expert {expert}" if kind == "router" and expert is not None else what
-            how = (f"{'differ' if what.endswith('logits') else 'differs'} at position 0 from what the clean model "
+            how = (f"{'differ' if kind == 'unembed' else 'differs'} at position 0 from what the clean model "
                    "computes for this first token (the profile holds its exact output)")
         elif signals.get(key) == "known":
             how = ("no longer computes what it computed when the profile was made (its output on the profile's fixed "
