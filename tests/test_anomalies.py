@@ -441,8 +441,9 @@ def test_what_was_tested_says_what_a_nothing_found_means(tmp_path, capsys):
     expect = f"{meta['tests']} tests against the baseline profile (6 calibration prompts)"
     assert line.startswith(expect), line
     # a greedy run's generated tokens: their surprise against its sampler, said so (no reference was given)
-    assert meta["sampler_tests"] == 6 and f"{expect}, 6 of them (the generated tokens' surprise) against the run's own " \
-        "sampler" in line and "reference" not in line, line
+    assert meta["sampler_tests"] == 6, meta
+    assert f"{expect}, 6 of them (the generated tokens' surprise) against the run's own sampler" in line, line
+    assert "reference" not in line, line
     assert line.endswith("none significant at FDR 0.01") if loud == 0 else "at FDR 0.01" in line
     assert cli_main(["findings", run2.run_id, "--db", str(tmp_path / "w.duckdb")]) == 0
     assert expect in " ".join(capsys.readouterr().out.split())  # rich wraps lines
@@ -794,8 +795,9 @@ def test_sampler_p_is_never_below_the_exact_value_and_exact_at_temperature_one(t
 def test_sampled_tokens_are_judged_against_their_sampler_so_a_clean_sampled_run_raises_nothing():
     """At temperature 1 a token of probability 0.01 is drawn one time in a hundred: judged against the calibration's
     greedy tokens, the demo's clean prompts sampled at temperature 1 raised 300 high_surprise rows per 1,000 tokens.
-    Against the sampler the p-values of sampled tokens are at least uniform: none at FDR 0.01 on 2,000 draws; a greedy run
-    whose token is not the most probable one is critical; without the sampler's settings, the profile still judges."""
+    Against the sampler the p-values of sampled tokens are at least uniform: none at FDR 0.01 on 2,000 draws; a
+    greedy run whose token is not the most probable one is critical; without the sampler's settings, the profile
+    still judges."""
     rng = np.random.default_rng(3)
     v, n = 40, 2000
     probs = rng.dirichlet(np.full(v, 0.2), size=n)

@@ -72,6 +72,7 @@ from workbench.analysis.baseline import (BUCKETS, PROBS, CellTails, bucket_of, l
                                          resid_growth, run_means)
 from workbench.analysis.memo import by_object
 from workbench.analysis.repetition import covered_positions, scan, spans
+from workbench.capture.interventions import stored as stored_interventions
 from workbench.data import query
 from workbench.data.schema import columns
 
@@ -270,24 +271,26 @@ class Baseline:
             self._cells[key] = CellTails.of(q, c["n"].to_numpy())
         return self._cells[key]
 
-    def dispersion(self, layer: int) -> np.ndarray | None:
-        """The calibration's quantiles of a run's load concentration (``load_statistic``) at ``layer``, or None."""
-        d = self.cells("load_dispersion", min_n=8)  # one value per calibration run
-        if d.height == 0 or "quantiles" not in d.columns:
-            return None
-        d = d.filter((pl.col("layer") == layer) & pl.col("quantiles").is_not_null())
-        return np.asarray(d["quantiles"][0], dtype=np.float64) if d.height else None
-
-    def dispersion_p(self, layer: int, stat: float) -> float | None:
-        """P(a clean run's load concentration at ``layer`` >= ``stat``) against the calibration's runs (their number
-        bounds the tail it can claim: ``CellTails``), or None without that cell."""
+    def _dispersion_cell(self, layer: int) -> dict | None:
+        """The profile's ``load_dispersion`` cell of ``layer`` (one value per calibration run), or None."""
         d = self.cells("load_dispersion", min_n=8)
         if d.height == 0 or "quantiles" not in d.columns:
             return None
         d = d.filter((pl.col("layer") == layer) & pl.col("quantiles").is_not_null())
-        if not d.height:
+        return d.row(0, named=True) if d.height else None
+
+    def dispersion(self, layer: int) -> np.ndarray | None:
+        """The calibration's quantiles of a run's load concentration (``load_statistic``) at ``layer``, or None."""
+        c = self._dispersion_cell(layer)
+        return None if c is None else np.asarray(c["quantiles"], dtype=np.float64)
+
+    def dispersion_p(self, layer: int, stat: float) -> float | None:
+        """P(a clean run's load concentration at ``layer`` >= ``stat``) against the calibration's runs (their number
+        bounds the tail it can claim: ``CellTails``), or None without that cell."""
+        c = self._dispersion_cell(layer)
+        if c is None:
             return None
-        tails = CellTails.of(np.asarray(d["quantiles"][0], dtype=np.float64)[None], d["n"].to_numpy()[:1])
+        tails = CellTails.of(np.asarray(c["quantiles"], dtype=np.float64)[None], np.array([c["n"]]))
         return float(tails.p(np.array([stat]), np.zeros(1, dtype=int))[0])
 
     def shares(self, layer: int, n_experts: int) -> tuple[np.ndarray, bool]:
@@ -342,17 +345,14 @@ def token_tests(tokens: pl.DataFrame, base: Baseline, include_prompt: bool = Fal
         .with_columns(bucket_of(pl.col("pos")).alias("bucket"), (-pl.col("logprob")).alias("surprise"))
     p, side, basis = base.judge(t, "confidence", "confidence", ["bucket"], "lower", min_positions)
     out = [_tests(kind="low_confidence", pos=t["pos"], value=t["confidence"], p=p, side=side, basis=basis)]
-    p, side, basis = base.judge(t, "surprise", "surprise", ["bucket"], "upper", min_positions)
-    if sampler is not None and t.height:
-        gen = ~t["is_prompt"].to_numpy()
-        sp = sampler.p(t.filter(pl.col("is_prompt").not_()))
-        p = np.asarray(p, dtype=float).copy()
-        p[gen] = sp
-        side = np.asarray(side, dtype=object).copy()
-        side[gen] = "high"
-        basis = np.asarray(basis, dtype=object).copy()
-        basis[gen] = sampler.basis
-    out.append(_tests(kind="high_surprise", pos=t["pos"], value=t["surprise"], p=p, side=side, basis=basis))
+    profiled = t.filter(pl.col("is_prompt")) if sampler is not None else t  # the sampler judges the generated ones
+    p, side, basis = base.judge(profiled, "surprise", "surprise", ["bucket"], "upper", min_positions)
+    out.append(_tests(kind="high_surprise", pos=profiled["pos"], value=profiled["surprise"], p=p, side=side,
+                      basis=basis))
+    if sampler is not None:
+        drawn = t.filter(~pl.col("is_prompt"))
+        out.append(_tests(kind="high_surprise", pos=drawn["pos"], value=drawn["surprise"], p=sampler.p(drawn),
+                          side="high", basis=sampler.basis))
     return pl.concat(out)
 
 
@@ -753,8 +753,7 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
     flagged = decide(tested, th["alpha"], th["critical_q"])
     flagged, shift = content_shift(flagged, routing["layer"].n_unique() if routing.height else 0)
     rep = repetition(raw["tokens"], found)
-    extra = [_rows([{"kind": "repetition", "severity": "info", "pos": s.pos, "score": float(s.tokens),
-                     "threshold": float(s.threshold), "explanation": s.explanation} for s in degenerate])]
+    extra = [repetition(raw["tokens"], degenerate).with_columns(pl.lit("info").alias("severity"))]
     if not base.has_profile:
         flagged = flagged.with_columns(pl.lit("info").alias("severity"))
         rep = rep.with_columns(pl.lit("info").alias("severity"))
@@ -911,10 +910,10 @@ def declared(df: pl.DataFrame, ivs: pl.DataFrame) -> pl.DataFrame:
     if not df.height or ivs is None or not ivs.height:
         return df
     rules = []
+    routing = pl.col("kind").is_in(ROUTING_KINDS)
     for iv in ivs.iter_rows(named=True):
         k, layer = iv["kind"], iv["layer"]
         at = pl.col("layer") == layer if layer is not None else None
-        routing = pl.col("kind").is_in(ROUTING_KINDS)
         if k == "scale_head":
             cond = at & (pl.col("head") == iv["head"])
         elif k in ("ban", "boost", "force"):
@@ -930,8 +929,6 @@ def declared(df: pl.DataFrame, ivs: pl.DataFrame) -> pl.DataFrame:
             rules.append((cond.fill_null(False), str(iv["spec"])))
     if not rules:
         return df
-    if "component" not in df.columns:
-        df = df.with_columns(pl.lit(None, dtype=pl.Utf8).alias("component"))
     spec = pl.lit(None, dtype=pl.Utf8)
     for cond, sp in reversed(rules):
         spec = pl.when(cond).then(pl.lit(sp)).otherwise(spec)
@@ -943,10 +940,10 @@ def declared(df: pl.DataFrame, ivs: pl.DataFrame) -> pl.DataFrame:
 
 
 def _interventions_of(store, run_id: str) -> pl.DataFrame | None:
-    """The run's ``interventions`` rows, or None (none, or a store without the table)."""
+    """The run's ``interventions`` rows (``workbench.capture.interventions.stored``), or None (none, or a store
+    without the table)."""
     try:
-        got = store.sql("SELECT kind, layer, expert, head, path, spec FROM interventions WHERE run_id = ? "
-                        "ORDER BY idx", [run_id])
+        got = stored_interventions(store, run_id)
     except Exception:  # noqa: BLE001 - an older database or a shard folder without the table: nothing declared
         return None
     return got if got.height else None

@@ -240,12 +240,18 @@ def scale_kv_channel(model, layer: int, channel: int, scale: float = 30.0) -> co
                                                 and mod.weight.ndim == 2 else []), lambda t: t.mul_(scale))
 
 
-@contextlib.contextmanager
-def _edited_all(tensors: list[torch.Tensor], edit: Callable[[torch.Tensor], None]) -> Iterator[None]:
+def _edited_all(tensors: list[torch.Tensor], edit: Callable[[torch.Tensor], None]) -> contextlib.AbstractContextManager:
     """``_edited`` on several tensors at once, when the block is entered; every one restored on exit."""
+    return _together([_edited(t, edit) for t in tensors])
+
+
+@contextlib.contextmanager
+def _together(blocks: list[contextlib.AbstractContextManager]) -> Iterator[None]:
+    """Several of these faults' blocks (``_edited``, ``_swapped``: each acts when entered) as one; all undone on
+    exit."""
     with contextlib.ExitStack() as stack:
-        for t in tensors:
-            stack.enter_context(_edited(t, edit))
+        for b in blocks:
+            stack.enter_context(b)
         yield
 
 
@@ -555,16 +561,7 @@ def copy_expert(model, layer: int, expert: int) -> contextlib.AbstractContextMan
                  if isinstance(getattr(experts, n, None), torch.Tensor)]
     else:
         pairs = list(zip(experts[expert].parameters(), experts[other].parameters()))
-    return _edited_all_from([w for w, _ in pairs], [v.detach().clone() for _, v in pairs])
-
-
-@contextlib.contextmanager
-def _edited_all_from(tensors: list[torch.Tensor], values: list[torch.Tensor]) -> Iterator[None]:
-    """Set each of ``tensors`` to its ``values`` for the block; every one restored on exit."""
-    with contextlib.ExitStack() as stack:
-        for t, v in zip(tensors, values):
-            stack.enter_context(_edited(t, lambda w, v=v: w.copy_(v)))
-        yield
+    return _together([_edited(w, lambda t, v=v.detach().clone(): t.copy_(v)) for w, v in pairs])
 
 
 def swap_router_rows(model, layer: int, expert: int) -> contextlib.AbstractContextManager:
@@ -579,16 +576,7 @@ def swap_router_rows(model, layer: int, expert: int) -> contextlib.AbstractConte
     biases = [getattr(router, n, None) for n in ("bias", "e_score_correction_bias")]
     pairs = [(w[expert], w[other])] + [(b[expert:expert + 1], b[other:other + 1]) for b in biases
                                        if isinstance(b, torch.Tensor) and b.dim() == 1 and b.numel() == w.size(0)]
-    return _swapped_all(pairs)
-
-
-@contextlib.contextmanager
-def _swapped_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
-    """``_swapped`` on several pairs, when the block is entered; every one restored on exit."""
-    with contextlib.ExitStack() as stack:
-        for w, v in pairs:
-            stack.enter_context(_swapped(w, v))
-        yield
+    return _together([_swapped(w, v) for w, v in pairs])
 
 
 @contextlib.contextmanager

@@ -120,12 +120,13 @@ def spans(tokens: pl.DataFrame, min_loop: int = 12, ngram: int = 8, min_copies: 
           min_copy: int = 32) -> list[Span]:
     """Loops, repeated n-grams and copies of the prompt in a run's tokens (``pos``, ``token_id`` or ``text``,
     ``is_prompt``), in that order; none inside a loop the prompt itself holds (``input_loops``)."""
-    return _scan(tokens, min_loop, ngram, min_copies, min_copy)[1]
+    return scan(tokens, min_loop, ngram, min_copies, min_copy)[1]
 
 
-def _scan(tokens: pl.DataFrame, min_loop: int = 12, ngram: int = 8, min_copies: int = 3,
-          min_copy: int = 32) -> tuple[list[Span], list[Span]]:
-    """(``input_loops``, ``spans``) of a run's tokens, from one sequence and one ``_Periods``."""
+def scan(tokens: pl.DataFrame, min_loop: int = 12, ngram: int = 8, min_copies: int = 3,
+         min_copy: int = 32) -> tuple[list[Span], list[Span]]:
+    """(``input_loops``, ``spans``) of a run's tokens, from one sequence and one ``_Periods`` (the detectors need
+    both, and the positions they cover)."""
     seq = _sequence(tokens)
     if seq is None:
         return [], []
@@ -193,13 +194,7 @@ def _scan(tokens: pl.DataFrame, min_loop: int = 12, ngram: int = 8, min_copies: 
     return inputs, out
 
 
-def scan(tokens: pl.DataFrame) -> tuple[list[Span], list[Span]]:
-    """(``input_loops(tokens)``, ``spans(tokens)``) from one scan of the sequence (the detectors need both, and the
-    positions they cover)."""
-    return _scan(tokens)
-
-
 def covered_positions(tokens: pl.DataFrame) -> set[int]:
     """Every position inside a loop, a repeated n-gram or a copy of the prompt, or a loop of the prompt itself."""
-    inputs, found = _scan(tokens)
+    inputs, found = scan(tokens)
     return {p for s in inputs + found for p in s.positions}
