@@ -87,6 +87,20 @@ def wait_text(pg, selector: str, text: str, timeout: int = 30_000) -> None:
                          timeout=timeout)
 
 
+def fill(pg, selector: str, text: str, tries: int = 5) -> None:
+    """Fill the input ``selector`` and make sure it holds ``text`` a moment later: a component Gradio has just
+    mounted (a tab or panel shown by the last click) can be reset to its initial value by its first props after a
+    fill (seen in CI: an Interventions layer typed as 1 was sent as 0)."""
+    loc = pg.locator(selector).first
+    for _ in range(tries):
+        loc.fill(text)
+        loc.dispatch_event("change")
+        pg.wait_for_timeout(300)
+        if loc.input_value() == text:
+            return
+    raise AssertionError(f"{selector} does not keep {text!r} (holds {loc.input_value()!r})")
+
+
 def wait_plot(pg, elem_id: str, traces: int | None = None, timeout: int = 30_000) -> None:
     """Wait until the plotly plot inside ``#elem_id`` has data (``traces`` of them when given)."""
     cond = "p.data.length > 0" if traces is None else f"p.data.length === {traces}"

@@ -84,3 +84,24 @@ def test_open_store_sees_a_killed_recording_interrupted(tmp_path):
     assert status == "interrupted"
     n_tokens, n_rows = store.execute("SELECT n_tokens, (SELECT count(*) FROM tokens) FROM runs")[0]
     assert n_tokens == n_rows and 12 <= n_rows < 38
+
+
+EXITS = r"""
+import atexit, sys, threading
+# registered before the store module: runs after its own exit handler (atexit runs last-registered first)
+atexit.register(lambda: print("watchers:", [t.name for t in threading.enumerate() if t.name == "workbench-store-watch"]))
+from workbench.data.store import Store
+s = Store(sys.argv[1])
+s.sql("SELECT 1")
+assert any(t.name == "workbench-store-watch" for t in threading.enumerate())
+"""
+
+
+def test_no_watcher_thread_is_left_inside_duckdb_at_exit(tmp_path):
+    """The thread that gives the file up to another process (``.want``) is ended before the interpreter finalizes:
+    left running, it could be inside DuckDB's close then, and the interpreter's forced unwind of a daemon thread
+    through DuckDB's C++ aborted the finished process (SIGABRT, "FATAL: exception not rethrown"; seen in CI)."""
+    out = subprocess.run([sys.executable, "-c", EXITS, str(tmp_path / "x.duckdb")], cwd=ROOT, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "watchers: []"

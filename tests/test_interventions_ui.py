@@ -7,7 +7,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import polars as pl  # noqa: E402
 import pytest  # noqa: E402
-from helpers import BROWSER_MARKS, chromium_page, served  # noqa: E402
+from helpers import BROWSER_MARKS, chromium_page, fill, served  # noqa: E402
 
 import workbench  # noqa: E402
 from workbench.data import query  # noqa: E402
@@ -44,9 +44,10 @@ def test_the_interventions_panel_records_a_child_run(server, page):
     page.locator("#runs-table").get_by_text(run.run_id, exact=True).locator("visible=true").first.click()
     page.wait_for_function(f"() => (document.querySelector('#run-head')?.innerText || '').includes('{run.run_id}')",
                            timeout=30_000)
-    page.locator("#iv-layer input").fill("1")
-    page.locator("#iv-expert input").fill(str(expert))
-    page.locator("#iv-specs textarea").fill("scale_head:L0H1=0")
+    fill(page, "#iv-layer input", "1")
+    fill(page, "#iv-expert input", str(expert))
+    fill(page, "#iv-specs textarea", "scale_head:L0H1=0")
+    assert [page.locator(f"#iv-{k} input").input_value() for k in ("layer", "expert")] == ["1", str(expert)]
     page.locator("#iv-button").click()
     page.wait_for_function("() => (document.querySelector('#iv-msg')?.innerText || '').includes('Child run')",
                            timeout=120_000)
@@ -69,7 +70,7 @@ def test_the_interventions_panel_records_a_child_run(server, page):
     shown = page.locator("#iv-changed").inner_text()
     assert all(repr(v) in shown for v in changed["d_logprob"].to_list())
     # a bad spec says why in one line, and records nothing
-    page.locator("#iv-specs textarea").fill("ban:L1")
+    fill(page, "#iv-specs textarea", "ban:L1")
     page.locator("#iv-button").click()
     page.wait_for_function("() => (document.querySelector('#iv-msg')?.innerText || '').includes('L<layer>E<expert>')",
                            timeout=30_000)

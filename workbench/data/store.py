@@ -28,6 +28,7 @@ Durability and liveness:
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
@@ -201,12 +202,13 @@ class _Shared:
         self.last_check = 0.0  # time.monotonic() of the last liveness check of 'running' runs
         self.check_lock = threading.Lock()
         self._watcher: threading.Thread | None = None
+        self.stopping = False  # the interpreter is exiting: no watcher runs any more
 
     def acquire(self, connect) -> duckdb.DuckDBPyConnection:
         with self.lock:
             if self.con is None:
                 self.con = connect()
-                if self._watcher is None or not self._watcher.is_alive():
+                if not self.stopping and (self._watcher is None or not self._watcher.is_alive()):
                     self._watcher = threading.Thread(target=self._watch, name="workbench-store-watch", daemon=True)
                     self._watcher.start()
             self.users += 1
@@ -225,9 +227,19 @@ class _Shared:
         while True:
             time.sleep(0.05)
             with self.lock:
-                if self.con is None:
+                if self.con is None or self.stopping:
                     return
                 self._yield_if_wanted()
+
+    def stop_watching(self) -> None:
+        """At exit: end the watcher thread before the interpreter finalizes. A daemon thread still inside DuckDB
+        then (closing the connection for another process's ``.want``) is ended by the interpreter with a forced
+        unwind that DuckDB's C++ cannot pass through: the process aborted (SIGABRT) after it had finished."""
+        with self.lock:
+            self.stopping = True
+            watcher = self._watcher
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(timeout=10)
 
     def close(self) -> None:
         with self.lock:
@@ -270,6 +282,14 @@ class _Lease:
 
 _SHARED: dict[str, _Shared] = {}
 _LOCK = threading.RLock()
+
+
+@atexit.register
+def _stop_watchers() -> None:
+    with _LOCK:
+        shared = list(_SHARED.values())
+    for sh in shared:
+        sh.stop_watching()
 
 
 class Store:
