@@ -12,7 +12,7 @@ from helpers import tiny_model
 
 import workbench
 from workbench.apps import app as app_mod
-from workbench.apps.shared import AppContext
+from workbench.apps.shared import AppContext, StepSlider
 from workbench.apps.tabs import (
     anomalies,
     attention,
@@ -163,6 +163,21 @@ def test_an_unknown_run_clears_the_views(env, monkeypatch):
     assert info.height == 0 and info.columns == run_view.TOKEN_COLUMNS and figs == [None] * 5
     assert attention.attention_views(app, s, "<b>nope</b>", None, False)[:2] == (None, None)
     assert replay.replay(app, s, "<b>nope</b>", 1)[0] == []
+
+
+def test_the_replay_slider_clamps_a_value_sent_before_its_range_moved(env):
+    """A pick of another run moves the replay slider's range; an event the page sent before then carries the old
+    run's step (seen in CI as an error toast "Value 5 is greater than maximum value 1."): it is clamped."""
+    with gr.Blocks() as blocks:
+        step = StepSlider(0, 1, value=0, step=1, elem_id="replay-step")
+    assert (step.preprocess(5), step.preprocess(-2), step.preprocess(1)) == (1, 0, 1)
+    with pytest.raises(gr.Error):
+        gr.Slider(0, 1, value=0, step=1).preprocess(5)  # what it replaces
+    types = {c["props"].get("elem_id"): c["type"] for c in blocks.config["components"]}
+    assert types["replay-step"] == "slider"  # drawn by the page's own slider
+    # and the app's replay slider is one
+    built = app_mod.build_app(env["app"].store)
+    assert any(isinstance(b, StepSlider) and b.elem_id == "replay-step" for b in built.blocks.values())
 
 
 def test_page_header_names_the_run_model_family(env):

@@ -7,7 +7,7 @@ import gradio as gr
 import polars as pl
 
 from workbench.analysis.replay import at_step
-from workbench.apps.shared import COLOR_MAP, AppContext, Page, fail, frames_of, strip_value
+from workbench.apps.shared import COLOR_MAP, AppContext, Page, StepSlider, fail, frames_of, strip_value
 from workbench.views.markup import defuse
 from workbench.views.session import Session
 
@@ -55,7 +55,7 @@ def replay_tick(app: AppContext, s: Session, run_id: str | None, step: float):
 def build(session: Page) -> None:
     with gr.Tab("Replay", id="replay"):
         with gr.Row():
-            step = gr.Slider(0, 1, value=0, step=1, label="Step (0 = prefill)", elem_id="replay-step", scale=4)
+            step = StepSlider(0, 1, value=0, step=1, label="Step (0 = prefill)", elem_id="replay-step", scale=4)
             play = gr.Button(PLAY, scale=0, min_width=90, elem_id="replay-play")
             pause = gr.Button(PAUSE, scale=0, min_width=90, elem_id="replay-pause")
         timer = gr.Timer(0.8, active=False)
