@@ -113,18 +113,6 @@ def table(columns: list[str], label: str, **kw) -> gr.Dataframe:
                         wrap=True, **kw)
 
 
-class StepSlider(gr.Slider):
-    """A slider whose value from the page is clamped to its range instead of refused: an event the page sent
-    before a pick of another run moved the range carries the old run's value (Gradio's slider raised "Value 5 is
-    greater than maximum value 1." as an error toast when runs were picked quickly). Drawn as a slider."""
-
-    is_template = True  # the page draws it with the slider's own component
-
-    def preprocess(self, payload: float | None) -> float:
-        value = self.minimum if payload is None else min(max(payload, self.minimum), self.maximum)
-        return gr.Number.round_to_precision(value, self.precision)
-
-
 def short_model(path: str | None) -> str:
     return Path(path).name if path and ("/" in path or "\\" in path) else (path or "")
 

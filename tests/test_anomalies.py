@@ -926,3 +926,96 @@ def test_a_cell_of_few_calibration_values_claims_no_tail_it_cannot_resolve():
     assert np.array_equal(pr.CellTails.of(q[None], np.array([5000])).p(x, np.zeros(101, dtype=int)), pr.tail_p(x, q))
     assert np.array_equal(pr.CellTails.of(q[None], np.array([5000])).p(x, np.zeros(101, dtype=int), upper=False),
                           pr.tail_p(x, q, upper=False))
+
+
+def test_calibration_token_cells_count_tokens_and_each_runs_share_of_tokens_no_other_run_holds():
+    """``token_count``: each token's count over the calibration runs; ``novel_share``: per run, the share of its tokens
+    that no other run holds (leave one run out), by hand on three runs."""
+    tok = pl.DataFrame({"run_id": ["a"] * 4 + ["b"] * 3 + ["c"] * 5,
+                        "token_id": [1, 2, 2, 9, 1, 2, 3, 1, 4, 4, 5, 2]})
+    counts, shares = pr.token_cells(tok)
+    assert dict(zip(counts["bucket"], counts["n"])) == {1: 3, 2: 4, 3: 1, 4: 2, 5: 1, 9: 1}
+    assert set(counts["signal"]) == {"token_count"} and counts["layer"].null_count() == counts.height
+    by_run = dict(pr.novel_shares(tok).iter_rows())
+    assert by_run == pytest.approx({"a": 1 / 4, "b": 1 / 3, "c": 3 / 5})  # a: 9; b: 3; c: 4, 4, 5
+    assert shares["signal"][0] == "novel_share" and shares["n"][0] == 3
+    assert shares["quantiles"][0][-1] == pytest.approx(np.quantile([1 / 4, 1 / 3, 3 / 5], pr.PROBS[-1]))
+    # the prompt is judged, never the generation (a broken model's made-up tokens are a symptom): c's prompt is 1, 4
+    gen = tok.with_columns(pl.Series("is_prompt", [True] * 7 + [True, True, False, False, False]))
+    assert dict(pr.novel_shares(gen).iter_rows()) == pytest.approx({"a": 1 / 4, "b": 1 / 3, "c": 1 / 2})
+    assert pr.token_cells(tok.filter(pl.col("run_id") == "a"))[0].height == 3  # one run: counts, no shares
+    assert len(pr.token_cells(tok.filter(pl.col("run_id") == "a"))) == 1
+
+
+def test_text_the_calibration_never_saw_has_its_distribution_level_tests_as_info():
+    """A run whose tokens are mostly ones no calibration run held (another script, say) is text unlike the
+    calibration's: its run-level and load rows are info, with one novel_input row saying why; per-position tests and
+    NaNs are still judged; a run of seen tokens is judged as before; a profile without the cells judges as before."""
+    seen = profile_frame([{"signal": "token_count", "bucket": t, "n": 5} for t in range(100)]
+                         + [cell("novel_share", np.linspace(0.0, 0.1, 50))])
+    base = an.Baseline(seen)
+    nov = base.novelty(np.array(list(range(40)) + list(range(500, 510))))
+    assert (nov["unseen"], nov["tokens"], nov["novel"]) == (10, 50, True) and nov["limit"] == pytest.approx(0.1, rel=1e-2)
+    assert not base.novelty(np.array(list(range(95)) + [500] * 5))["novel"]  # 5% unseen: within the calibration's
+    assert not base.novelty(np.array([500] * 7 + [1]))["novel"]  # 7 unseen tokens: too few to say
+    assert an.Baseline(profile_frame([cell("confidence", np.linspace(0, 1, 50), bucket=0)])).novelty(
+        np.array([500] * 50)) is None
+    rows = an._rows([{"kind": k, "severity": "critical", "layer": 1, "pos": p, "score": 9.0, "explanation": k}
+                     for k, p in (("block_shift", None), ("overloaded_expert", None), ("entropy_spike", 4))])
+    quiet = an.as_info(rows, pl.col("kind").is_in(list(an.SHIFTED)), an.NOVEL_NOTE)
+    assert quiet["severity"].to_list() == ["info", "info", "critical"]
+    assert quiet["explanation"][0] == f"block_shift ({an.NOVEL_NOTE})" and quiet["explanation"][2] == "entropy_spike"
+    row = an.novel_input(nov)
+    assert row["kind"][0] == "novel_input" and row["severity"][0] == "info" and "10 of the prompt's 50 tokens (20%)" in \
+        row["explanation"][0]
+
+
+def test_a_stored_bundle_copy_without_the_token_cells_is_refreshed_and_a_users_profile_without_them_kept(tmp_path):
+    """The bundle gained ``token_count`` / ``novel_share`` cells under the same source: a database holding a copy made
+    before (no created_at) reads the bundle now; a profile the user made without them is kept, and judges as before
+    (no novelty: ``Baseline.novelty`` is None)."""
+    from datetime import datetime
+
+    from workbench.data.store import Store
+
+    bundled = pl.read_parquet(pr.BUNDLED)
+    sha = bundled["checkpoint_sha256"][0]
+    assert {"token_count", "novel_share"} <= set(bundled["signal"])
+    old = bundled.filter(~pl.col("signal").is_in(["token_count", "novel_share"]))
+    store = Store(tmp_path / "w.duckdb")
+    store.replace_rows("profiles", {"checkpoint_sha256": sha}, old)
+    got = pr.load_profile(store, sha)
+    assert got.height == bundled.height and an.Baseline(got).novelty(np.arange(100)) is not None
+    mine = old.with_columns(pl.lit(datetime(2026, 12, 3, 9, 0)).alias("created_at"))
+    store.replace_rows("profiles", {"checkpoint_sha256": sha}, mine)
+    kept = pr.load_profile(store, sha)
+    assert kept.height == old.height and an.Baseline(kept).novelty(np.arange(100)) is None
+
+
+def test_another_scripts_text_on_the_demo_is_novel_input_not_a_fault(tmp_path):
+    """Georgian and Thai prose (kinds of data/prompts/unusual_held_out.jsonl, written after the novel-input rule) raised
+    5-7 warning/critical load and component rows per run on the clean demo model: most of their tokens occur in no
+    calibration run. Now: info rows with one novel_input row saying why, the detection's JSON and what_was_tested say
+    so; a code prompt of seen tokens is not novel. A NaN in such a run is still critical."""
+    from workbench.analysis import faults
+    from workbench.capture.prompts import load_prompts
+    from workbench.model import load_checkpoint
+    model = load_checkpoint()
+    db = workbench.Store(tmp_path / "w.duckdb")
+    items = {it["id"]: it["prompt"] for it in load_prompts(pr.BUNDLED.parents[1] / "prompts" / "unusual_held_out.jsonl")}
+    for key in ("georgian:0", "thai:1"):
+        run = workbench.record(items[key], model=model, db=db, max_new_tokens=24)
+        a = run.anomalies()
+        loud = a.filter((pl.col("severity") != "info") & (pl.col("kind") != "repetition"))
+        assert loud.height == 0, (key, loud["explanation"].to_list())
+        note = a.filter(pl.col("kind") == "novel_input")
+        assert note.height == 1 and "never occur in the calibration runs" in note["explanation"][0]
+        meta = json.loads(run.refresh().info["detection"])["novelty"]
+        assert meta["novel"] and meta["share"] > meta["limit"] and meta["unseen"] >= 8
+        assert "text unlike the calibration's" in an.what_was_tested(db, run.run_id)
+    code = workbench.record("def fibonacci(n):\n    if n < 2:\n        return n\n", model=model, db=db, max_new_tokens=24)
+    assert not json.loads(code.refresh().info["detection"])["novelty"]["novel"]
+    assert code.anomalies().filter(pl.col("kind") == "novel_input").height == 0
+    with faults.inject_nan(model, 2, 30):
+        bad = workbench.record(items["georgian:0"], model=model, db=db, max_new_tokens=4)
+    assert bad.anomalies().filter((pl.col("kind") == "non_finite") & (pl.col("severity") == "critical")).height

@@ -7,7 +7,7 @@ import gradio as gr
 import polars as pl
 
 from workbench.analysis.replay import at_step
-from workbench.apps.shared import COLOR_MAP, AppContext, Page, StepSlider, fail, frames_of, strip_value
+from workbench.apps.shared import COLOR_MAP, AppContext, Page, fail, frames_of, strip_value
 from workbench.views.markup import defuse
 from workbench.views.session import Session
 
@@ -33,6 +33,13 @@ def replay(app: AppContext, s: Session, run_id: str | None, step: float):
             f.fig_kv_bytes(step=t))
 
 
+def replay_picked(app: AppContext, s: Session, run_id: str | None):
+    """``replay`` of a run just picked, at its last step (where the pick puts the slider). The slider is no input: a
+    step the page sent with it could be the run picked before's, past the new run's range, which Gradio refuses
+    with an error toast ("Value 5 is greater than maximum value 1.", seen when runs were picked quickly)."""
+    return replay(app, s, run_id, last_step(s, run_id))
+
+
 def last_step(s: Session, run_id: str | None) -> int:
     f = frames_of(s, run_id)
     return f.last_step if f is not None else 0
@@ -55,7 +62,7 @@ def replay_tick(app: AppContext, s: Session, run_id: str | None, step: float):
 def build(session: Page) -> None:
     with gr.Tab("Replay", id="replay"):
         with gr.Row():
-            step = StepSlider(0, 1, value=0, step=1, label="Step (0 = prefill)", elem_id="replay-step", scale=4)
+            step = gr.Slider(0, 1, value=0, step=1, label="Step (0 = prefill)", elem_id="replay-step", scale=4)
             play = gr.Button(PLAY, scale=0, min_width=90, elem_id="replay-play")
             pause = gr.Button(PAUSE, scale=0, min_width=90, elem_id="replay-pause")
         timer = gr.Timer(0.8, active=False)
@@ -75,7 +82,7 @@ def build(session: Page) -> None:
     # redrawn by whatever moves it: a new run (even when its last step equals the slider's value, so the slider
     # does not change), the user's slider, Play and the timer; never by the slider's .change (load_run moves the
     # slider too, and that replay of the run picked before could land after the new run's)
-    session.on_pick.append((fn, inputs, outputs))
+    session.on_pick.append((partial(replay_picked, app), [state, pick], outputs))
     step.input(fn, inputs, outputs, api_name=False, trigger_mode="always_last")
     play.click(partial(replay_play, app), inputs, [step, timer], api_name=False).then(fn, inputs, outputs,
                                                                                       api_name=False)

@@ -1331,14 +1331,21 @@ WORDS = {"embed": "the input embedding of the token at position {pos}",
 STATS_MIN_TOKENS = 3  # the detector's component statistics: runs of at least this many tokens (2 positions judged)
 
 
-def anomaly_rows(a: Adapter, ids: list[int], prof: pl.DataFrame | None, routing_shift: bool = False) -> list[dict]:
+# the signals of ``evidence``'s exact checks (no statistic: what a clean model computes, or must): judged on any text
+EXACT_SIGNALS = frozenset({"first", "known", "mismatch", "weights", "angle"})
+
+
+def anomaly_rows(a: Adapter, ids: list[int], prof: pl.DataFrame | None, routing_shift: bool = False,
+                 novel: bool = False) -> list[dict]:
     """Anomaly rows (kind ``component_outlier``, the schema of workbench.analysis.anomalies) for the components
     whose activations over the first ``MAX_TOKENS`` of ``ids`` are at least ``WARNING_NATS`` unusual. The
     statistics judge a run of at least ``STATS_MIN_TOKENS`` tokens (the exact checks every run): one position's
     output against the calibration's two-token prefixes is no test of a model (a clean 1+1-token run, a prompt's
     first token and the model's own next one, stood 21-23 nats out at a layer's input norm). ``routing_shift``: the
     run's text routes unlike the calibration's at many layers at once (``anomalies.content_shift``): how often each
-    expert is chosen is then shown as info (content, not a broken router)."""
+    expert is chosen is then shown as info (content, not a broken router). ``novel``: the run's tokens are mostly ones
+    the calibration never saw (``anomalies.Baseline.novelty``): every statistical row is info, the exact checks (the
+    routing consistency, the first position's and the known inputs' outputs, the rotation) are judged."""
     rows = []
     a = adapter_for(a)
     signals: dict = {}
@@ -1377,10 +1384,13 @@ def anomaly_rows(a: Adapter, ids: list[int], prof: pl.DataFrame | None, routing_
         else:
             how = "puts out unusually small values" if nats < 0 else "puts out values far from its clean range"
         rate = kind == "router" and expert is not None and signals.get(key) == "chosen"
-        sev = "info" if rate and routing_shift else "critical" if abs(nats) >= CRITICAL_NATS else "warning"
+        moot = novel and signals.get(key) not in EXACT_SIGNALS  # a statistic of text the calibration never saw
+        sev = "info" if (rate and routing_shift) or moot else "critical" if abs(nats) >= CRITICAL_NATS else "warning"
         rows.append({"kind": "component_outlier", "severity": sev,
                      "pos": pos, "layer": layer, "head": head, "expert": expert,
                      "score": abs(nats) / math.log(10), "threshold": WARNING_NATS / math.log(10),
                      "explanation": f"{where}{what}{' ' + how if how else ''} against the activation profile "
-                                    f"({abs(nats):.0f} nats, {kind})", "component": kind})
+                                    f"({abs(nats):.0f} nats, {kind})"
+                                    + (" (the run's text is unlike the calibration's: see novel_input)" if moot else ""),
+                     "component": kind})
     return rows

@@ -293,6 +293,28 @@ class Baseline:
         tails = CellTails.of(np.asarray(c["quantiles"], dtype=np.float64)[None], np.array([c["n"]]))
         return float(tails.p(np.array([stat]), np.zeros(1, dtype=int))[0])
 
+    def novelty(self, token_ids: np.ndarray, min_tokens: int = 8) -> dict | None:
+        """How unlike the calibration's a prompt's tokens are: {unseen, tokens, share, limit, novel} (``unseen``: its
+        tokens that no calibration run holds; ``limit``: the largest share of such tokens a calibration prompt had
+        against the other runs, the ``novel_share`` cell's top quantile; ``novel``: at least ``min_tokens`` of them and a larger
+        share than ``limit``), or None without those cells (a profile made before them)."""
+        if not self.has_profile or ("novelty",) not in self._cells:
+            cells = (self.profile.filter(pl.col("signal").is_in(["token_count", "novel_share"]))
+                     if self.has_profile else pl.DataFrame())
+            seen = cells.filter(pl.col("signal") == "token_count")["bucket"].to_numpy() if cells.height else None
+            lim = cells.filter((pl.col("signal") == "novel_share") & pl.col("quantiles").is_not_null()) \
+                if cells.height else cells
+            self._cells[("novelty",)] = (seen, float(lim["quantiles"][0][-1]) if lim.height and seen is not None
+                                         and seen.size else None)
+        seen, limit = self._cells[("novelty",)]
+        ids = np.asarray(token_ids)
+        if limit is None or ids.size == 0:
+            return None
+        unseen = int((~np.isin(ids, seen)).sum())
+        share = unseen / ids.size
+        return {"unseen": unseen, "tokens": int(ids.size), "share": share, "limit": limit,
+                "novel": unseen >= min_tokens and share > limit}
+
     def shares(self, layer: int, n_experts: int) -> tuple[np.ndarray, bool]:
         """(expected share per expert, from a profile?) for one MoE layer."""
         s = self.cells("expert_share").filter(pl.col("layer") == layer) if self.has_profile else pl.DataFrame()
@@ -752,6 +774,11 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
     tested = tests.filter(pl.col("basis") != "nothing (no profile cell)")
     flagged = decide(tested, th["alpha"], th["critical_q"])
     flagged, shift = content_shift(flagged, routing["layer"].n_unique() if routing.height else 0)
+    nov = base.novelty(raw["tokens"].filter(pl.col("is_prompt"))["token_id"].drop_nulls().to_numpy(), mp) \
+        if "token_id" in raw["tokens"].columns else None  # the input's tokens: a broken model's made-up ones are a
+    # symptom, not text unlike the calibration's
+    if nov is not None and nov["novel"]:  # text unlike the calibration's: its distribution-level tests are moot
+        flagged = as_info(flagged, pl.col("kind").is_in(list(SHIFTED)), NOVEL_NOTE)
     rep = repetition(raw["tokens"], found)
     extra = [repetition(raw["tokens"], degenerate).with_columns(pl.lit("info").alias("severity"))]
     if not base.has_profile:
@@ -762,6 +789,8 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
                                         "against the run's own statistics and are shown as info only; run "
                                         "`workbench profile --prompts data/prompts/calibration.jsonl --model MODEL` "
                                         "to calibrate"}])]
+    if nov is not None and nov["novel"]:
+        extra.append(novel_input(nov))
     if shift:
         extra.append(_rows([{"kind": "routing_shift", "severity": "info", "score": float(len(shift)), "threshold": 3.0,
                              "explanation": f"the run's expert load differs from the calibration's at {len(shift)} MoE "
@@ -772,6 +801,8 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
     if meta is not None:
         if shift:
             meta["routing_shift"] = shift
+        if nov is not None:
+            meta["novelty"] = {k: round(v, 4) if isinstance(v, float) else v for k, v in nov.items()}
         meta.update({"tests": tested.height, "alpha": th["alpha"], "profile": base.has_profile,
                      "profile_tests": int(tested["basis"].str.starts_with("the baseline profile").sum()),
                      "sampler_tests": int(tested["basis"].is_in([sampler.basis]).sum()) if sampler is not None else 0,
@@ -801,11 +832,31 @@ def content_shift(flagged: pl.DataFrame, n_moe: int) -> tuple[pl.DataFrame, list
     layers = sorted({int(x) for x in load["layer"].drop_nulls()})
     if len(layers) < max(SHIFT_LAYERS, (n_moe + 1) // 2):
         return flagged, []
-    quiet = pl.col("kind").is_in(list(SHIFTED))
-    return flagged.with_columns(
-        pl.when(quiet).then(pl.lit("info")).otherwise(pl.col("severity")).alias("severity"),
-        pl.when(quiet).then(pl.col("explanation") + " (the whole run's routing differs: see routing_shift)")
-        .otherwise(pl.col("explanation")).alias("explanation")), layers
+    return as_info(flagged, pl.col("kind").is_in(list(SHIFTED)), "the whole run's routing differs: see routing_shift"), \
+        layers
+
+
+def as_info(rows: pl.DataFrame, which: pl.Expr, why: str) -> pl.DataFrame:
+    """``rows`` with those ``which`` selects (and not info already) turned to info, ``why`` in parentheses after their
+    explanation."""
+    hit = which & (pl.col("severity") != "info")
+    return rows.with_columns(
+        pl.when(hit).then(pl.lit("info")).otherwise(pl.col("severity")).alias("severity"),
+        pl.when(hit).then(pl.col("explanation") + f" ({why})").otherwise(pl.col("explanation")).alias("explanation"))
+
+
+NOVEL_NOTE = "the run's text is unlike the calibration's: see novel_input"
+
+
+def novel_input(nov: dict) -> pl.DataFrame:
+    """The ``novel_input`` info row of a run whose tokens the calibration mostly never saw (``Baseline.novelty``)."""
+    return _rows([{"kind": "novel_input", "severity": "info", "score": nov["share"], "threshold": nov["limit"],
+                   "explanation": f"{nov['unseen']} of the prompt's {nov['tokens']} tokens ({nov['share']:.0%}) never "
+                                  f"occur in the calibration runs (a calibration prompt held at most {nov['limit']:.0%} "
+                                  "tokens the other runs lacked): text unlike the calibration's, whose statistics say nothing of "
+                                  "it; its load and run-level tests and the component check's statistics are shown as "
+                                  "info (per-position tests, exact checks and NaNs are judged). To judge text like "
+                                  "this, profile the model on some (`workbench profile`)"}])
 
 
 def component_rows(store, info: dict, tokens: pl.DataFrame, model, meta: dict) -> pl.DataFrame:
@@ -838,7 +889,8 @@ def component_rows(store, info: dict, tokens: pl.DataFrame, model, meta: dict) -
         meta["component_check"] = (f"judged over the first {reach} tokens, the longest context its calibration ran; "
                                    "profile on longer prompts to judge the rest")
         start = reach
-    return _rows(activations.anomaly_rows(model, ids[:start], prof, routing_shift=bool(meta.get("routing_shift"))))
+    return _rows(activations.anomaly_rows(model, ids[:start], prof, routing_shift=bool(meta.get("routing_shift")),
+                                          novel=bool(meta.get("novelty", {}).get("novel"))))
 
 
 def _reference_attention(store, info: dict, summary, reference: str) -> pl.DataFrame:
@@ -1035,6 +1087,10 @@ def what_was_tested(store, run_id: str) -> str:
         base += f", {meta['component_tests']} components against their activation profile"
     if meta.get("component_check"):  # a model and a profile, but no component judged: say why
         base += f" (component check {meta['component_check']})"
+    nov = meta.get("novelty") or {}
+    if nov.get("novel"):
+        base += (f" (text unlike the calibration's: {nov['share']:.0%} of the prompt's tokens never occur there; its "
+                 "distribution-level tests and component statistics are shown as info)")
     base += " and a check for repetition loops" if meta.get("token_rows", 1) else " (no tokens rows: no check for " \
         "repetition loops)"
     if crit + warn == 0:

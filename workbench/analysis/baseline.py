@@ -19,6 +19,11 @@ probabilities against it (``tail_p``). Signals:
 ``run_norm_entropy``, ``run_log_head_norm``, ``run_log_resid_growth``: the same per-run means (``run_means``),
 their distribution over the calibration runs (run-level tests: a shift that lasts the run).
 
+``token_count``: how often each token occurs in the calibration runs (``bucket``: the token id, ``n``: the count);
+``novel_share``: the distribution over calibration runs of the share of a run's prompt tokens that no other calibration
+run holds (``novel_shares``). A prompt with a larger share of tokens the calibration never saw is text unlike it
+(``anomalies.Baseline.novelty``): what its statistics would say of such text is unknown.
+
 The detectors judge norms on the log scale (``log_*``: light tails, a vanished output far down the lower tail);
 the plain cells' mean / std serve the root cause's profile evidence.
 
@@ -88,6 +93,7 @@ def build_profile(store: Store, run_ids: list[str]) -> pl.DataFrame:
         parts.append(_cells(run_means(att, "norm_entropy", ["layer", "head", "bucket"]), "run_norm_entropy",
                             "norm_entropy", ["layer", "head", "bucket"]))
     if tok.height:
+        parts += token_cells(tok)
         gen = tok.filter(~pl.col("is_prompt") & (pl.col("pos") > 0)).with_columns(
             bucket_of(pl.col("pos")).alias("bucket"), (-pl.col("logprob")).alias("surprise"))
         parts += [_cells(gen, "confidence", "confidence", ["bucket"]), _cells(gen, "surprise", "surprise", ["bucket"])]
@@ -123,6 +129,35 @@ def build_profile(store: Store, run_ids: list[str]) -> pl.DataFrame:
         parts.append(_cells(run_means(hn.with_columns(_log("norm")), "norm", ["layer", "head"]), "run_log_head_norm",
                             "norm", ["layer", "head"]))
     return pl.concat(parts, how="vertical_relaxed") if parts else pl.DataFrame(schema={k: SCHEMA[k] for k in KEYS})
+
+
+def novel_shares(tok: pl.DataFrame) -> pl.DataFrame:
+    """Per calibration run (``run_id``, ``token_id``, ``is_prompt`` rows; without ``is_prompt`` every token is the
+    prompt's): ``share``, the share of its prompt's tokens that no other run holds, prompt or generated (leave one run
+    out: how novel a clean prompt is against a calibration set of the others). The input is judged, never the
+    generation: tokens a broken model makes up are a symptom, not text unlike the calibration's."""
+    kp = pl.col("is_prompt").sum() if "is_prompt" in tok.columns else pl.len()
+    per = tok.group_by("run_id", "token_id").agg(pl.len().alias("k"), kp.alias("kp")).with_columns(
+        pl.col("k").sum().over("token_id").alias("total"))
+    return per.filter(pl.col("kp").sum().over("run_id") > 0).group_by("run_id").agg(
+        ((pl.col("kp") * (pl.col("total") == pl.col("k"))).sum() / pl.col("kp").sum()).alias("share"))
+
+
+def token_cells(tok: pl.DataFrame) -> list[pl.DataFrame]:
+    """The ``token_count`` and ``novel_share`` cells of the calibration runs' ``tokens`` rows."""
+    if "token_id" not in tok.columns or tok["token_id"].null_count() == tok.height:
+        return []
+    tok = tok.filter(pl.col("token_id").is_not_null())
+    counts = tok.group_by("token_id").agg(pl.len().alias("n")).sort("token_id").select(
+        pl.lit("token_count").alias("signal"), pl.lit(None, pl.Int32).alias("layer"),
+        pl.lit(None, pl.Int32).alias("head"), pl.lit(None, pl.Int32).alias("expert"),
+        pl.col("token_id").cast(pl.Int32).alias("bucket"), pl.col("n").cast(pl.Int64),
+        pl.lit(None, pl.Float64).alias("mean"), pl.lit(None, pl.Float64).alias("std"),
+        pl.lit(None, SCHEMA["quantiles"]).alias("quantiles"))
+    parts = [counts]
+    if "run_id" in tok.columns and tok["run_id"].n_unique() >= 2:
+        parts.append(_cells(novel_shares(tok), "novel_share", "share", []))
+    return parts
 
 
 def load_statistic(chosen_slots: np.ndarray, share: np.ndarray) -> float:
@@ -196,7 +231,8 @@ def load_profile(store: Store, sha: str | None) -> pl.DataFrame | None:
     if cached is not None and cached[0] == query.profile_stamp(store, sha):
         return cached[1]
     got = query.profile(store, sha)
-    if got.height and _stale_bundle(got["source"][0], got["created_at"][0], sha):  # an older release's bundle
+    if got.height and _stale_bundle(got["source"][0], got["created_at"][0], sha,
+                                    set(got["signal"].unique().to_list())):  # an older release's bundle
         got = got.clear()
     missing = CURRENT_SIGNALS - set(got["signal"].unique().to_list()) if got.height else set()
     if missing:  # a profile made by an older workbench: the bundled one replaces it, else it is not used
@@ -222,18 +258,21 @@ def load_profile(store: Store, sha: str | None) -> pl.DataFrame | None:
     return out
 
 
-def _stale_bundle(source: str | None, created_at, sha: str) -> bool:
-    """Whether a stored profile of model ``sha`` is a copy of a bundled file of that model other than the one this
-    release bundles. A bundle is known by its stamp: no ``created_at`` (scripts/build_activation_profile.py writes
-    none, ``workbench profile`` always does) or one of the older releases' stamps (``OLD_BUNDLES``); a profile the
-    user made, even from the same prompt file, is never replaced."""
+def _stale_bundle(source: str | None, created_at, sha: str, signals: set[str] | None = None) -> bool:
+    """Whether a stored profile of model ``sha`` (its cells of ``signals``) is a copy of a bundled file of that model
+    other than the one this release bundles (another source, or fewer signals). A bundle is known by its stamp: no
+    ``created_at`` (scripts/build_activation_profile.py writes none, ``workbench profile`` always does) or one of the
+    older releases' stamps (``OLD_BUNDLES``); a profile the user made, even from the same prompt file, is never
+    replaced."""
     if not BUNDLED.exists():
         return False
     stamp = (source, None if created_at is None else str(created_at))
     if created_at is not None and stamp not in OLD_BUNDLES:
         return False
-    head = pl.read_parquet(BUNDLED, columns=["checkpoint_sha256", "source"]).head(1)
-    return head.height == 1 and head["checkpoint_sha256"][0] == sha and head["source"][0] != source
+    bundle = pl.read_parquet(BUNDLED, columns=["checkpoint_sha256", "source", "signal"])
+    if bundle.height == 0 or bundle["checkpoint_sha256"][0] != sha:
+        return False
+    return bundle["source"][0] != source or (signals is not None and bool(set(bundle["signal"].unique()) - signals))
 
 
 # (source, created_at) of the bundled demo profiles of earlier releases (made by `workbench profile`, so stamped)
