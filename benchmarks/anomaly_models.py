@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-kind", type=int, default=2)
     ap.add_argument("--max-draws", type=int, default=8)
     ap.add_argument("--fault-tokens", type=int, default=24)
+    ap.add_argument("--fault-temperature", type=float, default=0.0, help="sample the faulty runs (0: greedy)")
     ap.add_argument("--min-effect", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--write", action="store_true")

@@ -442,8 +442,15 @@ then led to the layer-row turns, the earlier-layer tie rule, OWN_ALONE_Z (dead_e
 (expert_swap) and the "alone" output row. The last six (weight edits of a head's output columns, the query and
 key/value projections, an expert's gate projection, the shared experts' down projection) were written as an
 outside check would, after the experts' known answers and before the attention's: 7 of 16 named then on the demo
-model (a head's output weights 0 of 6); the attention's known answers came from those misses. Read held-out seed
-0 as partly tuned too. Counts are small: a rate is k of n."""
+model (a head's output weights 0 of 6); the attention's known answers came from those misses. Ten more on
+2026-12-04 (session 18: an expert loaded with its partner's weights, two router rows exchanged, top-1 routing, a
+ternary expert, an attention output or query projection scaled, a noisy dense MLP or shared-expert gate, an outlier
+MLP-norm channel, a noisy embedding): 9 of 10 kinds named at first measurement, top-1 routing 0 of 3 (the mixing
+weights' exact check came from it). Four more on 2026-12-05 (session 19: a routed scaling factor forgotten, an
+expert's gate and up projections exchanged, two tokens' embedding rows exchanged, an outlier attention-norm
+channel): 11 of 12 in the top 3 at first measurement, the swapped embedding rows at ranks 3, 6 and 3 (a row of usual
+size is invisible to the statistics); the embedding's known answer (every row held, projected) came from that miss.
+Read held-out seed 0 as partly tuned too. Counts are small: a rate is k of n."""
 
 TINY_NOTES = """How to read it: as for the demo model (a profile and an activation profile for "alone" calibrated on
 `--calibration` prompts the faults are not drawn on: the script's 8, then data/prompts/calibration.jsonl's, each cut at

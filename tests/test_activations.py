@@ -595,3 +595,28 @@ def test_the_profile_knows_its_longest_context_and_the_check_stops_there(tiny, p
     assert loud  # what the statistics say of a clean context past their reach
     assert not [k for k, v in activations.evidence(run._adapter, ids[:1500], aprof, max_stats=1024)
                 if abs(v) >= activations.WARNING_NATS]
+
+
+def test_an_embedding_row_swapped_or_rescaled_is_named_at_the_positions_that_hold_it(tiny, prof):
+    """The profile holds every input-embedding row (projected on 4 fixed directions): a row of usual size that is
+    another token's (a vocabulary off by a pair), invisible to the statistics, is named at the first position holding
+    either token of the pair, by itself (60 nats, critical), and not elsewhere; the clean model matches the held rows."""
+    cell = prof.filter((pl.col("kind") == "embed") & (pl.col("signal") == "known:rows"))
+    vocab = tiny.embedding().weight.size(0)
+    assert cell.height == 1 and cell["n"][0] == vocab
+    assert cell["mean"].list.len()[0] == vocab * activations.KNOWN_EMBED_DIMS
+    ids = _prompts(1, 30, seed=5)[0]
+    assert activations._embedding_evidence(tiny, ids, prof) == {}
+    t = ids[7]
+    if t ^ 1 in ids[:7]:
+        pytest.skip("the partner token comes first")
+    with faults.HELD_OUT["embed_swap"](tiny, index=t):
+        got = activations._embedding_evidence(tiny, ids, prof)
+        rows = activations.anomaly_rows(tiny, ids, prof)
+    where = {ids.index(x) for x in (t, t ^ 1) if x in ids}
+    assert got == {("embed", None, None, None, p): activations.KNOWN_NATS for p in where}
+    named = [r for r in rows if r["component"] == "embed" and r["pos"] == 7]
+    assert named and named[0]["severity"] == "critical" and "not the row the profile holds" in named[0]["explanation"]
+    with faults.KINDS["embedding"](tiny, index=t, strength=1.5):  # a modest rescale: within the statistics' range
+        assert set(activations._embedding_evidence(tiny, ids, prof)) == {("embed", None, None, None, 7)}
+    assert activations._embedding_evidence(tiny, ids, prof) == {}  # undone

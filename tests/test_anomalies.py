@@ -297,6 +297,10 @@ def test_head_norm_two_sided_catches_a_head_whose_output_is_gone():
     got = an.decide(an.head_norm_tests(hn, base))
     assert sorted(got.select("pos", "head").rows()) == [(p, 0) for p in range(5, 30)]
     assert fd.group_findings(got)["explanation"][0].startswith("layer 2 head 0: its output is unusually small")
+    # position 0: one key, the first token's value (what a sink leaves it): no test of the head, never judged
+    first = hn.with_columns(pl.when(pl.col("pos") == 0).then(1e-4).otherwise(pl.col("norm")).alias("norm"))
+    tests = an.head_norm_tests(first, base)
+    assert tests.filter(pl.col("pos") == 0).height == 0 and tests.filter(pl.col("pos") == 1).height == 2
 
 
 def test_long_contexts_are_judged_against_the_nearest_bucket_never_the_run_itself():

@@ -579,7 +579,7 @@ def build(a: Adapter, prompts: list[list[int]], seed: int = 0, first_tokens: lis
                                    for g in captured)]
     out_rows = _row_spread(captured, prompts, cells.get(("unembed", None, None, None, "logit")), rng)
     first_rows = _first_cells(a, prompts, captured, cells, first_tokens)
-    known_rows = _known_cells(a, prompts, captured)
+    known_rows = _known_cells(a, prompts, captured) + _known_embedding_cells(a)
     check = {"kind": "router_check", "layer": None, "head": None, "expert": None, "signal": "disagree",
              "n": disagree, "mean": [], "std": [], "log_norm_mean": 0.0, "log_norm_std": 1.0, "dev_mean": 0.0,
              "dev_std": 1.0, "run_norm_mean": [], "run_norm_std": [], "run_dev_mean": [], "run_dev_std": []}
@@ -665,6 +665,9 @@ class _Prepared:
         for r in prof.filter(pl.col("signal").str.starts_with("known")).iter_rows(named=True):
             if r["layer"] is not None:
                 self.known.setdefault(r["layer"], []).append(r)
+        self.known_embed = next(prof.filter((pl.col("kind") == "embed") & (pl.col("signal") == "known:rows"))
+                                .iter_rows(named=True), None)  # every input-embedding row as held
+        self._embed_rows: torch.Tensor | None = None
         rest = prof.filter(~pl.col("signal").str.starts_with("first:") & ~pl.col("kind").is_in(["first_check",
                                                                                               "known_input",
                                                                                               "calibration"])
@@ -678,6 +681,13 @@ class _Prepared:
         self._means: dict[tuple, torch.Tensor] = {}  # (id of a row of ``known`` / ``known_inputs``, dtype)
         self._spread: dict | None = None
         self._tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id of a row of ``rest`` (held here)
+
+    def embed_rows(self) -> torch.Tensor:
+        """``known_embed``'s rows as a tensor [V, KNOWN_EMBED_DIMS], converted once."""
+        if self._embed_rows is None:
+            self._embed_rows = torch.tensor(self.known_embed["mean"], dtype=torch.float32).view(
+                int(self.known_embed["n"]), -1)
+        return self._embed_rows
 
     def firsts(self, token: int) -> list[dict]:
         """The ``first:`` cells of a context whose first token is ``token``."""
@@ -923,6 +933,55 @@ def _known_cells(a: Adapter, prompts: list[list[int]], captured: list[dict]) -> 
     return rows
 
 
+KNOWN_EMBED_DIMS = 4  # each input-embedding row held as its projection on the first 4 of the known directions
+
+
+def _embedding_held(w: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    """Input-embedding rows [N, D] as held: [N, KNOWN_EMBED_DIMS] (float32, CPU; ``chunk`` rows at a time, so a large
+    vocabulary is never copied whole in float32)."""
+    p = _known_projection(w.size(1))[:, :KNOWN_EMBED_DIMS].to(w.device)
+    return torch.cat([torch.nan_to_num(w[i:i + chunk].detach().float(), nan=0.0) @ p
+                      for i in range(0, w.size(0), chunk)]).cpu()
+
+
+def _known_embedding_cells(a: Adapter) -> list[dict]:
+    """One row ``("embed", None, None, None, "known:rows")``: every input-embedding row as held (``_embedding_held``,
+    [V * KNOWN_EMBED_DIMS] flattened). An embedding is a lookup table: its answer for a token is the token's row, and a
+    row another token's (a vocabulary off by a pair), rescaled or noisy is named at the positions that hold it, where
+    a row of usual size looks clean to the statistics."""
+    w = getattr(a.embedding(), "weight", None)
+    if not torch.is_tensor(w) or w.dim() != 2 or w.is_meta:
+        return []
+    with torch.no_grad():
+        held = _embedding_held(w)
+    return [{"kind": "embed", "layer": None, "head": None, "expert": None, "signal": "known:rows", "n": held.size(0),
+             "mean": held.flatten().tolist(), "std": [], "log_norm_mean": 0.0, "log_norm_std": 1.0, "dev_mean": 0.0,
+             "dev_std": 1.0, "run_norm_mean": [], "run_norm_std": [], "run_dev_mean": [], "run_dev_std": []}]
+
+
+def _embedding_evidence(a: Adapter, ids: list[int], prof: pl.DataFrame) -> dict[tuple, float]:
+    """``("embed", None, None, None, pos)`` -> ``KNOWN_NATS`` times how far off (up to all of it) for the first position
+    holding each token of the context whose input-embedding row differs from the profile's (only where the model
+    runs in the dtype the profile was made in)."""
+    cell = _prepared(prof).known_embed
+    w = getattr(a.embedding(), "weight", None)
+    if cell is None or not ids or not torch.is_tensor(w) or w.is_meta or not _made_in(prof, a.dtype):
+        return {}
+    first = {}
+    for pos, t in enumerate(ids):
+        if 0 <= int(t) < int(cell["n"]) and int(t) < w.size(0):
+            first.setdefault(int(t), pos)
+    if not first:
+        return {}
+    toks = torch.tensor(list(first))
+    clean = _prepared(prof).embed_rows()[toks]
+    with torch.no_grad():
+        now = _embedding_held(w[toks.to(w.device)])
+    dev = (now - clean).double().pow(2).mean(1).sqrt() / clean.double().pow(2).mean(1).sqrt().clamp_min(1e-30)
+    return {("embed", None, None, None, first[t]): KNOWN_NATS * min(1.0, float(d) / KNOWN_FULL)
+            for t, d in zip(first, dev.tolist()) if not d <= KNOWN_TOL}
+
+
 def _known_dev(y: torch.Tensor, v: torch.Tensor) -> float:
     """How far projected outputs ``y`` are from the clean ``v``: the RMS of the difference over the RMS of ``v``."""
     y, v = y.double().flatten(), v.double().flatten()
@@ -1159,7 +1218,7 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
     firsts, known = {}, {}
     if prof is not None and len(ids) >= 1:
         firsts = _first_evidence(got, int(ids[0]), prof, a.dtype)
-        known = _known_evidence(a, got, prof)
+        known = _known_evidence(a, got, prof) | _embedding_evidence(a, list(ids), prof)
     # the statistics' cells judge a context of ``min_stats`` to ``max_stats`` tokens (past the longest context the
     # calibration ran, what a clean model computes is unknown to them); the exact checks above judge any
     if prof is not None and max(min_stats, 2) <= len(ids) <= (max_stats or len(ids)):
@@ -1361,6 +1420,8 @@ def anomaly_rows(a: Adapter, ids: list[int], prof: pl.DataFrame | None, routing_
             what = f"the router's output for expert {expert}" if kind == "router" and expert is not None else what
             how = (f"{'differ' if kind == 'unembed' else 'differs'} at position 0 from what the clean model "
                    "computes for this first token (the profile holds its exact output)")
+        elif signals.get(key) == "known" and kind == "embed":
+            how = "is not the row the profile holds for that token (the embedding's weights changed)"
         elif signals.get(key) == "known":
             how = ("no longer computes what it computed when the profile was made (its output on the profile's fixed "
                    "inputs differs: its weights or its code changed)")

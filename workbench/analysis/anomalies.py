@@ -547,8 +547,11 @@ def resid_tests(resid: pl.DataFrame, base: Baseline, min_positions: int = 8) -> 
 
 
 def head_norm_tests(head_norm: pl.DataFrame, base: Baseline, min_positions: int = 8) -> pl.DataFrame:
-    """``head_norm_outlier``: each head's output norm at every position (two-sided: blown up, or gone)."""
-    h = head_norm.filter(_finite("norm")).with_columns(_log("norm", "_log"))
+    """``head_norm_outlier``: each head's output norm at every position after the first (two-sided: blown up, or gone).
+    At position 0 a head reads one key: its output is the first token's value, scaled by what an attention sink leaves
+    it, a function of that token alone (the first-position checks judge it exactly where the profile holds the token;
+    against every position's norms a first token unlike the calibration's scored p = 1e-11 on a clean gpt-oss)."""
+    h = head_norm.filter(_finite("norm") & (pl.col("pos") > 0)).with_columns(_log("norm", "_log"))
     p, side, basis = base.judge(h, "log_head_norm", "_log", ["layer", "head"], "two", min_positions, LOG_TAIL)
     return _tests(kind="head_norm_outlier", pos=h["pos"], layer=h["layer"], head=h["head"], value=h["norm"], p=p,
                   side=side, basis=basis)

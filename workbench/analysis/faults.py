@@ -661,6 +661,63 @@ def noise_embedding(model, amount: float = 0.5, seed: int = 0) -> contextlib.Abs
     w = a.embedding().weight
     return _edited(w, _noised(w, amount, seed))
 
+@contextlib.contextmanager
+def scale_routed(model, layer: int, scale: float = 0.4) -> Iterator[None]:
+    """One MoE layer's routed experts' mixing weights multiplied by ``scale`` (a routed scaling factor gone wrong:
+    DeepSeek-V3's 2.5 forgotten is 0.4, applied twice 2.5); the shared experts are unchanged."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    if layer not in a.summary.moe_layers:
+        raise ValueError(f"layer {layer} is a dense layer (no router); MoE layers are {a.summary.moe_layers}")
+
+    def fn(i: int, r: Route) -> None:
+        if i == layer:
+            r.force(torch.ones(r.weights.size(0), dtype=torch.bool), r.indices, r.weights * scale)
+
+    with a.seams({"route": fn}):
+        yield
+
+
+def swap_gate_up(model, layer: int, expert: int) -> contextlib.AbstractContextManager:
+    """One routed expert's gate and up projections exchanged (a checkpoint that loaded w1 as w3): the expert computes
+    silu(up) * gate instead of silu(gate) * up."""
+    a = adapter_for(model)
+    experts, fused = _experts_of(a, layer, expert)
+    if not fused:
+        gate = _linear(experts[expert], ("w1", "gate_proj"), "gate projection", f"expert {expert}")
+        up = _linear(experts[expert], ("w3", "up_proj"), "up projection", f"expert {expert}")
+        return _swapped(gate.weight, up.weight)
+    w = experts.gate_up_proj[expert]  # the stacked dim: the one that is not the hidden size
+    d = 0 if w.size(1) == a.unembedding().weight.size(1) else 1
+    blocks = [_swapped(*(w.narrow(d, 0, w.size(d) // 2), w.narrow(d, w.size(d) // 2, w.size(d) // 2)))]
+    if a.summary.family == "gpt_oss":  # gate and up interleaved along the stacked dim
+        idx = torch.arange(w.size(d))
+        blocks = [_edited(w, lambda t: t.copy_(t.index_select(d, idx ^ 1)))]
+    return _together(blocks)
+
+
+def swap_embedding_rows(model, token: int) -> contextlib.AbstractContextManager:
+    """Two tokens' input-embedding rows exchanged (``token`` and ``token ^ 1``: a vocabulary off by one pair): the model
+    reads each as the other (a tied output projection changes with it)."""
+    a = adapter_for(model)
+    _token_row(a, token)
+    w = a.embedding().weight
+    if (token ^ 1) >= w.size(0):
+        raise ValueError(f"token {token} has no partner row in a vocabulary of {w.size(0)}")
+    return _swapped(w[token], w[token ^ 1])
+
+
+def scale_attn_norm_channel(model, layer: int, scale: float = 30.0) -> contextlib.AbstractContextManager:
+    """One channel of block ``layer``'s attention input norm weight multiplied by ``scale`` (which one follows from the
+    layer: ``(5 * layer + 1) % hidden``)."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    norm = a.parts(layer)["attn_norm"]
+    if norm is None or getattr(norm, "weight", None) is None:
+        raise ValueError(f"layer {layer} has no attention input norm with a weight")
+    ch = (5 * layer + 1) % norm.weight.size(0)
+    return _edited(norm.weight[ch:ch + 1], lambda t: t.mul_(scale))
+
 # -- the registry -------------------------------------------------------------------------------------------
 LAYER_ROWS = ("attn_block", "mlp_block", "resid")  # root-cause rows that name a whole layer
 
@@ -731,7 +788,7 @@ class FaultKind:
         kind = row["kind"]
         if kind == "token":
             return (self.index == "token" and tokens is not None and row["source_pos"] is not None
-                    and tokens[row["source_pos"]] == index)
+                    and (tokens[row["source_pos"]] == index or (self.paired and tokens[row["source_pos"]] == index ^ 1)))
         if kind not in self.culprit and not (self.layer_wide and kind in LAYER_ROWS):
             return False
         if self.where == "model":
@@ -842,5 +899,17 @@ HELD_OUT: dict[str, FaultKind] = {k.name: k for k in [
               ("mlp_norm",), True, doc="one channel of the MLP input norm multiplied"),
     FaultKind("embed_noise", lambda m, l, i, s: noise_embedding(m, amount=s), None, "model", 0.5, ("embed",),
               doc="Gaussian noise on the whole input embedding"),
+    # added 2026-12-05 (session 19) as an outside check would, measured before any rule saw them: a routed scaling
+    # factor gone wrong, an expert's gate and up projections loaded the wrong way round, a vocabulary off by one pair,
+    # an outlier channel in the attention's input norm
+    FaultKind("routed_scale", lambda m, l, i, s: scale_routed(m, l, scale=s), None, "moe", 0.4,
+              ("router", "mlp_block"), doc="one MoE layer's routed experts' mixing weights multiplied (0.4: a 2.5 "
+                                           "scaling factor forgotten)"),
+    FaultKind("gate_up_swap", lambda m, l, i, s: swap_gate_up(m, l, i), "expert", "moe", None, ("expert",),
+              doc="one routed expert's gate and up projections exchanged"),
+    FaultKind("embed_swap", lambda m, l, i, s: swap_embedding_rows(m, i), "token", "model", None, ("embed",),
+              doc="two tokens' input-embedding rows exchanged (the token and token ^ 1)", paired=True),
+    FaultKind("attn_norm_channel", lambda m, l, i, s: scale_attn_norm_channel(m, l, scale=s), None, "any", 30.0,
+              ("attn_norm",), True, doc="one channel of the attention input norm multiplied"),
 ]}
 ALL_KINDS: dict[str, FaultKind] = KINDS | HELD_OUT
