@@ -436,14 +436,17 @@ def markdown(clean, tiny, results, loop, args, seconds, threads) -> str:
                   f"`long-gen`: 8 prompts, 256 tokens each; {lg['runs']} runs, {lg['tokens']} generated tokens): "
                   f"**{lg['per_1000']:.2f}** ({lg['alarms']} rows; 3.4 before loops were left out of the run-level "
                   "means).", "",
-                  f"**Unusual text** (written 2026-12-05, session 19, by a helper as realistic text a user might paste): "
+                  f"**Unusual text** (written 2026-12-05, session 19, by a helper as realistic text a user might "
+                  f"paste): "
                   f"data/prompts/unusual_kinds.jsonl, 26 kinds (lorem ipsum, base64, hex dumps, regular expressions, "
                   f"assembly, COBOL, Fortran, Haskell, Lisp, Prolog, diffs, tracebacks, e-mail, poetry, legal text, "
-                  f"recipes, tables of contents, math symbols, Arabic and Hebrew, Hindi and Tamil, Japanese and Korean, "
+                  f"recipes, tables of contents, math symbols, Arabic and Hebrew, Hindi and Tamil, Japanese and "
+                  f"Korean, "
                   f"minified code, SVG, chess games, DNA, repeated lines; {un['runs']} runs, {un['tokens']} generated "
                   f"tokens): **{un['per_1000']:.2f}** ({un['alarms']} rows; 5.6 before the novel-input rule, which was "
                   f"made from them: 13 of the 14 rows were on Arabic, Hebrew, Hindi, Tamil, Korean and DNA); "
-                  f"data/prompts/unusual_held_out.jsonl, 24 other kinds written after the rule and measured once (Greek, "
+                  f"data/prompts/unusual_held_out.jsonl, 24 other kinds written after the rule and measured once "
+                  f"(Greek, "
                   f"Georgian, Armenian, Thai, Vietnamese, Bengali, Python with Chinese comments, mixed scripts, Morse, "
                   f"ASCII art, URL-encoded logs, JWTs, binary, ABC music, leetspeak, spreadsheets, LaTeX tables, SQL "
                   f"dumps, Kubernetes YAML, Terraform, OCaml, Rust macros, emoji chat, subtitles; {unh['runs']} runs, "
@@ -451,7 +454,8 @@ def markdown(clean, tiny, results, loop, args, seconds, threads) -> str:
                   f"without the rule).", "",
                   "| prompts | runs | generated tokens | warning/critical rows | per 1,000 tokens | repetition rows |",
                   "|---|---|---|---|---|---|"]
-        for label, key in (("kind", lambda r: r["kind"].split(" ")[0] if r["kind"].startswith("unusual") else r["kind"]),
+        for label, key in (("kind", lambda r: r["kind"].split(" ")[0] if r["kind"].startswith("unusual")
+                            else r["kind"]),
                            ("prompt tokens", lambda r: length_bucket(r["n_prompt"]))):
             for k, c in sorted(_cells(clean, key), key=lambda x: (len(x[0]), x[0])):
                 lines.append(f"| {label} {k} | {c['runs']} | {c['tokens']} | {c['alarms']} | {c['per_1000']:.2f} | "

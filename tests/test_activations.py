@@ -600,7 +600,8 @@ def test_the_profile_knows_its_longest_context_and_the_check_stops_there(tiny, p
 def test_an_embedding_row_swapped_or_rescaled_is_named_at_the_positions_that_hold_it(tiny, prof):
     """The profile holds every input-embedding row (projected on 4 fixed directions): a row of usual size that is
     another token's (a vocabulary off by a pair), invisible to the statistics, is named at the first position holding
-    either token of the pair, by itself (60 nats, critical), and not elsewhere; the clean model matches the held rows."""
+    either token of the pair, by itself (60 nats, critical), and not elsewhere; the clean model matches the held
+    rows."""
     cell = prof.filter((pl.col("kind") == "embed") & (pl.col("signal") == "known:rows"))
     vocab = tiny.embedding().weight.size(0)
     assert cell.height == 1 and cell["n"][0] == vocab

@@ -959,7 +959,8 @@ def test_text_the_calibration_never_saw_has_its_distribution_level_tests_as_info
                          + [cell("novel_share", np.linspace(0.0, 0.1, 50))])
     base = an.Baseline(seen)
     nov = base.novelty(np.array(list(range(40)) + list(range(500, 510))))
-    assert (nov["unseen"], nov["tokens"], nov["novel"]) == (10, 50, True) and nov["limit"] == pytest.approx(0.1, rel=1e-2)
+    assert (nov["unseen"], nov["tokens"], nov["novel"]) == (10, 50, True)
+    assert nov["limit"] == pytest.approx(0.1, rel=1e-2)
     assert not base.novelty(np.array(list(range(95)) + [500] * 5))["novel"]  # 5% unseen: within the calibration's
     assert not base.novelty(np.array([500] * 7 + [1]))["novel"]  # 7 unseen tokens: too few to say
     assert an.Baseline(profile_frame([cell("confidence", np.linspace(0, 1, 50), bucket=0)])).novelty(
@@ -970,8 +971,8 @@ def test_text_the_calibration_never_saw_has_its_distribution_level_tests_as_info
     assert quiet["severity"].to_list() == ["info", "info", "critical"]
     assert quiet["explanation"][0] == f"block_shift ({an.NOVEL_NOTE})" and quiet["explanation"][2] == "entropy_spike"
     row = an.novel_input(nov)
-    assert row["kind"][0] == "novel_input" and row["severity"][0] == "info" and "10 of the prompt's 50 tokens (20%)" in \
-        row["explanation"][0]
+    assert row["kind"][0] == "novel_input" and row["severity"][0] == "info"
+    assert "10 of the prompt's 50 tokens (20%)" in row["explanation"][0]
 
 
 def test_a_stored_bundle_copy_without_the_token_cells_is_refreshed_and_a_users_profile_without_them_kept(tmp_path):
@@ -1006,7 +1007,8 @@ def test_another_scripts_text_on_the_demo_is_novel_input_not_a_fault(tmp_path):
     from workbench.model import load_checkpoint
     model = load_checkpoint()
     db = workbench.Store(tmp_path / "w.duckdb")
-    items = {it["id"]: it["prompt"] for it in load_prompts(pr.BUNDLED.parents[1] / "prompts" / "unusual_held_out.jsonl")}
+    held_out = pr.BUNDLED.parents[1] / "prompts" / "unusual_held_out.jsonl"
+    items = {it["id"]: it["prompt"] for it in load_prompts(held_out)}
     for key in ("georgian:0", "thai:1"):
         run = workbench.record(items[key], model=model, db=db, max_new_tokens=24)
         a = run.anomalies()
@@ -1017,7 +1019,8 @@ def test_another_scripts_text_on_the_demo_is_novel_input_not_a_fault(tmp_path):
         meta = json.loads(run.refresh().info["detection"])["novelty"]
         assert meta["novel"] and meta["share"] > meta["limit"] and meta["unseen"] >= 8
         assert "text unlike the calibration's" in an.what_was_tested(db, run.run_id)
-    code = workbench.record("def fibonacci(n):\n    if n < 2:\n        return n\n", model=model, db=db, max_new_tokens=24)
+    code = workbench.record("def fibonacci(n):\n    if n < 2:\n        return n\n", model=model, db=db,
+                            max_new_tokens=24)
     assert not json.loads(code.refresh().info["detection"])["novelty"]["novel"]
     assert code.anomalies().filter(pl.col("kind") == "novel_input").height == 0
     with faults.inject_nan(model, 2, 30):

@@ -89,7 +89,8 @@ def test_open_store_sees_a_killed_recording_interrupted(tmp_path):
 EXITS = r"""
 import atexit, sys, threading
 # registered before the store module: runs after its own exit handler (atexit runs last-registered first)
-atexit.register(lambda: print("watchers:", [t.name for t in threading.enumerate() if t.name == "workbench-store-watch"]))
+atexit.register(lambda: print("watchers:", [t.name for t in threading.enumerate()
+                                           if t.name == "workbench-store-watch"]))
 from workbench.data.store import Store
 s = Store(sys.argv[1])
 s.sql("SELECT 1")

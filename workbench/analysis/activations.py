@@ -1452,6 +1452,7 @@ def anomaly_rows(a: Adapter, ids: list[int], prof: pl.DataFrame | None, routing_
                      "score": abs(nats) / math.log(10), "threshold": WARNING_NATS / math.log(10),
                      "explanation": f"{where}{what}{' ' + how if how else ''} against the activation profile "
                                     f"({abs(nats):.0f} nats, {kind})"
-                                    + (" (the run's text is unlike the calibration's: see novel_input)" if moot else ""),
+                                    + (" (the run's text is unlike the calibration's: see novel_input)"
+                                       if moot else ""),
                      "component": kind})
     return rows

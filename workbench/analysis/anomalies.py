@@ -296,8 +296,8 @@ class Baseline:
     def novelty(self, token_ids: np.ndarray, min_tokens: int = 8) -> dict | None:
         """How unlike the calibration's a prompt's tokens are: {unseen, tokens, share, limit, novel} (``unseen``: its
         tokens that no calibration run holds; ``limit``: the largest share of such tokens a calibration prompt had
-        against the other runs, the ``novel_share`` cell's top quantile; ``novel``: at least ``min_tokens`` of them and a larger
-        share than ``limit``), or None without those cells (a profile made before them)."""
+        against the other runs, the ``novel_share`` cell's top quantile; ``novel``: at least ``min_tokens`` of them and
+        a larger share than ``limit``), or None without those cells (a profile made before them)."""
         if not self.has_profile or ("novelty",) not in self._cells:
             cells = (self.profile.filter(pl.col("signal").is_in(["token_count", "novel_share"]))
                      if self.has_profile else pl.DataFrame())
@@ -835,8 +835,8 @@ def content_shift(flagged: pl.DataFrame, n_moe: int) -> tuple[pl.DataFrame, list
     layers = sorted({int(x) for x in load["layer"].drop_nulls()})
     if len(layers) < max(SHIFT_LAYERS, (n_moe + 1) // 2):
         return flagged, []
-    return as_info(flagged, pl.col("kind").is_in(list(SHIFTED)), "the whole run's routing differs: see routing_shift"), \
-        layers
+    why = "the whole run's routing differs: see routing_shift"
+    return as_info(flagged, pl.col("kind").is_in(list(SHIFTED)), why), layers
 
 
 def as_info(rows: pl.DataFrame, which: pl.Expr, why: str) -> pl.DataFrame:
@@ -855,11 +855,12 @@ def novel_input(nov: dict) -> pl.DataFrame:
     """The ``novel_input`` info row of a run whose tokens the calibration mostly never saw (``Baseline.novelty``)."""
     return _rows([{"kind": "novel_input", "severity": "info", "score": nov["share"], "threshold": nov["limit"],
                    "explanation": f"{nov['unseen']} of the prompt's {nov['tokens']} tokens ({nov['share']:.0%}) never "
-                                  f"occur in the calibration runs (a calibration prompt held at most {nov['limit']:.0%} "
-                                  "tokens the other runs lacked): text unlike the calibration's, whose statistics say nothing of "
-                                  "it; its load and run-level tests and the component check's statistics are shown as "
-                                  "info (per-position tests, exact checks and NaNs are judged). To judge text like "
-                                  "this, profile the model on some (`workbench profile`)"}])
+                                  "occur in the calibration runs (a calibration prompt held at most "
+                                  f"{nov['limit']:.0%} tokens the other runs lacked): text unlike the calibration's, "
+                                  "whose statistics say nothing of it; its load and run-level tests and the component "
+                                  "check's statistics are shown as info (per-position tests, exact checks and NaNs "
+                                  "are judged). To judge text like this, profile the model on some (`workbench "
+                                  "profile`)"}])
 
 
 def component_rows(store, info: dict, tokens: pl.DataFrame, model, meta: dict) -> pl.DataFrame:

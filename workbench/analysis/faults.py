@@ -642,15 +642,17 @@ def noise_shared_up(model, layer: int, amount: float = 2.0, seed: int = 0) -> co
     return _edited(lin.weight, _noised(lin.weight, amount, seed))
 
 
-def scale_norm_channel(model, layer: int, scale: float = 30.0) -> contextlib.AbstractContextManager:
-    """One channel of block ``layer``'s MLP input norm weight multiplied by ``scale`` (an outlier channel; which one
-    follows from the layer: ``(7 * layer + 3) % hidden``)."""
+def scale_norm_channel(model, layer: int, scale: float = 30.0,
+                       which: str = "mlp_norm") -> contextlib.AbstractContextManager:
+    """One channel of block ``layer``'s MLP input norm weight (``which="attn_norm"``: the attention's) multiplied by
+    ``scale`` (an outlier channel; which one follows from the layer: ``(7 * layer + 3) % hidden``, the attention's
+    ``(5 * layer + 1) % hidden``)."""
     a = adapter_for(model)
     _check_layer(a, layer)
-    norm = a.parts(layer)["mlp_norm"]
+    norm = a.parts(layer)[which]
     if norm is None or getattr(norm, "weight", None) is None:
-        raise ValueError(f"layer {layer} has no MLP input norm with a weight")
-    ch = (7 * layer + 3) % norm.weight.size(0)
+        raise ValueError(f"layer {layer} has no {which} with a weight")
+    ch = ((7 * layer + 3) if which == "mlp_norm" else (5 * layer + 1)) % norm.weight.size(0)
     return _edited(norm.weight[ch:ch + 1], lambda t: t.mul_(scale))
 
 
@@ -706,17 +708,6 @@ def swap_embedding_rows(model, token: int) -> contextlib.AbstractContextManager:
         raise ValueError(f"token {token} has no partner row in a vocabulary of {w.size(0)}")
     return _swapped(w[token], w[token ^ 1])
 
-
-def scale_attn_norm_channel(model, layer: int, scale: float = 30.0) -> contextlib.AbstractContextManager:
-    """One channel of block ``layer``'s attention input norm weight multiplied by ``scale`` (which one follows from the
-    layer: ``(5 * layer + 1) % hidden``)."""
-    a = adapter_for(model)
-    _check_layer(a, layer)
-    norm = a.parts(layer)["attn_norm"]
-    if norm is None or getattr(norm, "weight", None) is None:
-        raise ValueError(f"layer {layer} has no attention input norm with a weight")
-    ch = (5 * layer + 1) % norm.weight.size(0)
-    return _edited(norm.weight[ch:ch + 1], lambda t: t.mul_(scale))
 
 # -- the registry -------------------------------------------------------------------------------------------
 LAYER_ROWS = ("attn_block", "mlp_block", "resid")  # root-cause rows that name a whole layer
@@ -787,8 +778,8 @@ class FaultKind:
         the faulted token names it)."""
         kind = row["kind"]
         if kind == "token":
-            return (self.index == "token" and tokens is not None and row["source_pos"] is not None
-                    and (tokens[row["source_pos"]] == index or (self.paired and tokens[row["source_pos"]] == index ^ 1)))
+            held = tokens[row["source_pos"]] if tokens is not None and row["source_pos"] is not None else None
+            return self.index == "token" and held is not None and (held == index or (self.paired and held == index ^ 1))
         if kind not in self.culprit and not (self.layer_wide and kind in LAYER_ROWS):
             return False
         if self.where == "model":
@@ -909,7 +900,7 @@ HELD_OUT: dict[str, FaultKind] = {k.name: k for k in [
               doc="one routed expert's gate and up projections exchanged"),
     FaultKind("embed_swap", lambda m, l, i, s: swap_embedding_rows(m, i), "token", "model", None, ("embed",),
               doc="two tokens' input-embedding rows exchanged (the token and token ^ 1)", paired=True),
-    FaultKind("attn_norm_channel", lambda m, l, i, s: scale_attn_norm_channel(m, l, scale=s), None, "any", 30.0,
-              ("attn_norm",), True, doc="one channel of the attention input norm multiplied"),
+    FaultKind("attn_norm_channel", lambda m, l, i, s: scale_norm_channel(m, l, scale=s, which="attn_norm"), None,
+              "any", 30.0, ("attn_norm",), True, doc="one channel of the attention input norm multiplied"),
 ]}
 ALL_KINDS: dict[str, FaultKind] = KINDS | HELD_OUT
