@@ -621,3 +621,15 @@ def test_an_embedding_row_swapped_or_rescaled_is_named_at_the_positions_that_hol
     with faults.KINDS["embedding"](tiny, index=t, strength=1.5):  # a modest rescale: within the statistics' range
         assert set(activations._embedding_evidence(tiny, ids, prof)) == {("embed", None, None, None, 7)}
     assert activations._embedding_evidence(tiny, ids, prof) == {}  # undone
+
+
+def test_a_changed_embedding_row_does_not_hide_a_fault_elsewhere(tiny, prof):
+    """An embedding row named at its position is no anchor that caps the rest: a scaled norm at layer 1 (visible at
+    every position) stays a critical row of its own beside a swapped row held at position 25."""
+    ids = _prompts(1, 30, seed=5)[0]
+    loud = lambda rows: {(r["component"], r["layer"]) for r in rows if r["severity"] != "info"}  # noqa: E731
+    with faults.KINDS["norm"](tiny, 1):
+        alone = loud(activations.anomaly_rows(tiny, ids, prof))
+        with faults.HELD_OUT["embed_swap"](tiny, index=ids[25]):
+            both = loud(activations.anomaly_rows(tiny, ids, prof))
+    assert ("attn_norm", 1) in alone and both >= alone | {("embed", None)}

@@ -991,6 +991,9 @@ def test_a_stored_bundle_copy_without_the_token_cells_is_refreshed_and_a_users_p
     store.replace_rows("profiles", {"checkpoint_sha256": sha}, old)
     got = pr.load_profile(store, sha)
     assert got.height == bundled.height and an.Baseline(got).novelty(np.arange(100)) is not None
+    fewer = bundled.filter(~((pl.col("signal") == "expert_share") & (pl.col("expert") == 0)))  # same signals
+    store.replace_rows("profiles", {"checkpoint_sha256": sha}, fewer)
+    assert pr.load_profile(store, sha).height == bundled.height
     mine = old.with_columns(pl.lit(datetime(2026, 12, 3, 9, 0)).alias("created_at"))
     store.replace_rows("profiles", {"checkpoint_sha256": sha}, mine)
     kept = pr.load_profile(store, sha)
@@ -1026,3 +1029,15 @@ def test_another_scripts_text_on_the_demo_is_novel_input_not_a_fault(tmp_path):
     with faults.inject_nan(model, 2, 30):
         bad = workbench.record(items["georgian:0"], model=model, db=db, max_new_tokens=4)
     assert bad.anomalies().filter((pl.col("kind") == "non_finite") & (pl.col("severity") == "critical")).height
+
+
+def test_a_novel_share_cell_from_few_runs_is_not_used_and_its_limit_has_a_floor():
+    """From fewer than 20 calibration runs one odd prompt would set the limit: no novelty then; near-duplicate
+    calibration prompts give a limit of 0, floored at 5% (else any prompt with 8 new tokens would be novel)."""
+    counts = [{"signal": "token_count", "bucket": t, "n": 5} for t in range(100)]
+    few = an.Baseline(profile_frame(counts + [cell("novel_share", np.linspace(0.0, 0.1, 12))]))
+    assert few.novelty(np.arange(200, 260)) is None
+    dup = an.Baseline(profile_frame(counts + [cell("novel_share", np.zeros(40))]))
+    assert dup.novelty(np.arange(200, 260))["limit"] == an.NOVEL_FLOOR
+    assert not dup.novelty(np.array(list(range(96)) + [500] * 4))["novel"]  # 4% new tokens
+    assert dup.novelty(np.array(list(range(90)) + [500] * 10))["novel"]

@@ -106,3 +106,44 @@ def test_no_watcher_thread_is_left_inside_duckdb_at_exit(tmp_path):
                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "watchers: []"
+
+
+def test_a_forked_child_exits_though_its_parent_held_a_store_lock(tmp_path):
+    """A child forked while a thread of its parent held a store's lock (the watcher takes it every 50 ms) inherits the
+    lock held by a thread it does not have: its exit handler must not wait for it (it did, forever)."""
+    from workbench.data import store as store_mod
+
+    import threading
+
+    s = Store(tmp_path / "f.duckdb")
+    s.sql("SELECT 1")
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # another thread holds the lock while the main thread forks
+        with s._shared.lock:
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(30)
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's exit handler, then out
+        try:
+            store_mod._stop_watchers()
+        finally:
+            os._exit(0)
+    release.set()
+    t.join()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise AssertionError("the forked child hung in the store's exit handler")
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    s.close()

@@ -682,6 +682,10 @@ class _Prepared:
         self._spread: dict | None = None
         self._tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id of a row of ``rest`` (held here)
 
+    def embed_scale(self) -> float:
+        """The held rows' median RMS (a typical row's size), at least 1e-30."""
+        return max(float(self.embed_rows().double().pow(2).mean(1).sqrt().median()), 1e-30)
+
     def embed_rows(self) -> torch.Tensor:
         """``known_embed``'s rows as a tensor [V, KNOWN_EMBED_DIMS], converted once."""
         if self._embed_rows is None:
@@ -977,7 +981,8 @@ def _embedding_evidence(a: Adapter, ids: list[int], prof: pl.DataFrame) -> dict[
     clean = _prepared(prof).embed_rows()[toks]
     with torch.no_grad():
         now = _embedding_held(w[toks.to(w.device)])
-    dev = (now - clean).double().pow(2).mean(1).sqrt() / clean.double().pow(2).mean(1).sqrt().clamp_min(1e-30)
+    scale = _prepared(prof).embed_scale()  # a row near zero (padding) is judged on the rows' typical size
+    dev = (now - clean).double().pow(2).mean(1).sqrt() / clean.double().pow(2).mean(1).sqrt().clamp_min(0.1 * scale)
     return {("embed", None, None, None, first[t]): KNOWN_NATS * min(1.0, float(d) / KNOWN_FULL)
             for t, d in zip(first, dev.tolist()) if not d <= KNOWN_TOL}
 
@@ -1341,7 +1346,9 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
     for key, (v, sig) in exact.items():  # nor is routing that disagrees with its own router's logits (at least)
         if abs(v) >= abs(best.get(key, 0.0)):
             best[key], why[key] = v, sig
-    anchors = {**{k: v for k, (v, _) in exact.items()}, **known}
+    # (an embedding row named at its position is no anchor: it changes what follows that position only, and the run's
+    # statistics are over every position; a fault elsewhere must stay visible beside it)
+    anchors = {**{k: v for k, (v, _) in exact.items()}, **{k: v for k, v in known.items() if k[0] != "embed"}}
     if anchors:  # and a component known to compute another function (or routing changed after its router) explains
         # whatever is unusual after it, any size: an expert whose mixing weight was cut to 0 looks dead
         first = min(anchors, key=_flow)

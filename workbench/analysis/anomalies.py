@@ -296,16 +296,17 @@ class Baseline:
     def novelty(self, token_ids: np.ndarray, min_tokens: int = 8) -> dict | None:
         """How unlike the calibration's a prompt's tokens are: {unseen, tokens, share, limit, novel} (``unseen``: its
         tokens that no calibration run holds; ``limit``: the largest share of such tokens a calibration prompt had
-        against the other runs, the ``novel_share`` cell's top quantile; ``novel``: at least ``min_tokens`` of them and
-        a larger share than ``limit``), or None without those cells (a profile made before them)."""
+        against the other runs, the ``novel_share`` cell's top quantile, at least ``NOVEL_FLOOR``; ``novel``: at least
+        ``min_tokens`` of them and a larger share than ``limit``), or None without those cells (a profile made before
+        them, or from fewer than ``NOVEL_MIN_RUNS`` runs: one odd prompt would set the limit)."""
         if not self.has_profile or ("novelty",) not in self._cells:
             cells = (self.profile.filter(pl.col("signal").is_in(["token_count", "novel_share"]))
                      if self.has_profile else pl.DataFrame())
             seen = cells.filter(pl.col("signal") == "token_count")["bucket"].to_numpy() if cells.height else None
-            lim = cells.filter((pl.col("signal") == "novel_share") & pl.col("quantiles").is_not_null()) \
-                if cells.height else cells
-            self._cells[("novelty",)] = (seen, float(lim["quantiles"][0][-1]) if lim.height and seen is not None
-                                         and seen.size else None)
+            lim = cells.filter((pl.col("signal") == "novel_share") & pl.col("quantiles").is_not_null()
+                               & (pl.col("n") >= NOVEL_MIN_RUNS)) if cells.height else cells
+            self._cells[("novelty",)] = (seen, max(float(lim["quantiles"][0][-1]), NOVEL_FLOOR)
+                                         if lim.height and seen is not None and seen.size else None)
         seen, limit = self._cells[("novelty",)]
         ids = np.asarray(token_ids)
         if limit is None or ids.size == 0:
@@ -777,9 +778,11 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
     tested = tests.filter(pl.col("basis") != "nothing (no profile cell)")
     flagged = decide(tested, th["alpha"], th["critical_q"])
     flagged, shift = content_shift(flagged, routing["layer"].n_unique() if routing.height else 0)
-    nov = base.novelty(raw["tokens"].filter(pl.col("is_prompt"))["token_id"].drop_nulls().to_numpy(), mp) \
-        if "token_id" in raw["tokens"].columns else None  # the input's tokens: a broken model's made-up ones are a
-    # symptom, not text unlike the calibration's
+    # the input's tokens (a broken model's made-up ones are a symptom, not text unlike the calibration's); a frame
+    # that does not say which are the prompt's: all of them
+    cols = raw["tokens"].columns
+    prompt = raw["tokens"].filter(pl.col("is_prompt")) if "is_prompt" in cols else raw["tokens"]
+    nov = base.novelty(prompt["token_id"].drop_nulls().to_numpy(), mp) if "token_id" in cols else None
     if nov is not None and nov["novel"]:  # text unlike the calibration's: its distribution-level tests are moot
         flagged = as_info(flagged, pl.col("kind").is_in(list(SHIFTED)), NOVEL_NOTE)
     rep = repetition(raw["tokens"], found)
@@ -849,6 +852,9 @@ def as_info(rows: pl.DataFrame, which: pl.Expr, why: str) -> pl.DataFrame:
 
 
 NOVEL_NOTE = "the run's text is unlike the calibration's: see novel_input"
+NOVEL_FLOOR = 0.05  # a prompt needs more than this share of tokens no calibration run held to be novel (a calibration
+# set of near-duplicate prompts has a limit of 0: any prompt with 8 new tokens would be)
+NOVEL_MIN_RUNS = 20  # calibration runs a novel_share cell needs (from fewer, one odd prompt sets the limit)
 
 
 def novel_input(nov: dict) -> pl.DataFrame:

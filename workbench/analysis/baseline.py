@@ -231,8 +231,8 @@ def load_profile(store: Store, sha: str | None) -> pl.DataFrame | None:
     if cached is not None and cached[0] == query.profile_stamp(store, sha):
         return cached[1]
     got = query.profile(store, sha)
-    if got.height and _stale_bundle(got["source"][0], got["created_at"][0], sha,
-                                    set(got["signal"].unique().to_list())):  # an older release's bundle
+    if got.height and _stale_bundle(got["source"][0], got["created_at"][0], sha, set(got["signal"].unique().to_list()),
+                                    got.height):  # an older release's bundle
         got = got.clear()
     missing = CURRENT_SIGNALS - set(got["signal"].unique().to_list()) if got.height else set()
     if missing:  # a profile made by an older workbench: the bundled one replaces it, else it is not used
@@ -258,9 +258,11 @@ def load_profile(store: Store, sha: str | None) -> pl.DataFrame | None:
     return out
 
 
-def _stale_bundle(source: str | None, created_at, sha: str, signals: set[str] | None = None) -> bool:
-    """Whether a stored profile of model ``sha`` (its cells of ``signals``) is a copy of a bundled file of that model
-    other than the one this release bundles (another source, or fewer signals). A bundle is known by its stamp: no
+def _stale_bundle(source: str | None, created_at, sha: str, signals: set[str] | None = None,
+                  cells: int | None = None) -> bool:
+    """Whether a stored profile of model ``sha`` (its cells of ``signals``, ``cells`` of them) is a copy of a bundled
+    file of that model other than the one this release bundles (another source, fewer signals or another number of
+    cells). A bundle is known by its stamp: no
     ``created_at`` (scripts/build_activation_profile.py writes none, ``workbench profile`` always does) or one of the
     older releases' stamps (``OLD_BUNDLES``); a profile the user made, even from the same prompt file, is never
     replaced."""
@@ -272,7 +274,8 @@ def _stale_bundle(source: str | None, created_at, sha: str, signals: set[str] | 
     bundle = pl.read_parquet(BUNDLED, columns=["checkpoint_sha256", "source", "signal"])
     if bundle.height == 0 or bundle["checkpoint_sha256"][0] != sha:
         return False
-    return bundle["source"][0] != source or (signals is not None and bool(set(bundle["signal"].unique()) - signals))
+    return (bundle["source"][0] != source or (signals is not None and bool(set(bundle["signal"].unique()) - signals))
+            or (created_at is None and cells is not None and cells != bundle.height))
 
 
 # (source, created_at) of the bundled demo profiles of earlier releases (made by `workbench profile`, so stamped)

@@ -690,11 +690,17 @@ def swap_gate_up(model, layer: int, expert: int) -> contextlib.AbstractContextMa
         up = _linear(experts[expert], ("w3", "up_proj"), "up projection", f"expert {expert}")
         return _swapped(gate.weight, up.weight)
     w = experts.gate_up_proj[expert]  # the stacked dim: the one that is not the hidden size
-    d = 0 if w.size(1) == a.unembedding().weight.size(1) else 1
-    blocks = [_swapped(*(w.narrow(d, 0, w.size(d) // 2), w.narrow(d, w.size(d) // 2, w.size(d) // 2)))]
-    if a.summary.family == "gpt_oss":  # gate and up interleaved along the stacked dim
-        idx = torch.arange(w.size(d))
-        blocks = [_edited(w, lambda t: t.copy_(t.index_select(d, idx ^ 1)))]
+    gpt_oss = a.summary.family == "gpt_oss"  # gate and up interleaved along it, [H, 2I]; others [2I, H], halves
+    hidden = a.embedding().weight.size(1)
+    d = (1 if gpt_oss else 0) if w.size(0) == w.size(1) else (0 if w.size(1) == hidden else 1)
+    bias = getattr(experts, "gate_up_proj_bias", None)
+    tensors = [(w, d)] + ([(bias[expert], 0)] if torch.is_tensor(bias) and bias.dim() == 2 else [])
+    if gpt_oss:
+        blocks = [_edited(t, lambda x, k=k: x.copy_(x.index_select(k, torch.arange(x.size(k), device=x.device) ^ 1)))
+                  for t, k in tensors]
+    else:
+        blocks = [_swapped(t.narrow(k, 0, t.size(k) // 2), t.narrow(k, t.size(k) // 2, t.size(k) // 2))
+                  for t, k in tensors]
     return _together(blocks)
 
 

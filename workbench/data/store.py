@@ -284,8 +284,13 @@ _SHARED: dict[str, _Shared] = {}
 _LOCK = threading.RLock()
 
 
+_PID = os.getpid()
+
+
 @atexit.register
 def _stop_watchers() -> None:
+    if os.getpid() != _PID:  # a forked child: the watchers are its parent's threads (and a lock it copied may be
+        return  # held by one of them forever)
     with _LOCK:
         shared = list(_SHARED.values())
     for sh in shared:
