@@ -101,10 +101,21 @@ def load_run(app: AppContext, s: Session, run_id: str | None):
     last = f.last_step
     ref = s.reference if s.reference != run_id else None
     return (page_header(f, read_only=app.store.read_only), run_header(f, summary), strip_value(t),
-            gr.Number(value=pos, maximum=max(n - 1, 0)),
+            gr.Number(value=pos),  # no maximum: Gradio refuses a value past it before any callback, and an event sent
+            # before a quick re-pick of a shorter run carries the longer run's position (token_views says it)
             f.fig_tokens(), json.dumps(summary, indent=1),
             gr.Slider(minimum=0, maximum=max(last, 1), value=last, step=1),
             gr.Dropdown(choices=reference_choices(s.runs, run_id), value=ref or ""))
+
+
+def token_views_moved(app: AppContext, s: Session, run_id: str | None, pos: float | None):
+    """``token_views`` where the position moved by itself (a pick, a click on the strip): a position past this run's
+    tokens is another run's, sent before the pick that replaced it landed; the views are left as they are (no
+    error: the user typed nothing)."""
+    f = frames_of(s, run_id)
+    if f is not None and pos is not None and not 0 <= int(pos) < f.tokens.height:
+        return tuple(gr.skip() for _ in range(8))
+    return token_views(app, s, run_id, pos)
 
 
 def stored_causes(f: RunFrames, pos: int) -> tuple[str, pl.DataFrame]:
@@ -345,8 +356,10 @@ def build(session: Page) -> None:
     session.on_pick.append((partial(load_run, app), [state, pick],
                             [ui["page_head"], run_head, strip, pos, conf_plot, summary_json, "step", rc_ref]))
     tok_outputs = [tok_info, topk_plot, heads_plot, route_plot, attr_plot, comp_plot, rc_msg, rc_table]
-    session.on_pick.append((partial(token_views, app), [state, pick, pos], tok_outputs))
-    pos.change(partial(token_views, app), [state, pick, pos], tok_outputs, api_name=False, trigger_mode="always_last")
+    session.on_pick.append((partial(token_views_moved, app), [state, pick, pos], tok_outputs))
+    pos.change(partial(token_views_moved, app), [state, pick, pos], tok_outputs, api_name=False,
+               trigger_mode="always_last")
+    pos.submit(partial(token_views, app), [state, pick, pos], tok_outputs, api_name=False)  # typed: says a bad one
     strip.select(pick_token, None, pos, api_name=False)
     rc_ref.change(partial(reference_note, app), [state, pick, rc_ref], ref_msg, **LAST)
     rc_btn.click(partial(explain, app), [state, pick, pos, rc_steps, rc_ref], [rc_msg, attr_plot, comp_plot, rc_table],
