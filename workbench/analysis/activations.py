@@ -667,7 +667,7 @@ class _Prepared:
                 self.known.setdefault(r["layer"], []).append(r)
         self.known_embed = next(prof.filter((pl.col("kind") == "embed") & (pl.col("signal") == "known:rows"))
                                 .iter_rows(named=True), None)  # every input-embedding row as held
-        self._embed_rows: torch.Tensor | None = None
+        self._embed_rows: tuple[torch.Tensor, float] | None = None  # (rows, their median RMS)
         rest = prof.filter(~pl.col("signal").str.starts_with("first:") & ~pl.col("kind").is_in(["first_check",
                                                                                               "known_input",
                                                                                               "calibration"])
@@ -682,15 +682,12 @@ class _Prepared:
         self._spread: dict | None = None
         self._tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id of a row of ``rest`` (held here)
 
-    def embed_scale(self) -> float:
-        """The held rows' median RMS (a typical row's size), at least 1e-30."""
-        return max(float(self.embed_rows().double().pow(2).mean(1).sqrt().median()), 1e-30)
-
-    def embed_rows(self) -> torch.Tensor:
-        """``known_embed``'s rows as a tensor [V, KNOWN_EMBED_DIMS], converted once."""
+    def embed_rows(self) -> tuple[torch.Tensor, float]:
+        """``known_embed``'s rows as a tensor [V, KNOWN_EMBED_DIMS] and their median RMS (a typical row's size, at
+        least 1e-30), converted once."""
         if self._embed_rows is None:
-            self._embed_rows = torch.tensor(self.known_embed["mean"], dtype=torch.float32).view(
-                int(self.known_embed["n"]), -1)
+            rows = torch.tensor(self.known_embed["mean"], dtype=torch.float32).view(int(self.known_embed["n"]), -1)
+            self._embed_rows = (rows, max(float(rows.double().pow(2).mean(1).sqrt().median()), 1e-30))
         return self._embed_rows
 
     def firsts(self, token: int) -> list[dict]:
@@ -967,7 +964,8 @@ def _embedding_evidence(a: Adapter, ids: list[int], prof: pl.DataFrame) -> dict[
     """``("embed", None, None, None, pos)`` -> ``KNOWN_NATS`` times how far off (up to all of it) for the first position
     holding each token of the context whose input-embedding row differs from the profile's (only where the model
     runs in the dtype the profile was made in)."""
-    cell = _prepared(prof).known_embed
+    prep = _prepared(prof)
+    cell = prep.known_embed
     w = getattr(a.embedding(), "weight", None)
     if cell is None or not ids or not torch.is_tensor(w) or w.is_meta or not _made_in(prof, a.dtype):
         return {}
@@ -978,10 +976,10 @@ def _embedding_evidence(a: Adapter, ids: list[int], prof: pl.DataFrame) -> dict[
     if not first:
         return {}
     toks = torch.tensor(list(first))
-    clean = _prepared(prof).embed_rows()[toks]
+    rows, scale = prep.embed_rows()  # a row near zero (padding) is judged on the rows' typical size
+    clean = rows[toks]
     with torch.no_grad():
         now = _embedding_held(w[toks.to(w.device)])
-    scale = _prepared(prof).embed_scale()  # a row near zero (padding) is judged on the rows' typical size
     dev = (now - clean).double().pow(2).mean(1).sqrt() / clean.double().pow(2).mean(1).sqrt().clamp_min(0.1 * scale)
     return {("embed", None, None, None, first[t]): KNOWN_NATS * min(1.0, float(d) / KNOWN_FULL)
             for t, d in zip(first, dev.tolist()) if not d <= KNOWN_TOL}

@@ -299,14 +299,14 @@ class Baseline:
         against the other runs, the ``novel_share`` cell's top quantile, at least ``NOVEL_FLOOR``; ``novel``: at least
         ``min_tokens`` of them and a larger share than ``limit``), or None without those cells (a profile made before
         them, or from fewer than ``NOVEL_MIN_RUNS`` runs: one odd prompt would set the limit)."""
-        if not self.has_profile or ("novelty",) not in self._cells:
-            cells = (self.profile.filter(pl.col("signal").is_in(["token_count", "novel_share"]))
-                     if self.has_profile else pl.DataFrame())
-            seen = cells.filter(pl.col("signal") == "token_count")["bucket"].to_numpy() if cells.height else None
-            lim = cells.filter((pl.col("signal") == "novel_share") & pl.col("quantiles").is_not_null()
-                               & (pl.col("n") >= NOVEL_MIN_RUNS)) if cells.height else cells
+        if not self.has_profile:
+            return None
+        if ("novelty",) not in self._cells:
+            seen = self.profile.filter(pl.col("signal") == "token_count")["bucket"].to_numpy()
+            lim = self.profile.filter((pl.col("signal") == "novel_share") & pl.col("quantiles").is_not_null()
+                                      & (pl.col("n") >= NOVEL_MIN_RUNS))
             self._cells[("novelty",)] = (seen, max(float(lim["quantiles"][0][-1]), NOVEL_FLOOR)
-                                         if lim.height and seen is not None and seen.size else None)
+                                         if lim.height and seen.size else None)
         seen, limit = self._cells[("novelty",)]
         ids = np.asarray(token_ids)
         if limit is None or ids.size == 0:
@@ -783,7 +783,8 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
     cols = raw["tokens"].columns
     prompt = raw["tokens"].filter(pl.col("is_prompt")) if "is_prompt" in cols else raw["tokens"]
     nov = base.novelty(prompt["token_id"].drop_nulls().to_numpy(), mp) if "token_id" in cols else None
-    if nov is not None and nov["novel"]:  # text unlike the calibration's: its distribution-level tests are moot
+    novel = nov is not None and nov["novel"]
+    if novel:  # text unlike the calibration's: its distribution-level tests are moot
         flagged = as_info(flagged, pl.col("kind").is_in(list(SHIFTED)), NOVEL_NOTE)
     rep = repetition(raw["tokens"], found)
     extra = [repetition(raw["tokens"], degenerate).with_columns(pl.lit("info").alias("severity"))]
@@ -795,7 +796,7 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
                                         "against the run's own statistics and are shown as info only; run "
                                         "`workbench profile --prompts data/prompts/calibration.jsonl --model MODEL` "
                                         "to calibrate"}])]
-    if nov is not None and nov["novel"]:
+    if novel:
         extra.append(novel_input(nov))
     if shift:
         extra.append(_rows([{"kind": "routing_shift", "severity": "info", "score": float(len(shift)), "threshold": 3.0,

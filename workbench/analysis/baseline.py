@@ -262,10 +262,9 @@ def _stale_bundle(source: str | None, created_at, sha: str, signals: set[str] | 
                   cells: int | None = None) -> bool:
     """Whether a stored profile of model ``sha`` (its cells of ``signals``, ``cells`` of them) is a copy of a bundled
     file of that model other than the one this release bundles (another source, fewer signals or another number of
-    cells). A bundle is known by its stamp: no
-    ``created_at`` (scripts/build_activation_profile.py writes none, ``workbench profile`` always does) or one of the
-    older releases' stamps (``OLD_BUNDLES``); a profile the user made, even from the same prompt file, is never
-    replaced."""
+    cells). A bundle is known by its stamp: no ``created_at`` (scripts/build_activation_profile.py writes none,
+    ``workbench profile`` always does) or one of the older releases' stamps (``OLD_BUNDLES``); a profile the user
+    made, even from the same prompt file, is never replaced."""
     if not BUNDLED.exists():
         return False
     stamp = (source, None if created_at is None else str(created_at))

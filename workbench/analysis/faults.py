@@ -580,21 +580,28 @@ def swap_router_rows(model, layer: int, expert: int) -> contextlib.AbstractConte
 
 
 @contextlib.contextmanager
-def top1_routing(model, layer: int) -> Iterator[None]:
-    """One MoE layer mixes only its first choice: the other chosen experts' weights set to 0 (a top-k of 1 where the
-    model was trained with more; the first keeps its weight)."""
+def _reweighted(model, layer: int, weights: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """One MoE layer's routing with its mixing weights [N, K] replaced by ``weights(weights)`` (the chosen experts
+    kept) for the block: a fault between the router's logits and the experts' mix."""
     a = adapter_for(model)
     _check_layer(a, layer)
     if layer not in a.summary.moe_layers:
         raise ValueError(f"layer {layer} is a dense layer (no router); MoE layers are {a.summary.moe_layers}")
 
     def fn(i: int, r: Route) -> None:
-        if i == layer:  # the first choice: the largest weight of each row (a family's top-k need not sort its slots)
-            keep = torch.zeros_like(r.weights, dtype=torch.bool).scatter_(1, r.weights.argmax(1, keepdim=True), True)
-            r.force(torch.ones(r.weights.size(0), dtype=torch.bool), r.indices, r.weights * keep)
+        if i == layer:
+            r.force(torch.ones(r.weights.size(0), dtype=torch.bool), r.indices, weights(r.weights))
 
     with a.seams({"route": fn}):
         yield
+
+
+def top1_routing(model, layer: int) -> contextlib.AbstractContextManager:
+    """One MoE layer mixes only its first choice: the other chosen experts' weights set to 0 (a top-k of 1 where the
+    model was trained with more; the first keeps its weight). The first choice is the largest weight of each row (a
+    family's top-k need not sort its slots)."""
+    return _reweighted(model, layer, lambda w: w * torch.zeros_like(w, dtype=torch.bool).scatter_(
+        1, w.argmax(1, keepdim=True), True))
 
 
 def quantize_expert(model, layer: int, expert: int, levels: float = 2.0) -> contextlib.AbstractContextManager:
@@ -663,21 +670,11 @@ def noise_embedding(model, amount: float = 0.5, seed: int = 0) -> contextlib.Abs
     w = a.embedding().weight
     return _edited(w, _noised(w, amount, seed))
 
-@contextlib.contextmanager
-def scale_routed(model, layer: int, scale: float = 0.4) -> Iterator[None]:
+
+def scale_routed(model, layer: int, scale: float = 0.4) -> contextlib.AbstractContextManager:
     """One MoE layer's routed experts' mixing weights multiplied by ``scale`` (a routed scaling factor gone wrong:
     DeepSeek-V3's 2.5 forgotten is 0.4, applied twice 2.5); the shared experts are unchanged."""
-    a = adapter_for(model)
-    _check_layer(a, layer)
-    if layer not in a.summary.moe_layers:
-        raise ValueError(f"layer {layer} is a dense layer (no router); MoE layers are {a.summary.moe_layers}")
-
-    def fn(i: int, r: Route) -> None:
-        if i == layer:
-            r.force(torch.ones(r.weights.size(0), dtype=torch.bool), r.indices, r.weights * scale)
-
-    with a.seams({"route": fn}):
-        yield
+    return _reweighted(model, layer, lambda w: w * scale)
 
 
 def swap_gate_up(model, layer: int, expert: int) -> contextlib.AbstractContextManager:
