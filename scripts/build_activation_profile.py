@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = activations.build(model, toks, first_tokens=firsts)
     source += (f", exact first position of {min(len(firsts), activations.FIRST_TOKENS)} tokens, length buckets from "
                f"{activations.RUN_BUCKETS[0]} tokens, known answers on {activations.KNOWN_INPUTS} inputs per layer"
-               " and every input-embedding row"  # a newer release's
+               ", every input-embedding and output-projection row and every norm"  # a newer release's
                f", longest context {max(len(t) for t in toks)} tokens")
     # the bundled file: the stored columns, no time stamp (the same inputs give the same bytes)
     rows = rows.with_columns(pl.lit(sha).alias("checkpoint_sha256"),

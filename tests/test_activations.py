@@ -283,9 +283,10 @@ def test_the_first_position_is_held_exactly_and_a_weight_edit_there_is_named(tin
     named = [r for r in rows if r["layer"] == layer and r["expert"] == 2]
     assert named and "position 0" in named[0]["explanation"]
     token = ids[5]
-    with faults.KINDS["unembedding"](tiny, 0, index=token):  # one output row scaled
-        got = _first_signals(tiny, ids, prof)
-    assert list(got) == [("unembed", None, None, None, None)]
+    with faults.KINDS["unembedding"](tiny, 0, index=token):  # one output row scaled: the first position's logits
+        got = _first_signals(tiny, ids, prof.filter(~((pl.col("kind") == "unembed")
+                                                      & (pl.col("signal") == "known:rows"))))
+    assert list(got) == [("unembed", None, None, None, None)]  # (the held output rows name it too: see below)
     # an expert chosen at position 0, half of its down projection sign-flipped: the expert, not its block
     chosen = prof.filter(pl.col("signal") == f"first:chosen:{ids[0]}")
     e = chosen.filter((pl.col("layer") == layer) & (pl.col("mean").list.first() == 1.0))["expert"][0]
@@ -399,7 +400,7 @@ def test_known_answers_name_an_expert_whose_weights_changed(tiny, prof):
     assert set(attn.filter(pl.col("kind") == "head")["head"]) == set(range(s.n_heads))
     # wo's columns, wq's and wkv_b's rows, head by head
     assert attn.filter(pl.col("kind") == "head").height == s.n_layers * s.n_heads * 3
-    assert attn.filter(pl.col("kind") == "kv_latent").height == s.n_layers  # wkv_a
+    assert attn.filter(pl.col("kind") == "kv_latent").height == 2 * s.n_layers  # wkv_a and the latent's norm
     ids = _prompts(1, 30, seed=5)[0]  # a first token nobody profiled at position 0 is as good as any
     assert _known(tiny, ids, prof) == {}  # the clean model gives exactly the held answers
     layer = s.moe_layers[0]
@@ -633,3 +634,44 @@ def test_a_changed_embedding_row_does_not_hide_a_fault_elsewhere(tiny, prof):
         with faults.HELD_OUT["embed_swap"](tiny, index=ids[25]):
             both = loud(activations.anomaly_rows(tiny, ids, prof))
     assert ("attn_norm", 1) in alone and both >= alone | {("embed", None)}
+
+
+def test_the_norms_and_the_output_head_are_held_and_a_change_is_named_where_it_is(tiny, prof):
+    """Every norm (each block's two input norms, MLA's latent norm, the final norm) is held by its answer on fixed
+    inputs and every output-projection row like the embedding's: a final norm scaled as a whole (a temperature:
+    every logit alike, the same symptom as a scaled output projection) is named as the final norm, a scaled output
+    projection as the output projection, a layer's norm at its own layer; the clean model matches all of it."""
+    s = tiny.summary
+    norms = prof.filter(pl.col("signal").str.starts_with("known:norm"))
+    assert set(norms.filter(pl.col("kind") == "attn_norm")["layer"]) == set(range(s.n_layers))
+    assert set(norms.filter(pl.col("kind") == "mlp_norm")["layer"]) == set(range(s.n_layers))
+    assert norms.filter(pl.col("kind") == "final_norm").height == 1
+    rows = prof.filter((pl.col("kind") == "unembed") & (pl.col("signal") == "known:rows"))
+    assert rows.height == 1 and rows["n"][0] == tiny.unembedding().weight.size(0)
+    ids = _prompts(1, 30, seed=5)[0]
+    ends = lambda: activations._embedding_evidence(tiny, ids, prof)  # noqa: E731
+    assert ends() == {} and _known(tiny, ids, prof) == {}
+    w = tiny.final_norm().weight
+    with faults._edited(w, lambda x: x.mul_(0.3)):
+        assert ends() == {("final_norm", None, None, None, None): activations.KNOWN_NATS}
+        ev = activations.evidence(tiny, ids, prof)
+        assert _top(ev, 1) == [("final_norm", None, None, None, None)]
+        rows = activations.anomaly_rows(tiny, ids, prof)
+    named = [r for r in rows if r["component"] == "final_norm"]
+    assert named and named[0]["severity"] == "critical" and "the final norm" in named[0]["explanation"]
+    with faults._edited(w[3:4], lambda x: x.mul_(30.0)):  # one outlier channel
+        assert set(ends()) == {("final_norm", None, None, None, None)}
+    with faults._edited(tiny.unembedding().weight, lambda x: x.mul_(0.5)):
+        assert set(ends()) == {("unembed", None, None, None, None)}
+        assert _top(activations.evidence(tiny, ids, prof), 1) == [("unembed", None, None, None, None)]
+    token = 7 if 7 not in ids else 9  # a row no context token holds: judged when it is the explained token
+    with faults.KINDS["unembedding"](tiny, 0, index=token):
+        assert activations._embedding_evidence(tiny, ids, prof, [token]) == {
+            ("unembed", None, None, None, None): activations.KNOWN_NATS}
+    layer = 2
+    norm = tiny.parts(layer)["mlp_norm"].weight
+    with faults._edited(norm, lambda x: x.mul_(0.5)):  # (a random model's norms are at ones: no reset to show)
+        got = activations._known_evidence(tiny, activations.capture(tiny, ids)[0], prof)
+        assert _top(activations.evidence(tiny, ids, prof), 1) == [("mlp_norm", layer, None, None, None)]
+    assert got == {("mlp_norm", layer, None, None, None): activations.KNOWN_NATS}
+    assert ends() == {} and _known(tiny, ids, prof) == {}  # undone

@@ -403,22 +403,32 @@ def test_position_faults_hit_their_position_only(tiny, ids):
 
 
 def test_every_fault_kind_changes_the_output_and_is_undone(tiny, ids):
+    import copy
+
     from workbench.capture.adapters import adapter_for
 
     a = adapter_for(tiny)
     with torch.no_grad():
         base = a.forward(ids)
     assert len(faults.KINDS) >= 10
+    trained = copy.deepcopy(a.module)  # norms away from their initial ones, as training leaves them
+    with torch.no_grad():
+        for n, p in trained.named_parameters():
+            if "norm" in n:
+                p.mul_(1.5)
     for name, kind in faults.ALL_KINDS.items():  # the held-out kinds too
-        layer = kind.layers(a)[0]
+        m = adapter_for(trained) if name == "norm_reset" else a  # (a reset is no change of a random model's ones)
+        with torch.no_grad():
+            base = m.forward(ids)
+        layer = kind.layers(m)[0]
         index = int(ids[0, 3]) if kind.index == "token" else 1
-        made = kind(a, layer, index)  # a fault only acts inside its with block
+        made = kind(m, layer, index)  # a fault only acts inside its with block
         with torch.no_grad():
-            assert torch.equal(a.forward(ids), base), f"{name} acted before its with block"
+            assert torch.equal(m.forward(ids), base), f"{name} acted before its with block"
         with torch.no_grad(), made:
-            broken = a.forward(ids)
+            broken = m.forward(ids)
         with torch.no_grad():
-            after = a.forward(ids)
+            after = m.forward(ids)
         assert (broken - base).abs().max() > 1e-3, name
         assert torch.equal(after, base), name
     with pytest.raises(ValueError, match="dense layer"), faults.KINDS["starved"](a, 0, 1):

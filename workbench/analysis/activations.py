@@ -665,9 +665,12 @@ class _Prepared:
         for r in prof.filter(pl.col("signal").str.starts_with("known")).iter_rows(named=True):
             if r["layer"] is not None:
                 self.known.setdefault(r["layer"], []).append(r)
-        self.known_embed = next(prof.filter((pl.col("kind") == "embed") & (pl.col("signal") == "known:rows"))
-                                .iter_rows(named=True), None)  # every input-embedding row as held
-        self._embed_rows: tuple[torch.Tensor, float] | None = None  # (rows, their median RMS)
+        ends = {(r["kind"], r["signal"]): r for r in prof.filter(pl.col("layer").is_null() & pl.col("signal").is_in(
+            ["known:rows", "known:norm"])).iter_rows(named=True)}
+        self.known_embed = ends.get(("embed", "known:rows"))  # every input-embedding row as held
+        self.known_unembed = ends.get(("unembed", "known:rows"))  # every output-projection row (not where tied)
+        self.known_final = ends.get(("final_norm", "known:norm"))  # the final norm's answer on fixed inputs
+        self._end_rows: dict[str, tuple[torch.Tensor, float]] = {}  # kind -> (rows, their median RMS)
         rest = prof.filter(~pl.col("signal").str.starts_with("first:") & ~pl.col("kind").is_in(["first_check",
                                                                                               "known_input",
                                                                                               "calibration"])
@@ -682,13 +685,14 @@ class _Prepared:
         self._spread: dict | None = None
         self._tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id of a row of ``rest`` (held here)
 
-    def embed_rows(self) -> tuple[torch.Tensor, float]:
-        """``known_embed``'s rows as a tensor [V, KNOWN_EMBED_DIMS] and their median RMS (a typical row's size, at
-        least 1e-30), converted once."""
-        if self._embed_rows is None:
-            rows = torch.tensor(self.known_embed["mean"], dtype=torch.float32).view(int(self.known_embed["n"]), -1)
-            self._embed_rows = (rows, max(float(rows.double().pow(2).mean(1).sqrt().median()), 1e-30))
-        return self._embed_rows
+    def end_rows(self, kind: str) -> tuple[torch.Tensor, float]:
+        """``known_embed``'s (``kind`` "embed") or ``known_unembed``'s ("unembed") rows as a tensor [V,
+        KNOWN_EMBED_DIMS] and their median RMS (a typical row's size, at least 1e-30), converted once."""
+        if kind not in self._end_rows:
+            cell = self.known_embed if kind == "embed" else self.known_unembed
+            rows = torch.tensor(cell["mean"], dtype=torch.float32).view(int(cell["n"]), -1)
+            self._end_rows[kind] = (rows, max(float(rows.double().pow(2).mean(1).sqrt().median()), 1e-30))
+        return self._end_rows[kind]
 
     def firsts(self, token: int) -> list[dict]:
         """The ``first:`` cells of a context whose first token is ``token``."""
@@ -866,6 +870,56 @@ def _known_attention(a: Adapter, layer: int) -> dict[Key, torch.Tensor]:
     return out
 
 
+def _norm_like(m) -> bool:
+    """A normalisation module with a weight vector (RMSNorm, LayerNorm, a QK norm): what it computes on fixed inputs
+    depends on nothing but that weight, so any change of it shows."""
+    w = getattr(m, "weight", None)
+    return (isinstance(m, torch.nn.Module) and not isinstance(m, torch.nn.Linear) and torch.is_tensor(w)
+            and w.dim() == 1 and not w.is_meta and "norm" in type(m).__name__.lower())
+
+
+def _norm_answer(m: torch.nn.Module) -> torch.Tensor | None:
+    """A norm's output on ``KNOWN_INPUTS`` fixed standard normal rows of its width, as held (None: it takes other
+    inputs than [N, D])."""
+    w = m.weight
+    u = _known_unit_inputs(w.numel()).to(w.device, w.dtype)
+    try:
+        with torch.no_grad():
+            y = m(u)
+    except Exception:  # a norm that takes more than the hidden states: no known answer
+        return None
+    y = y[0] if isinstance(y, tuple) else y
+    return _held(y) if torch.is_tensor(y) and y.shape == u.shape else None
+
+
+def _known_norms(a: Adapter, layer: int) -> dict[Key, torch.Tensor]:
+    """Each norm of ``layer`` on fixed inputs (``_norm_answer``), named by what it feeds: ``("attn_norm" | "mlp_norm",
+    layer, None, None, "known:norm")`` for the block's input norms; inside the attention, MLA's KV latent norm as
+    ``kv_latent`` and any other (a low-rank query's norm, a QK norm) as the ``attn_block``. A norm whose weight was
+    scaled, reset to ones or given an outlier channel is then named at once, where its layer's statistics might only
+    see a consequence."""
+    parts = a.parts(layer)
+    mods: list[tuple[str, str, object]] = [(k, "norm", parts.get(k)) for k in ("attn_norm", "mlp_norm")]
+    attn = parts.get("attn")
+    if isinstance(attn, torch.nn.Module):
+        mods += [("kv_latent" if m is parts.get("kv") else "attn_block", f"norm:{name}", m)
+                 for name, m in attn.named_modules()]
+    out, seen = {}, set()
+    for kind, name, m in mods:
+        if not _norm_like(m) or id(m) in seen:
+            continue
+        seen.add(id(m))
+        y = _norm_answer(m)
+        if y is not None:
+            out[(kind, layer, None, None, f"known:{name}")] = y
+    return out
+
+
+def _known_maps(a: Adapter, layer: int) -> dict[Key, torch.Tensor]:
+    """The answers on fixed inputs that need no captured input: the attention's linear maps and the layer's norms."""
+    return _known_attention(a, layer) | _known_norms(a, layer)
+
+
 def _known_outputs(a: Adapter, layer: int, x: torch.Tensor,
                    experts: list[int] | None = None) -> dict[Key, torch.Tensor]:
     """Each callable component of ``layer`` run on ``x`` [N, D] (float32, CPU): ``(kind, layer, None, expert,
@@ -921,8 +975,8 @@ def _known_cells(a: Adapter, prompts: list[list[int]], captured: list[dict]) -> 
         xs = [got[("mlp_norm", layer, None, None, "out")][len(ids) // 2] for got, ids in zip(captured, prompts)
               if ("mlp_norm", layer, None, None, "out") in got][:KNOWN_INPUTS]
         x = torch.stack(xs).float() if xs else None  # no MLP input norm read (a parallel block): attention only
-        first = (_known_outputs(a, layer, x) if x is not None else {}) | _known_attention(a, layer)
-        again = (_known_outputs(a, layer, x) if x is not None else {}) | _known_attention(a, layer)
+        first = (_known_outputs(a, layer, x) if x is not None else {}) | _known_maps(a, layer)
+        again = (_known_outputs(a, layer, x) if x is not None else {}) | _known_maps(a, layer)
         kept = {k: y for k, y in first.items() if k in again and _known_dev(again[k], y) <= KNOWN_TOL / 10}
         if not kept:
             continue
@@ -945,44 +999,99 @@ def _embedding_held(w: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
                       for i in range(0, w.size(0), chunk)]).cpu()
 
 
+def _end_cell(kind: str, signal: str, y: torch.Tensor) -> dict:
+    """A known-answer row of the model's ends (no layer): ``y`` [N, W] as held, flattened."""
+    return {"kind": kind, "layer": None, "head": None, "expert": None, "signal": signal, "n": y.size(0),
+            "mean": y.flatten().tolist(), "std": [], "log_norm_mean": 0.0, "log_norm_std": 1.0, "dev_mean": 0.0,
+            "dev_std": 1.0, "run_norm_mean": [], "run_norm_std": [], "run_dev_mean": [], "run_dev_std": []}
+
+
+def _vocab_weight(m) -> torch.Tensor | None:
+    w = getattr(m, "weight", None)
+    return w if torch.is_tensor(w) and w.dim() == 2 and not w.is_meta else None
+
+
+def _final_norm(a: Adapter):
+    try:
+        m = a.final_norm()
+    except (NotImplementedError, AttributeError):
+        return None
+    return m if _norm_like(m) else None
+
+
 def _known_embedding_cells(a: Adapter) -> list[dict]:
-    """One row ``("embed", None, None, None, "known:rows")``: every input-embedding row as held (``_embedding_held``,
-    [V * KNOWN_EMBED_DIMS] flattened). An embedding is a lookup table: its answer for a token is the token's row, and a
-    row another token's (a vocabulary off by a pair), rescaled or noisy is named at the positions that hold it, where
-    a row of usual size looks clean to the statistics."""
-    w = getattr(a.embedding(), "weight", None)
-    if not torch.is_tensor(w) or w.dim() != 2 or w.is_meta:
-        return []
+    """The model's ends, held exactly: ``("embed", None, None, None, "known:rows")``, every input-embedding row; the
+    same of the output projection (``unembed``; not where it is the embedding's own tensor, tied); and the final
+    norm's answer on fixed inputs (``("final_norm", None, None, None, "known:norm")``). An embedding is a lookup
+    table: its answer for a token is the token's row, and a row another token's (a vocabulary off by a pair),
+    rescaled or noisy is named at the positions that hold it, where a row of usual size looks clean to the
+    statistics. An output projection or final norm changed as a whole moves every logit alike (a temperature): the
+    statistics see low confidence everywhere, not where it comes from."""
+    rows = []
+    w = _vocab_weight(a.embedding())
     with torch.no_grad():
-        held = _embedding_held(w)
-    return [{"kind": "embed", "layer": None, "head": None, "expert": None, "signal": "known:rows", "n": held.size(0),
-             "mean": held.flatten().tolist(), "std": [], "log_norm_mean": 0.0, "log_norm_std": 1.0, "dev_mean": 0.0,
-             "dev_std": 1.0, "run_norm_mean": [], "run_norm_std": [], "run_dev_mean": [], "run_dev_std": []}]
+        if w is not None:
+            rows.append(_end_cell("embed", "known:rows", _embedding_held(w)))
+        u = _vocab_weight(a.unembedding())
+        if u is not None and (w is None or u.data_ptr() != w.data_ptr()):
+            rows.append(_end_cell("unembed", "known:rows", _embedding_held(u)))
+    fn = _final_norm(a)
+    y, again = (_norm_answer(fn), _norm_answer(fn)) if fn is not None else (None, None)
+    if y is not None and again is not None and _known_dev(again, y) <= KNOWN_TOL / 10:
+        rows.append(_end_cell("final_norm", "known:norm", y))
+    return rows
 
 
-def _embedding_evidence(a: Adapter, ids: list[int], prof: pl.DataFrame) -> dict[tuple, float]:
-    """``("embed", None, None, None, pos)`` -> ``KNOWN_NATS`` times how far off (up to all of it) for the first position
-    holding each token of the context whose input-embedding row differs from the profile's (only where the model
-    runs in the dtype the profile was made in)."""
-    prep = _prepared(prof)
-    cell = prep.known_embed
-    w = getattr(a.embedding(), "weight", None)
-    if cell is None or not ids or not torch.is_tensor(w) or w.is_meta or not _made_in(prof, a.dtype):
-        return {}
-    first = {}
-    for pos, t in enumerate(ids):
-        if 0 <= int(t) < int(cell["n"]) and int(t) < w.size(0):
-            first.setdefault(int(t), pos)
-    if not first:
-        return {}
-    toks = torch.tensor(list(first))
-    rows, scale = prep.embed_rows()  # a row near zero (padding) is judged on the rows' typical size
+def _row_devs(w: torch.Tensor, toks: torch.Tensor, held: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """How far rows ``toks`` of ``w`` are from the held ones (``held``: all rows as held and their median RMS): the
+    RMS of the difference over the clean row's RMS (a row near zero, padding, judged on the rows' typical size)."""
+    rows, scale = held
     clean = rows[toks]
     with torch.no_grad():
         now = _embedding_held(w[toks.to(w.device)])
-    dev = (now - clean).double().pow(2).mean(1).sqrt() / clean.double().pow(2).mean(1).sqrt().clamp_min(0.1 * scale)
-    return {("embed", None, None, None, first[t]): KNOWN_NATS * min(1.0, float(d) / KNOWN_FULL)
-            for t, d in zip(first, dev.tolist()) if not d <= KNOWN_TOL}
+    return (now - clean).double().pow(2).mean(1).sqrt() / clean.double().pow(2).mean(1).sqrt().clamp_min(0.1 * scale)
+
+
+ROW_SAMPLE = 256  # output-projection rows always compared (evenly spaced): a change of the whole projection shows
+
+
+def _embedding_evidence(a: Adapter, ids: list[int], prof: pl.DataFrame, targets: list[int] = ()) -> dict[tuple, float]:
+    """The model's ends against the rows the profile holds (only where the model runs in the dtype the profile was
+    made in): ``("embed", None, None, None, pos)`` -> ``KNOWN_NATS`` times how far off (up to all of it) for the first
+    position holding each token of the context whose input-embedding row differs; ``("unembed", ...)`` where an
+    output-projection row of the context's tokens, of ``targets`` or of ``ROW_SAMPLE`` fixed rows differs;
+    ``("final_norm", ...)`` where the final norm's answer on its fixed inputs does."""
+    prep = _prepared(prof)
+    if not _made_in(prof, a.dtype):
+        return {}
+    out: dict[tuple, float] = {}
+    cell = prep.known_final
+    fn = _final_norm(a) if cell is not None else None
+    y = _norm_answer(fn) if fn is not None else None
+    if y is not None and y.numel() == len(cell["mean"]):
+        dev = _known_dev(y, prep.mean(cell).view(y.shape))
+        if not dev <= KNOWN_TOL:
+            out[("final_norm", None, None, None, None)] = KNOWN_NATS * min(1.0, dev / KNOWN_FULL)
+    u = _vocab_weight(a.unembedding()) if prep.known_unembed is not None else None
+    if u is not None:
+        n = min(int(prep.known_unembed["n"]), u.size(0))
+        toks = {int(t) for t in [*ids, *targets] if 0 <= int(t) < n}
+        toks |= set(np.linspace(0, n - 1, min(ROW_SAMPLE, n)).astype(int).tolist())
+        dev = float(_row_devs(u, torch.tensor(sorted(toks)), prep.end_rows("unembed")).max()) if toks else 0.0
+        if not dev <= KNOWN_TOL:
+            out[("unembed", None, None, None, None)] = KNOWN_NATS * min(1.0, dev / KNOWN_FULL)
+    w = _vocab_weight(a.embedding()) if prep.known_embed is not None else None
+    if w is None or not ids:
+        return out
+    first = {}
+    for pos, t in enumerate(ids):
+        if 0 <= int(t) < min(int(prep.known_embed["n"]), w.size(0)):
+            first.setdefault(int(t), pos)
+    if first:
+        dev = _row_devs(w, torch.tensor(list(first)), prep.end_rows("embed"))
+        out |= {("embed", None, None, None, first[t]): KNOWN_NATS * min(1.0, float(d) / KNOWN_FULL)
+                for t, d in zip(first, dev.tolist()) if not d <= KNOWN_TOL}
+    return out
 
 
 def _known_dev(y: torch.Tensor, v: torch.Tensor) -> float:
@@ -1046,7 +1155,7 @@ def _known_devs(a: Adapter, prep: _Prepared, layer: int, experts: list[int] | No
         now = _known_outputs(a, layer, x, experts)
     mine = prep.known[layer]
     if any(c["signal"].startswith("known:") for c in mine):
-        now |= _known_attention(a, layer)
+        now |= _known_maps(a, layer)
     out = {}
     for c in mine:
         k = (c["kind"], layer, c["head"], c["expert"], c["signal"])
@@ -1178,7 +1287,7 @@ def _signed_nats(nats: float, sign: float) -> float:
 
 def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool = True,
              signals: dict | None = None, found: dict | None = None,
-             min_stats: int = 2, max_stats: int | None = None) -> list[tuple[tuple, float]]:
+             min_stats: int = 2, max_stats: int | None = None, targets: list[int] = ()) -> list[tuple[tuple, float]]:
     """((kind, layer, head, expert, source_pos), signed surprise in nats) for every profiled component, on the
     context ``ids`` (the tokens before the explained one), plus the routing consistency rows (no profile
     needed). A head's output and its two attention-pattern scalars give one ``head`` row: the largest.
@@ -1188,11 +1297,13 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
     over a few positions it is heavy-tailed, so it is no row of its own here, only through the block it makes
     unusual, unless its z is past ``OWN_ALONE_Z``, e.g. an expert that outputs nothing; root cause uses it where
     the expert's ablation says it also matters to the explained token), and
-    ``"top_token"``, the token the model ranks first after the last position."""
+    ``"top_token"``, the token the model ranks first after the last position. ``targets``: tokens whose output rows
+    are compared with the profile's beside the context's and the top token's (root cause: the explained token)."""
     got, lost, reweighted = capture(a, list(ids))
+    top_token = int(got[("unembed", None, None, None, "logit")][-1].argmax()) if ids else None
     experts: dict | None = None
     if found is not None:
-        found["top_token"] = int(got[("unembed", None, None, None, "logit")][-1].argmax())
+        found["top_token"] = top_token
         experts = found.setdefault("experts", {})
     best: dict[tuple, float] = {}
     why = signals if signals is not None else {}
@@ -1221,7 +1332,8 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
     firsts, known = {}, {}
     if prof is not None and len(ids) >= 1:
         firsts = _first_evidence(got, int(ids[0]), prof, a.dtype)
-        known = _known_evidence(a, got, prof) | _embedding_evidence(a, list(ids), prof)
+        ends = [*targets, *([] if top_token is None else [top_token])]  # output rows judged beside the context's
+        known = _known_evidence(a, got, prof) | _embedding_evidence(a, list(ids), prof, ends)
     # the statistics' cells judge a context of ``min_stats`` to ``max_stats`` tokens (past the longest context the
     # calibration ran, what a clean model computes is unknown to them); the exact checks above judge any
     if prof is not None and max(min_stats, 2) <= len(ids) <= (max_stats or len(ids)):
@@ -1371,8 +1483,8 @@ def _flow(key: tuple) -> tuple[float, int]:
     """Where a row's component sits on a token's path: (layer, place in it); the embedding first, logits last."""
     if key[0] == "embed":
         return (-1.0, 0)
-    if key[1] is None:
-        return (math.inf, 0)
+    if key[1] is None:  # the final norm, then the output projection
+        return (math.inf, 1 if key[0] == "unembed" else 0)
     return (float(key[1]), FLOW_AT.get(key[0], len(FLOW)))
 
 
@@ -1386,6 +1498,7 @@ CRITICAL_NATS = 60.0  # and a critical one
 MAX_TOKENS = 2048  # a run's first tokens that the check reads (one teacher-forced forward with attention)
 WORDS = {"embed": "the input embedding of the token at position {pos}",
          "unembed": "the output projection (one token's logit is off at every position)",
+         "final_norm": "the final norm (before the output projection)",
          "attn_norm": "the attention's input norm", "kv_latent": "the KV latent", "head": "head {head}",
          "attn_block": "the attention block", "mlp_norm": "the MLP's input norm", "mlp_block": "the MoE block",
          "dense_mlp": "the MLP", "shared_expert": "the shared experts", "resid": "what the layer adds to the stream",
@@ -1428,6 +1541,7 @@ def anomaly_rows(a: Adapter, ids: list[int], prof: pl.DataFrame | None, routing_
         elif signals.get(key) == "known" and kind == "embed":
             how = "is not the row the profile holds for that token (the embedding's weights changed)"
         elif signals.get(key) == "known":
+            what = "the output projection" if kind == "unembed" else what
             how = ("no longer computes what it computed when the profile was made (its output on the profile's fixed "
                    "inputs differs: its weights or its code changed)")
         elif kind == "router" and expert is not None and signals.get(key) == "chosen":

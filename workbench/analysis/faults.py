@@ -712,6 +712,57 @@ def swap_embedding_rows(model, token: int) -> contextlib.AbstractContextManager:
     return _swapped(w[token], w[token ^ 1])
 
 
+def scale_final_norm(model, scale: float = 0.3, channel: int | None = None) -> contextlib.AbstractContextManager:
+    """The final norm's weight multiplied by ``scale`` (every logit alike: a temperature), or only its ``channel``."""
+    w = _final_weight(adapter_for(model))
+    if channel is None:
+        return _edited(w, lambda t: t.mul_(scale))
+    if not 0 <= channel < w.numel():
+        raise ValueError(f"channel {channel} out of range: the final norm has channels 0..{w.numel() - 1}")
+    return _edited(w[channel:channel + 1], lambda t: t.mul_(scale))
+
+
+def _final_weight(a) -> torch.Tensor:
+    w = getattr(a.final_norm(), "weight", None)
+    if not torch.is_tensor(w):
+        raise ValueError("the model's final norm has no weight")
+    return w
+
+
+def scale_unembedding_all(model, scale: float = 0.5) -> contextlib.AbstractContextManager:
+    """The whole output projection multiplied by ``scale`` (a logit scale gone wrong; a tied input embedding changes
+    with it)."""
+    return _edited(adapter_for(model).unembedding().weight, lambda w: w.mul_(scale))
+
+
+def reset_norms(model, layer: int) -> contextlib.AbstractContextManager:
+    """Block ``layer``'s attention and MLP input norms at their initial weights, ones (a checkpoint that never loaded
+    them)."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    ws = [m.weight for m in (a.parts(layer)["attn_norm"], a.parts(layer)["mlp_norm"])
+          if m is not None and torch.is_tensor(getattr(m, "weight", None))]
+    if not ws:
+        raise ValueError(f"layer {layer} has no input norm with a weight")
+    return _edited_all(ws, lambda w: w.fill_(1.0))
+
+
+def swap_layers(model, layer: int) -> contextlib.AbstractContextManager:
+    """Block ``layer``'s weights exchanged with its partner's, ``layer ^ 1`` (0-1, 2-3, ...: a checkpoint's layer index
+    off by one); where the two blocks differ (a dense and an MoE layer), the parameters they share (attention,
+    norms)."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    other = layer ^ 1
+    if other >= a.summary.n_layers:
+        raise ValueError(f"layer {layer} has no partner layer {other} (the model has {a.summary.n_layers})")
+    pa, pb = (dict(a.parts(i)["block"].named_parameters()) for i in (layer, other))
+    shared = [k for k in pa if k in pb and pa[k].shape == pb[k].shape]
+    if not shared:
+        raise ValueError(f"layers {layer} and {other} share no parameter to exchange")
+    return _together([_swapped(pa[k], pb[k]) for k in shared])
+
+
 # -- the registry -------------------------------------------------------------------------------------------
 LAYER_ROWS = ("attn_block", "mlp_block", "resid")  # root-cause rows that name a whole layer
 
@@ -724,8 +775,8 @@ class FaultKind:
         name: its key in ``KINDS`` (or ``HELD_OUT``).
         index: what ``index`` selects ("head", "expert", "channel", "token") or None (unused).
         where: the layers it applies to: "any", "moe" (MoE layers), "shared" (MoE layers with shared experts),
-            "not_last" (every layer but the last), "dense" (layers without experts), "model" (not a layer: ``layer``
-            is ignored, pass 0).
+            "not_last" (every layer but the last), "dense" (layers without experts), "paired" (layers with a partner
+            ``layer ^ 1``: a row at either names the fault), "model" (not a layer: ``layer`` is ignored, pass 0).
         strength: the default scale, amount or factor.
         culprit: the root-cause kinds (``root_cause``'s ``kind`` column) that name it, at its layer and index.
         layer_wide: a whole-layer fault: a row of ``LAYER_ROWS`` at its layer names it too.
@@ -759,6 +810,8 @@ class FaultKind:
             return [i for i in range(summ.n_layers) if i not in summ.moe_layers]
         if self.where == "not_last":  # the final norm undoes a scale of the last block's output
             return list(range(summ.n_layers - 1))
+        if self.where == "paired":  # layers with a partner layer ^ 1
+            return [i for i in range(summ.n_layers) if i ^ 1 < summ.n_layers]
         return list(range(summ.n_layers))
 
     def n_index(self, model, layer: int) -> int:
@@ -768,8 +821,8 @@ class FaultKind:
             return a.summary.n_heads
         if self.index == "expert":
             return a.summary.n_routed_experts
-        if self.index == "channel":
-            return int(a.parts(layer)["kv"].weight.size(0))
+        if self.index == "channel":  # the final norm's channels for a whole-model kind, else the KV latent's
+            return int(_final_weight(a).numel() if self.where == "model" else a.parts(layer)["kv"].weight.size(0))
         if self.index == "token":
             return a.summary.vocab_size
         return 0
@@ -787,7 +840,7 @@ class FaultKind:
             return False
         if self.where == "model":
             return True
-        if row["layer"] != layer:
+        if row["layer"] != layer and not (self.where == "paired" and row["layer"] == layer ^ 1):
             return False
         if kind == "head":
             return row["head"] == index
@@ -905,5 +958,21 @@ HELD_OUT: dict[str, FaultKind] = {k.name: k for k in [
               doc="two tokens' input-embedding rows exchanged (the token and token ^ 1)", paired=True),
     FaultKind("attn_norm_channel", lambda m, l, i, s: scale_norm_channel(m, l, scale=s, which="attn_norm"), None,
               "any", 30.0, ("attn_norm",), True, doc="one channel of the attention input norm multiplied"),
+    # added 2026-12-05 (session 20) as an outside check would: the model's far end and whole-block loading bugs. First
+    # measured on the demo (seed 0, root cause alone) before any rule: a scaled final norm or one of its channels was
+    # named as the output logits (``unembed``, rank 1, 6 of 6: root cause had no final-norm row), a scaled output
+    # projection as ``unembed`` (3 of 3), a swapped pair of layers in the top 3 (3 of 3, a part of either layer). The
+    # norms' and the output projection's known answers (activations) came from the first two
+    FaultKind("final_norm", lambda m, l, i, s: scale_final_norm(m, scale=s), None, "model", 0.3, ("final_norm",),
+              doc="the final norm's weight multiplied (a temperature on every logit)"),
+    FaultKind("final_norm_channel", lambda m, l, i, s: scale_final_norm(m, scale=s, channel=i), "channel", "model",
+              30.0, ("final_norm",), doc="one channel of the final norm multiplied"),
+    FaultKind("unembed_scale", lambda m, l, i, s: scale_unembedding_all(m, scale=s), None, "model", 0.5,
+              ("unembed",), doc="the whole output projection multiplied (a logit scale gone wrong)"),
+    FaultKind("norm_reset", lambda m, l, i, s: reset_norms(m, l), None, "any", None, ("attn_norm", "mlp_norm"), True,
+              doc="one block's input norms at their initial ones (never loaded)"),
+    FaultKind("layer_swap", lambda m, l, i, s: swap_layers(m, l), None, "paired", None,
+              ("attn_norm", "mlp_norm", "kv_latent", "rotary", "head", "router", "expert", "shared_expert",
+               "dense_mlp"), True, doc="two blocks' weights exchanged (0-1, 2-3, ...: a layer index off by one)"),
 ]}
 ALL_KINDS: dict[str, FaultKind] = KINDS | HELD_OUT

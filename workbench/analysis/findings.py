@@ -47,7 +47,7 @@ SEVERITY = {"critical": 0, "warning": 1, "info": 2}
 # a component_outlier row's component kind (workbench.analysis.activations) -> the finding's component
 COMPONENT_OF = {"head": "head", "expert": "expert", "router": "router", "shared_expert": "shared_expert",
                 "mlp_block": "mlp", "dense_mlp": "mlp", "kv_latent": "kv", "embed": "embedding",
-                "unembed": "unembedding"}
+                "unembed": "unembedding", "final_norm": "final_norm"}
 UPSTREAM = {c: i for i, c in enumerate(("non_finite", "head", "kv", "router", "expert", "shared_expert", "mlp",
                                         "layer"))}
 

@@ -833,7 +833,8 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
         top_layers: patching: how many of the best-scoring layers to descend into (heads, experts, norms, ...).
         progress: called as ``progress(phase, done, total)`` as the work goes (``workbench explain``'s bar).
     Returns: columns target_pos, kind (token|head|expert|shared_expert|router, and with patching resid,
-        attn_block, mlp_block, dense_mlp, attn_norm, mlp_norm, kv_latent, rotary, embed, unembed), layer, head,
+        attn_block, mlp_block, dense_mlp, attn_norm, mlp_norm, kv_latent, rotary, embed, unembed; without a
+        reference also final_norm), layer, head,
         expert, source_pos, score (nats of the target logprob), restored (patching: the fraction of the gap to
         the reference closed), rank (1 = most responsible), method, delta.
     """
@@ -912,7 +913,7 @@ def root_cause(store, run_id: str, pos: int, *, adapter=None, steps: int = 32, m
             if profile is not None and not rates else []
         found: dict = {}  # the same forward: each expert's own surprise, and the token the model ranks first
         evidence += activations.evidence(model, ids_all[:pos], aprof, found=found,
-                                         max_stats=activations.calibrated_context(aprof))
+                                         max_stats=activations.calibrated_context(aprof), targets=[target])
         evidence += corroborated(df, found.get("experts", {}))
         evidence += behind_block(df, evidence)
         if progress is not None:

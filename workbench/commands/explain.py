@@ -131,6 +131,8 @@ def _where(r: dict, texts: dict) -> str:
         return "input embedding"
     if kind == "unembed":
         return "output projection"
+    if kind == "final_norm":
+        return "final norm"
     if kind == "router" and r.get("expert") is not None:  # a row about one expert's routing (its rate or bias)
         return f"layer {r['layer']} router, expert {r['expert']}"
     return f"layer {r['layer']} {WHAT.get(kind, kind)}"
