@@ -51,7 +51,7 @@ import workbench  # noqa: E402
 from workbench.analysis import faults  # noqa: E402
 from workbench.analysis.anomalies import detect, what_was_tested  # noqa: E402
 from workbench.analysis.baseline import BUNDLED, export_profile, profile  # noqa: E402
-from workbench.analysis.findings import findings  # noqa: E402
+from workbench.analysis.findings import COMPONENT_OF, findings  # noqa: E402
 from workbench.capture.adapters import load_adapter  # noqa: E402
 from workbench.capture.prompts import load_prompts  # noqa: E402
 from workbench.data import query  # noqa: E402
@@ -211,9 +211,10 @@ def names(kind: str, layer: int, index: int, f: dict) -> tuple[bool, bool]:
     fk = faults.ALL_KINDS.get(kind)
     if kind == "non_finite":
         return f["component"] == "non_finite" and f["layer"] == layer, f["component"] == "non_finite" and f["layer"] == layer
-    if fk is not None and fk.where == "model":  # an embedding / unembedding row: no layer to name
-        return f["component"] != "generation", False
-    at = f["layer"] == layer
+    if fk is not None and fk.where == "model":  # the model's ends: no layer to name; the component, as a finding's
+        return f["component"] != "generation", f["component"] in {COMPONENT_OF.get(c, c) for c in fk.culprit}
+    # a layer swap breaks its partner layer too
+    at = f["layer"] == layer or (fk is not None and fk.where == "paired" and f["layer"] == layer ^ 1)
     if kind == "kv":
         return at, at and f["component"] == "kv" and index in (f["positions"] or [])
     if fk is not None and fk.index == "head":

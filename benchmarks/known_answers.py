@@ -7,7 +7,9 @@ For each family (``workbench.capture.tiny.moe_families``: tiny random models fro
 profile is built on 6 random prompts of 20 tokens; a clean context of 16 other tokens is judged (known-answer rows:
 the target is none); then, in the first MoE layer, half of the down projection of an expert that context chooses is
 sign-flipped (``faults.KINDS["expert_flip"]``) and a head's output-projection columns are zeroed
-(``faults.HELD_OUT["head_weights_dead"]``): is that expert / head the known-answer row?
+(``faults.HELD_OUT["head_weights_dead"]``): is that expert / head the known-answer row? Since 2026-12-05 also the
+norms: that layer's MLP input norm scaled x4 (``faults.HELD_OUT["mlp_norm"]``) and the final norm x0.3
+(``faults.HELD_OUT["final_norm"]``), judged by the known answers alone.
 
     .venv/bin/python benchmarks/known_answers.py               # every family, writes its RESULTS section
     .venv/bin/python benchmarks/known_answers.py mixtral olmoe  # some (no RESULTS section)
@@ -53,10 +55,16 @@ def has_down(a, layer: int, expert: int) -> bool:
     return True
 
 
-def fault_named(a, ids, prof, kind: str, layer: int, index: int, want: tuple) -> str:
+def exact_rows(a, ids, prof) -> dict:
+    """The known answers alone (the layers' and the model's ends'), whatever the statistics say beside them."""
+    return activations._known_evidence(a, activations.capture(a, ids)[0], prof) | activations._embedding_evidence(
+        a, ids, prof)
+
+
+def fault_named(a, ids, prof, kind: str, layer: int, index: int, want: tuple, rows=known_rows) -> str:
     try:
         with faults.ALL_KINDS[kind](a, layer, index=index):
-            got = known_rows(a, ids, prof)
+            got = rows(a, ids, prof)
     except (ValueError, IndexError) as e:  # the family has no such part (e.g. no per-expert down projection)
         return f"n/a ({str(e)[:60]})"
     if not got:
@@ -82,9 +90,12 @@ def one(family: str) -> dict:
         if chosen else "n/a (no routing read)"
     head = fault_named(a, ids, prof, "head_weights_dead", layer, 1, ("head", layer, 1, None, None)) \
         if a.summary.n_heads > 1 else "n/a (one head)"
+    # the norms (since 2026-12-05): the MLP input norm of that layer scaled, the final norm scaled
+    norm = fault_named(a, ids, prof, "mlp_norm", layer, 0, ("mlp_norm", layer, None, None, None), exact_rows)
+    final = fault_named(a, ids, prof, "final_norm", 0, 0, ("final_norm", None, None, None, None), exact_rows)
     kinds = sorted(set(held["kind"].to_list()))
     return {"family": family, "cells": held.height, "kinds": kinds, "clean": len(clean), "flip": flip, "head": head,
-            "seconds": time.perf_counter() - t0}
+            "norm": norm, "final": final, "seconds": time.perf_counter() - t0}
 
 
 def markdown(rows: list[dict], seconds: float) -> str:
@@ -93,23 +104,29 @@ def markdown(rows: list[dict], seconds: float) -> str:
     clean = sum(r["clean"] == 0 for r in ok)
     flips = [r for r in ok if not r["flip"].startswith("n/a")]
     heads = [r for r in ok if not r["head"].startswith("n/a")]
+    norms = [r for r in ok if not r.get("norm", "n/a").startswith("n/a")]
+    finals = [r for r in ok if not r.get("final", "n/a").startswith("n/a")]
     out = [SECTION, "",
            f"`python benchmarks/known_answers.py` ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.machine()}, "
            f"torch {torch.__version__}, transformers {__import__('transformers').__version__}; {seconds:.0f} s).", "",
            f"{n} MoE families; the clean model gave every known answer exactly in **{clean} of {len(ok)}** (a row on a "
            f"clean context: {len(ok) - clean}); a sign-flipped expert was the known-answer row in "
            f"**{sum(r['flip'] == 'named' for r in flips)} of {len(flips)}** families where it applies, a head with "
-           f"zeroed output weights in **{sum(r['head'] == 'named' for r in heads)} of {len(heads)}**. \"no row\": the "
+           f"zeroed output weights in **{sum(r['head'] == 'named' for r in heads)} of {len(heads)}**, a scaled MLP "
+           f"input norm in **{sum(r['norm'] == 'named' for r in norms)} of {len(norms)}**, a scaled final norm in "
+           f"**{sum(r['final'] == 'named' for r in finals)} of {len(finals)}** (the norms: the known answers alone, "
+           "whatever the statistics say beside them). \"no row\": the "
            "family's experts module is not one the workbench runs exactly (its experts get no known answers; the "
            "statistics still judge them).", "",
-           "| family | known cells | kinds | rows on a clean context | sign-flipped expert | head output weights zeroed |",
-           "|---|---|---|---|---|---|"]
+           "| family | known cells | kinds | rows on a clean context | sign-flipped expert | head output weights zeroed "
+           "| MLP input norm x4 | final norm x0.3 |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['family']} | error: {r['error']} | | | | |")
+            out.append(f"| {r['family']} | error: {r['error']} | | | | | | |")
         else:
             out.append(f"| {r['family']} | {r['cells']} | {', '.join(r['kinds'])} | {r['clean']} | {r['flip']} | "
-                       f"{r['head']} |")
+                       f"{r['head']} | {r['norm']} | {r['final']} |")
     return "\n".join(out) + "\n"
 
 

@@ -216,3 +216,34 @@ def test_rules_are_matched_in_bfloat16_folders(family, tmp_path):
     adapter = load_adapter(tmp_path, dtype=torch.bfloat16)
     assert adapter.summary.moe_layers and all(adapter.router(i).exact for i in adapter.summary.moe_layers)
     assert not any("not modelled" in n for n in adapter.summary.notes)
+
+
+@pytest.mark.parametrize("family", ["hunyuan_v1_moe", "dbrx", "qwen3_next"])
+def test_fault_kinds_act_or_say_why_not_on_every_layout(family):
+    """The fault registry on layouts it was not written for: a router whose weight sits in a child (HunYuan's gate
+    ``wg``) is edited there, and a kind whose part a layer lacks (a fused QKV projection, a linear-attention layer:
+    no separate KV latent) is a ValueError naming it, never an AttributeError that ends a benchmark."""
+    from workbench.analysis import faults
+
+    torch.manual_seed(0)
+    a = adapter_for(tiny_family(family))
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        base = a.forward(ids)
+    layer = a.summary.moe_layers[-1]
+    router = a.parts(layer)["router"]
+    assert router.weight.dim() == 2 and router.weight.size(0) == a.summary.n_routed_experts
+    for name in ("router_affinity", "kv_latent", "kv_noise", "final_norm", "layer_swap"):
+        kind = faults.ALL_KINDS[name]
+        for lay in kind.layers(a):
+            try:
+                n = kind.n_index(a, lay)
+                made = kind(a, lay, min(2, n - 1) if n else 0)
+                with torch.no_grad(), made:
+                    broken = a.forward(ids)
+            except ValueError as e:
+                assert "layer" in str(e) or "final norm" in str(e), (name, e)
+                continue
+            assert not torch.equal(broken, base), (name, lay)
+    with torch.no_grad():
+        assert torch.equal(a.forward(ids), base)

@@ -606,8 +606,12 @@ def expert_tests(routing: pl.DataFrame, n_experts: int, base: Baseline, exclude:
             if profiled else "a uniform load (no baseline profile for this model)"
         pi = np.clip(share * k_slots, 1e-9, 1 - 1e-9)  # chance a token picks the expert
         n_eff = max(int(round(n_tok / phi)), 1)  # overdispersion: tokens of one prompt route alike
-        over = binom.sf(np.ceil(chosen / phi) - 1, n_eff, pi)
-        under = binom.cdf(np.floor(chosen / phi), n_eff, pi)
+        # the counts scaled as the tokens are (an expert every token chose is chosen by all n_eff, never by more:
+        # rounding ``chosen / phi`` up past ``n_eff`` made p = 0 for a layer whose favourite takes every token), each
+        # rounded the way that claims less
+        k = chosen * (n_eff / n_tok)
+        over = binom.sf(np.clip(np.floor(k + 1e-9), 0, n_eff) - 1, n_eff, pi)
+        under = binom.cdf(np.clip(np.ceil(k - 1e-9), 0, n_eff), n_eff, pi)
         for e in range(n_experts):
             rows.append({"kind": "overloaded_expert", "layer": layer, "expert": e, "value": float(chosen[e]),
                          "p": float(over[e]), "side": "high", "basis": basis})

@@ -179,7 +179,7 @@ def corrupt_kv(model, layer: int, pos: int, scale: float = 30.0) -> Iterator[Non
         return kv
 
     with _hooked(lambda: a.start_positions(layer, lambda s: start.__setitem__(0, s)) +
-                 [a.parts(layer)["kv"].register_forward_hook(scale_row)]):
+                 [_kv_part(a, layer).register_forward_hook(scale_row)]):
         yield
 
 
@@ -231,13 +231,22 @@ def scale_kv_channel(model, layer: int, channel: int, scale: float = 30.0) -> co
     that channel; other attention: that row of the value projection)."""
     a = adapter_for(model)
     _check_layer(a, layer)
-    mod = a.parts(layer)["kv"]
+    mod = _kv_part(a, layer)
     n = mod.weight.size(0)
     if not 0 <= channel < n:
         raise ValueError(f"channel {channel} out of range: layer {layer}'s KV latent has channels 0..{n - 1}")
     bias = getattr(mod, "bias", None)
     return _edited_all([mod.weight[channel]] + ([bias[channel:channel + 1]] if isinstance(bias, torch.Tensor)
                                                 and mod.weight.ndim == 2 else []), lambda t: t.mul_(scale))
+
+
+def _kv_part(a, layer: int):
+    """The module whose output is block ``layer``'s cached KV latent (``parts``' "kv"), or a ValueError saying there is
+    none to edit (a fused QKV projection, a linear-attention layer)."""
+    mod = a.parts(layer)["kv"]
+    if not torch.is_tensor(getattr(mod, "weight", None)):
+        raise ValueError(f"layer {layer} has no separate KV latent or value projection to edit")
+    return mod
 
 
 def _edited_all(tensors: list[torch.Tensor], edit: Callable[[torch.Tensor], None]) -> contextlib.AbstractContextManager:
@@ -444,7 +453,7 @@ def noise_kv(model, layer: int, amount: float = 1.0, seed: int = 0) -> contextli
     KV cache."""
     a = adapter_for(model)
     _check_layer(a, layer)
-    w = a.parts(layer)["kv"].weight
+    w = _kv_part(a, layer).weight
     g = 1 + amount * torch.randn(w.size(0), generator=torch.Generator().manual_seed(seed))
     g = g.to(w) if w.ndim == 1 else g.to(w)[:, None]
     return _edited(w, lambda t: t.mul_(g))
@@ -822,7 +831,7 @@ class FaultKind:
         if self.index == "expert":
             return a.summary.n_routed_experts
         if self.index == "channel":  # the final norm's channels for a whole-model kind, else the KV latent's
-            return int(_final_weight(a).numel() if self.where == "model" else a.parts(layer)["kv"].weight.size(0))
+            return int(_final_weight(a).numel() if self.where == "model" else _kv_part(a, layer).weight.size(0))
         if self.index == "token":
             return a.summary.vocab_size
         return 0

@@ -195,6 +195,17 @@ def _find_router(layer: nn.Module, skip: nn.Module | None = None) -> tuple[nn.Mo
     return None
 
 
+def _weight_holder(router: nn.Module) -> nn.Module:
+    """The module holding a router's weight [E, D]: the router itself, or its one child with a 2-D weight (HunYuan's
+    gate keeps it in ``wg``)."""
+    w = getattr(router, "weight", None)
+    if torch.is_tensor(w) and w.dim() == 2:
+        return router
+    held = [m for m in router.modules() if m is not router and torch.is_tensor(getattr(m, "weight", None))
+            and m.weight.dim() == 2]
+    return held[0] if len(held) == 1 else router
+
+
 def _unrouted_part(layer: nn.Module) -> nn.Module:
     """What a note names for a layer whose experts are not routed here: its router, else its MoE block."""
     found = _find_router(layer)
@@ -833,7 +844,7 @@ class HFAdapter(Adapter):
         return {"block": b, "attn": attn, "mlp": getattr(b, "mlp", None) or block,
                 "attn_norm": getattr(b, "input_layernorm", None), "mlp_norm": getattr(b, "post_attention_layernorm", None),
                 "kv": getattr(attn, "kv_a_layernorm", None) or getattr(attn, "v_proj", None), "shared": shared,
-                "router": moe[1] if moe else None, "experts": moe[2] if moe else None}
+                "router": _weight_holder(moe[1]) if moe else None, "experts": moe[2] if moe else None}
 
     def expert_down(self, layer: int, expert: int) -> torch.Tensor:
         experts = self.moe[layer][2]
