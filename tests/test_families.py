@@ -111,6 +111,20 @@ def test_hybrid_layers_record_routing_and_name_the_other_kinds(store):
     assert any("[0, 2] have no softmax attention (JambaMambaMixer)" in n for n in s.notes), s.notes
 
 
+@pytest.mark.parametrize("family,linear", [("minimax", [3]), ("kimi_linear", [0, 1, 2])])
+def test_linear_attention_in_a_softmax_attention_slot_is_not_read_as_probabilities(family, linear, store):
+    """A layer the config declares linear attention is no softmax attention even in ``self_attn`` (MiniMax's lightning
+    attention returns a matrix whose rows sum to 10-80 beside its output: read as probabilities, every clean run had
+    a critical NaN entropy row at that layer); a full-attention layer whose class name says the family's "Linear"
+    (Kimi-Linear's) is still read. The run has no NaN in its attention rows and its notes name the layers."""
+    _, adapter, run, _, _ = record(family, store)
+    assert [i for i, a in enumerate(adapter.attn) if a is None] == linear
+    att = run.signal("attention")
+    assert set(att["layer"].unique().to_list()) == set(range(adapter.summary.n_layers)) - set(linear)
+    assert att.filter(~pl.col("entropy").is_finite()).height == 0
+    assert any(f"{linear} have no softmax attention" in n for n in run.model_summary.notes)
+
+
 def test_attention_head_experts_are_noted(store):
     s = record("jetmoe", store)[2].model_summary  # its MLP experts are routed, its attention-head experts noted
     assert s.moe_layers == [0, 1, 2, 3] and any("attention-head experts (JetMoeAttention)" in n for n in s.notes)

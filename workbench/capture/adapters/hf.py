@@ -65,6 +65,7 @@ SELECTION_BIAS = ("e_score_correction_bias", "expert_bias", "balancing_biases")
 SCALES = ("routed_scaling_factor", "route_scale", "router_scaling_factor", "moe_routed_scaling_factor")
 EXPERT_SCALE = ("per_expert_scale",)
 ATTN_NAMES = ("self_attn", "self_attention", "attn", "attention")
+LINEAR_ATTENTION = ("Lightning", "DeltaNet", "DeltaAttention")  # class names of attention without a softmax
 FINAL_NORM = ("norm", "final_norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f", "model_norm")
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_local_heads")
 ATOL = {torch.float32: 1e-5, torch.float64: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -129,7 +130,7 @@ def _attention(layer: nn.Module) -> nn.Module | None:
         for n in ATTN_NAMES:
             m = getattr(owner, n, None)
             if isinstance(m, nn.Module) and not isinstance(m, nn.ModuleList):
-                return m
+                return None if any(w in type(m).__name__ for w in LINEAR_ATTENTION) else m
     mixer = getattr(layer, "mixer", None)
     if isinstance(mixer, nn.Module) and "Attention" in type(mixer).__name__ and "Linear" not in type(mixer).__name__:
         return mixer
@@ -482,7 +483,12 @@ class HFAdapter(Adapter):
         cfg = _text_config(hf.config)
         hidden = int(_cfg(cfg, "hidden_size", "d_model"))
         self.layers = _decoder_layers(hf)
-        self.attn: list[nn.Module | None] = [_attention(layer) for layer in self.layers]
+        types = getattr(cfg, "layer_types", None) or []
+        # a layer the config declares linear attention (MiniMax's lightning attention sits in ``self_attn``, and what
+        # it returns beside its output is no probability) is no softmax attention, whatever its module is called
+        self.attn: list[nn.Module | None] = [
+            None if i < len(types) and "linear" in str(types[i]) else _attention(layer)
+            for i, layer in enumerate(self.layers)]
         self.moe: dict[int, tuple[nn.Module, nn.Module, nn.Module, RouterMath]] = {}
         self._seam: dict[int, RouterSeam] = {}
         self._bias_src: dict[int, tuple[nn.Module, str] | None] = {}
