@@ -675,3 +675,25 @@ def test_the_norms_and_the_output_head_are_held_and_a_change_is_named_where_it_i
         assert _top(activations.evidence(tiny, ids, prof), 1) == [("mlp_norm", layer, None, None, None)]
     assert got == {("mlp_norm", layer, None, None, None): activations.KNOWN_NATS}
     assert ends() == {} and _known(tiny, ids, prof) == {}  # undone
+
+
+def test_a_selection_rate_is_judged_by_its_beta_binomial_tail_not_a_normal_z():
+    """How often an expert is chosen varies between texts as a beta-binomial (positions of one text choose alike): a
+    rarely chosen expert's burst (10 of 95 positions, at 0.2% of calibration positions, intraclass 0.056) is a tail
+    of a few nats, where its normal z claimed 40; an expert every position chooses at a clean rate of 1 in 8 stays
+    far out; and with no intraclass correlation the tail is the binomial's."""
+    from scipy.stats import binom
+
+    rare = {"mean": [0.002], "n": 3800, "std": [0.056]}
+    burst = torch.zeros(95, 1)
+    burst[:10] = 1
+    assert activations._rate_tail(burst, rare, True) < 8 < 30 < activations.log_tail(activations._rate_z(burst, rare))
+    common = {"mean": [0.125], "n": 6000, "std": [0.05]}
+    assert activations._rate_tail(torch.ones(95, 1), common, True) > activations.CRITICAL_NATS / 2
+    flat = {"mean": [0.125], "n": 10**7, "std": [0.0]}
+    p = (0.125 * 10**7 + 0.5) / (10**7 + 1)
+    for k in (5, 12, 30):
+        y = torch.zeros(95, 1)
+        y[:k] = 1
+        assert activations._rate_tail(y, flat, True) == pytest.approx(-binom.logsf(k - 1, 95, p), rel=1e-3)
+        assert activations._rate_tail(y, flat, False) == pytest.approx(-binom.logcdf(k, 95, p), rel=1e-3)
