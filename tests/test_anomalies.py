@@ -707,6 +707,13 @@ def test_a_load_unusual_at_many_layers_at_once_is_the_texts_kind_not_a_fault(tmp
     assert set(many.filter(pl.col("kind") != "entropy_spike")["severity"]) == {"info"}
     assert many.filter(pl.col("kind") == "entropy_spike")["severity"].to_list() == ["warning"]  # per position: kept
     assert an.content_shift(rows([1, 2]), 2)[1] == []  # fewer than three layers: never
+    # a load moved a little at most layers (p <= SHIFT_P, uncorrected) counts with the flagged ones: the demo's
+    # number sequences moved all 5 MoE layers' load (p 1e-3 - 2e-2) and were flagged at one
+    def tested(ps: dict[int, float]) -> pl.DataFrame:
+        return pl.DataFrame([{"kind": "routing_collapse", "layer": layer, "p": p} for layer, p in ps.items()])
+    moved, shift = an.content_shift(rows([2]), 5, tested({1: 0.01, 2: 1e-7, 3: 0.015, 4: 0.3, 5: 0.002}))
+    assert shift == [1, 2, 3, 5] and set(moved.filter(pl.col("kind") != "entropy_spike")["severity"]) == {"info"}
+    assert an.content_shift(rows([2]), 5, tested({1: 0.01, 2: 1e-7, 3: 0.3, 4: 0.3, 5: 0.4}))[1] == []
     from workbench.model import load_checkpoint
     text = "3.14159 2.71828 1.41421 1.73205 0.57721 1.61803 2.50290 4.66920"
     run = workbench.record(text, model=load_checkpoint(), db=workbench.Store(tmp_path / "w.duckdb"), max_new_tokens=48)

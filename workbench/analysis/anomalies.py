@@ -781,7 +781,7 @@ def detect_frames(tokens: pl.DataFrame, attention: pl.DataFrame, routing: pl.Dat
         else _tests()
     tested = tests.filter(pl.col("basis") != "nothing (no profile cell)")
     flagged = decide(tested, th["alpha"], th["critical_q"])
-    flagged, shift = content_shift(flagged, routing["layer"].n_unique() if routing.height else 0)
+    flagged, shift = content_shift(flagged, routing["layer"].n_unique() if routing.height else 0, tested)
     # the input's tokens (a broken model's made-up ones are a symptom, not text unlike the calibration's); a frame
     # that does not say which are the prompt's: all of them
     cols = raw["tokens"].columns
@@ -835,12 +835,23 @@ SHIFTED = ("routing_collapse", "overloaded_expert", "starved_expert", "head_norm
            "block_shift")  # distribution-level tests the text's kind moves (per-position tests and exact checks stay)
 
 
-def content_shift(flagged: pl.DataFrame, n_moe: int) -> tuple[pl.DataFrame, list[int]]:
+SHIFT_P = 0.02  # a layer whose load concentration is this unusual (uncorrected) moved with the text too
+
+
+def content_shift(flagged: pl.DataFrame, n_moe: int, tested: pl.DataFrame | None = None) -> tuple[pl.DataFrame,
+                                                                                                  list[int]]:
     """(``flagged`` with its ``SHIFTED`` rows as info, the MoE layers whose load was unusual) when the load is unusual
-    at ``SHIFT_LAYERS`` or more MoE layers and at least half of them: the text, not the model; else unchanged, []."""
+    at ``SHIFT_LAYERS`` or more MoE layers and at least half of them: the text, not the model; else unchanged, [].
+    A layer counts where a load test was flagged, or where ``tested``'s load concentration (``routing_collapse``) has
+    p <= ``SHIFT_P``: text unlike the calibration's moves every layer's load a little (the demo's number sequences:
+    p <= 0.02 at all 5 MoE layers, flagged at 1), a broken router moves its own layer's a lot."""
     load = flagged.filter(pl.col("kind").is_in(["routing_collapse", "overloaded_expert"])
                           & (pl.col("severity") != "info"))
-    layers = sorted({int(x) for x in load["layer"].drop_nulls()})
+    layers = {int(x) for x in load["layer"].drop_nulls()}
+    if tested is not None and tested.height:
+        moved = tested.filter((pl.col("kind") == "routing_collapse") & (pl.col("p") <= SHIFT_P))
+        layers |= {int(x) for x in moved["layer"].drop_nulls()}
+    layers = sorted(layers)
     if len(layers) < max(SHIFT_LAYERS, (n_moe + 1) // 2):
         return flagged, []
     why = "the whole run's routing differs: see routing_shift"
