@@ -234,7 +234,10 @@ def load_profile(store: Store, sha: str | None) -> pl.DataFrame | None:
     if got.height and _stale_bundle(got["source"][0], got["created_at"][0], sha, set(got["signal"].unique().to_list()),
                                     got.height):  # an older release's bundle
         got = got.clear()
-    missing = CURRENT_SIGNALS - set(got["signal"].unique().to_list()) if got.height else set()
+    have = set(got["signal"].unique().to_list()) if got.height else set()
+    # a cell today's detectors read, absent where its profile has what it is made from: an older workbench's (a model
+    # that records no head outputs, JetMoE's attention experts, has neither: its profile is current)
+    missing = {c for c, base in CURRENT_SIGNALS.items() if c not in have and base in have}
     if missing:  # a profile made by an older workbench: the bundled one replaces it, else it is not used
         bundled = pl.read_parquet(BUNDLED) if BUNDLED.exists() else None
         if bundled is not None and bundled.height and bundled["checkpoint_sha256"][0] == sha:
@@ -280,9 +283,10 @@ def _stale_bundle(source: str | None, created_at, sha: str, signals: set[str] | 
 # (source, created_at) of the bundled demo profiles of earlier releases (made by `workbench profile`, so stamped)
 OLD_BUNDLES = {('{"prompts": "data/prompts/calibration.jsonl", "runs": 136, "max_new_tokens": 32}',
                 "2026-12-02 17:07:38.611399")}
-# cells the detectors of this version read (a profile without them was made by an older workbench)
-CURRENT_SIGNALS = frozenset({"log_head_norm", "log_resid_growth", "run_norm_entropy", "run_log_head_norm",
-                             "run_log_resid_growth"})
+# cells the detectors of this version read -> the cell they are made from (a profile with that one and without them
+# was made by an older workbench)
+CURRENT_SIGNALS = {"log_head_norm": "head_norm", "run_log_head_norm": "head_norm", "log_resid_growth": "resid_norm",
+                   "run_log_resid_growth": "resid_norm", "run_norm_entropy": "norm_entropy"}
 _CACHE: dict[tuple[str, str], tuple] = {}  # (db, sha) -> (stamp, rows): detection runs after every recording
 
 
