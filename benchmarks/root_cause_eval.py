@@ -296,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-effect", type=float, default=0.5,
                     help="nats a fault must move some token's logprob by to be explained")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
+    ap.add_argument("--prompt-file", default=None,
+                    help="draw the faults on this JSONL prompt set instead (every k-th of its prompts, --prompts of "
+                         "them, each cut to --prompt-tokens; its own RESULTS section, '..., prompts of FILE')")
+    ap.add_argument("--prompt-tokens", type=int, default=48)
     ap.add_argument("--max-new-tokens", type=int, default=6)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--batch-size", type=int, default=32)
@@ -336,7 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     kinds = [k for k in args.kinds.split(",") if k and faults.ALL_KINDS[k].layers(model)]
     tok_path = next((p for p in (ckpt / "tokenizer.json", ckpt.parent / "tokenizer.json") if p.exists()), None)
     tok = load_tokenizer(tok_path)
-    prompts = [tok.encode(p).ids for p in PROMPTS[: args.prompts]]
+    if args.prompt_file:  # another kind of text than the code the default prompts are
+        items = [json.loads(line)["prompt"] for line in Path(args.prompt_file).read_text().splitlines() if line]
+        step = max(len(items) // args.prompts, 1)
+        prompts = [tok.encode(p).ids[: args.prompt_tokens] for p in items[::step][: args.prompts]]
+    else:
+        prompts = [tok.encode(p).ids for p in PROMPTS[: args.prompts]]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         db = workbench.Store(Path(tmp) / "eval.duckdb")
@@ -394,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
             "notes": NOTES if demo else TINY_NOTES}
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "results": results}, indent=1))
+    if args.prompt_file:  # its own section: faults drawn on another kind of text
+        meta["section"] += f", prompts of {Path(args.prompt_file).name}"
     if args.alone_only:
         held = ", held-out kinds" if set(kinds) & set(faults.HELD_OUT) else ""
         meta |= {"alone_only": True, "section": f"{meta['section']}: alone only, seed {args.seed}{held}"}

@@ -261,3 +261,18 @@ def test_fault_kinds_act_or_say_why_not_on_every_layout(family):
             assert not torch.equal(broken, base), (name, lay)
     with torch.no_grad():
         assert torch.equal(a.forward(ids), base)
+
+
+def test_a_family_whose_final_norm_is_not_found_still_gets_an_activation_profile():
+    """LFM2-MoE's final norm has a name the adapter does not know: the profile holds no answer for it (the final-norm
+    fault kind says so), and is built all the same (the norms' known answers once made building it fail)."""
+    from workbench.analysis import activations, faults
+
+    torch.manual_seed(0)
+    a = adapter_for(tiny_family("lfm2_moe"))
+    with pytest.raises(ValueError, match="final norm"):
+        a.final_norm()
+    prof = activations.build(a, [list(range(5, 25)), list(range(30, 50)), list(range(60, 80))])
+    assert prof.filter(pl.col("kind") == "final_norm").height == 0 and prof.height > 0
+    with pytest.raises(ValueError, match="final norm"):
+        faults.HELD_OUT["final_norm"](a)

@@ -1029,7 +1029,7 @@ def _vocab_weight(m) -> torch.Tensor | None:
 def _final_norm(a: Adapter):
     try:
         m = a.final_norm()
-    except (NotImplementedError, AttributeError):
+    except (NotImplementedError, AttributeError, ValueError):  # a family whose final norm we cannot find: no answer
         return None
     return m if _norm_like(m) else None
 
