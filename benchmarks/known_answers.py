@@ -118,8 +118,8 @@ def markdown(rows: list[dict], seconds: float) -> str:
            "whatever the statistics say beside them). \"no row\": the "
            "family's experts module is not one the workbench runs exactly (its experts get no known answers; the "
            "statistics still judge them).", "",
-           "| family | known cells | kinds | rows on a clean context | sign-flipped expert | head output weights zeroed "
-           "| MLP input norm x4 | final norm x0.3 |",
+           "| family | known cells | kinds | rows on a clean context | sign-flipped expert "
+           "| head output weights zeroed | MLP input norm x4 | final norm x0.3 |",
            "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:

@@ -406,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_file:  # its own section: faults drawn on another kind of text
         meta["section"] += f", prompts of {Path(args.prompt_file).name}"
     if args.alone_only:
-        held = ", held-out kinds" if set(kinds) & set(faults.HELD_OUT) else ""
+        held = "" if not set(kinds) & set(faults.HELD_OUT) else \
+            ", every kind" if set(kinds) & set(faults.KINDS) else ", held-out kinds"
         meta |= {"alone_only": True, "section": f"{meta['section']}: alone only, seed {args.seed}{held}"}
     if not args.no_write:
         write_section(Path(args.out), meta["section"], markdown(summary, results, meta))
