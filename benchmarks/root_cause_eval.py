@@ -367,11 +367,11 @@ def main(argv: list[str] | None = None) -> int:
             for k in range(args.max_draws):
                 if found == args.per_kind:
                     break
-                case = draw_case(kind, k, rng, model, routing, prompts)
-                if (case.layer, case.index, case.prompt) in seen:  # the same fault on the same prompt: no news
-                    continue
-                seen.add((case.layer, case.index, case.prompt))
                 try:
+                    case = draw_case(kind, k, rng, model, routing, prompts)
+                    if (case.layer, case.index, case.prompt) in seen:  # the same fault on the same prompt: no news
+                        continue
+                    seen.add((case.layer, case.index, case.prompt))
                     r = run_case(case, model, reference, tok, prompts[case.prompt], db, args)
                 except ValueError as e:  # a kind this model has no such part for (e.g. a rotary layout we cannot scale)
                     print(f"{kind}: not applicable to {model.summary.family}: {e}", flush=True)

@@ -681,19 +681,36 @@ def test_a_selection_rate_is_judged_by_its_beta_binomial_tail_not_a_normal_z():
     """How often an expert is chosen varies between texts as a beta-binomial (positions of one text choose alike): a
     rarely chosen expert's burst (10 of 95 positions, at 0.2% of calibration positions, intraclass 0.056) is a tail
     of a few nats, where its normal z claimed 40; an expert every position chooses at a clean rate of 1 in 8 stays
-    far out; and with no intraclass correlation the tail is the binomial's."""
+    far out; and with no intraclass correlation the tail is the binomial's (two-sided, on the side the rate is)."""
     from scipy.stats import binom
 
     rare = {"mean": [0.002], "n": 3800, "std": [0.056]}
     burst = torch.zeros(95, 1)
     burst[:10] = 1
-    assert activations._rate_tail(burst, rare, True) < 8 < 30 < activations.log_tail(activations._rate_z(burst, rare))
+    assert activations._rate_tail(burst, rare) < 8 < 30 < activations.log_tail(activations._rate_z(burst, rare))
     common = {"mean": [0.125], "n": 6000, "std": [0.05]}
-    assert activations._rate_tail(torch.ones(95, 1), common, True) > activations.CRITICAL_NATS / 2
+    assert activations._rate_tail(torch.ones(95, 1), common) > activations.CRITICAL_NATS / 2
     flat = {"mean": [0.125], "n": 10**7, "std": [0.0]}
     p = (0.125 * 10**7 + 0.5) / (10**7 + 1)
     for k in (5, 12, 30):
         y = torch.zeros(95, 1)
         y[:k] = 1
-        assert activations._rate_tail(y, flat, True) == pytest.approx(-binom.logsf(k - 1, 95, p), rel=1e-3)
-        assert activations._rate_tail(y, flat, False) == pytest.approx(-binom.logcdf(k, 95, p), rel=1e-3)
+        one_sided = -binom.logsf(k - 1, 95, p) if k >= 95 * p else -binom.logcdf(k, 95, p)  # 95p = 11.9
+        assert activations._rate_tail(y, flat) == pytest.approx(one_sided - np.log(2), rel=1e-3)
+
+
+def test_a_norm_channel_gone_wrong_is_named_at_any_width():
+    """A norm's known answer is its whole output on one fixed row, judged by its largest coordinate: one channel x4 in
+    a norm 4,096 wide is 3 times the answer's RMS off (a projection's RMS difference was 0.025, under the 5%
+    tolerance); the same norm unchanged gives its answer back exactly."""
+    from workbench.model.model import RMSNorm
+
+    norm = RMSNorm(4096)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    clean = activations._norm_answer(norm)
+    assert clean.shape == (1, 4096) and activations._norm_dev(activations._norm_answer(norm), clean) == 0.0
+    with faults._edited(norm.weight[100:101], lambda w: w.mul_(4.0)):
+        assert activations._norm_dev(activations._norm_answer(norm), clean) > 1.0 > activations.KNOWN_TOL
+        assert activations._known_dev(activations._held(activations._norm_answer(norm)), activations._held(clean)) \
+            < 5 * activations.KNOWN_TOL  # what a projection would have seen

@@ -404,18 +404,18 @@ def _rate_z(y: torch.Tensor, r: dict) -> float | None:
     return (float(y.mean()) - p) / math.sqrt(p * (1 - p) * (1 / n + rho * (1 - 1 / n)))
 
 
-def _rate_tail(y: torch.Tensor, r: dict, high: bool) -> float:
-    """-log P(a clean context of this length chooses the expert at least (``high``) or at most this often) under the
-    beta-binomial ``_rate_z`` standardises by: the clean rate and the intraclass correlation of the calibration
-    prompts. A rarely chosen expert's rate across texts is far from normal (mostly none, now and then a burst), so
-    its normal z overstates a burst by orders of magnitude (a tiny PhiMoE's expert chosen at 10 of 95 positions of
-    SQL, at 7 of 3,800 calibration positions: 76 nats as a z, 5 as the tail it has)."""
+def _rate_tail(y: torch.Tensor, r: dict) -> float:
+    """-log of the two-sided P(a clean context of this length chooses the expert at least as far from its clean rate,
+    on the side it is) under the beta-binomial ``_rate_z`` standardises by: the clean rate and the intraclass
+    correlation of the calibration prompts. A rarely chosen expert's rate across texts is far from normal (mostly
+    none, now and then a burst), so its normal z overstates a burst by orders of magnitude (a tiny PhiMoE's expert
+    chosen at 10 of 95 positions of SQL, at 7 of 3,800 calibration positions: 76 nats as a z, 5 as the tail it has)."""
     n, k = y.size(0), int(y.sum())
     p = (r["mean"][0] * r["n"] + 0.5) / (r["n"] + 1.0)
     rho = min(max(float(r["std"][0]), 1e-6), 1 - 1e-6)
     a, b = p * (1 - rho) / rho, (1 - p) * (1 - rho) / rho
-    lp = betabinom.logsf(k - 1, n, a, b) if high else betabinom.logcdf(k, n, a, b)
-    return float(-lp) if math.isfinite(lp) else math.inf
+    lp = betabinom.logsf(k - 1, n, a, b) if k >= n * p else betabinom.logcdf(k, n, a, b)
+    return float(-lp) - math.log(2) if math.isfinite(lp) else math.inf  # two-sided, as ``log_tail``'s
 
 
 def _scalar(kind: str, signal: str) -> bool:
@@ -894,17 +894,27 @@ def _norm_like(m) -> bool:
 
 
 def _norm_answer(m: torch.nn.Module) -> torch.Tensor | None:
-    """A norm's output on ``KNOWN_INPUTS`` fixed standard normal rows of its width, as held (None: it takes other
-    inputs than [N, D])."""
+    """A norm's output on the first of the fixed standard normal rows of its width, whole ([1, D], float32: a norm
+    scales channel by channel, so one channel gone wrong is one coordinate of it, which a projection would dilute
+    by the square root of the width; None: it takes other inputs than [N, D])."""
     w = m.weight
-    u = _known_unit_inputs(w.numel()).to(w.device, w.dtype)
+    u = _known_unit_inputs(w.numel())[:1].to(w.device, w.dtype)
     try:
         with torch.no_grad():
             y = m(u)
     except Exception:  # a norm that takes more than the hidden states: no known answer
         return None
     y = y[0] if isinstance(y, tuple) else y
-    return _held(y) if torch.is_tensor(y) and y.shape == u.shape else None
+    return torch.nan_to_num(y.detach().float().cpu(), nan=0.0) if torch.is_tensor(y) and y.shape == u.shape else None
+
+
+def _norm_dev(y: torch.Tensor, v: torch.Tensor) -> float:
+    """How far a norm's answer ``y`` is from the clean ``v``: its largest coordinate's difference over the RMS of
+    ``v`` (a channel x4 at width 4,096: 3, where the RMS of the difference gives 0.05)."""
+    y, v = y.double().flatten(), v.double().flatten()
+    if bool(torch.isnan(y).any()):
+        return math.inf
+    return float((y - v).abs().max() / v.pow(2).mean().sqrt().clamp_min(1e-30))
 
 
 def _known_norms(a: Adapter, layer: int) -> dict[Key, torch.Tensor]:
@@ -1084,7 +1094,7 @@ def _embedding_evidence(a: Adapter, ids: list[int], prof: pl.DataFrame, targets:
     fn = _final_norm(a) if cell is not None else None
     y = _norm_answer(fn) if fn is not None else None
     if y is not None and y.numel() == len(cell["mean"]):
-        dev = _known_dev(y, prep.mean(cell).view(y.shape))
+        dev = _norm_dev(y, prep.mean(cell).view(y.shape))
         if not dev <= KNOWN_TOL:
             out[("final_norm", None, None, None, None)] = KNOWN_NATS * min(1.0, dev / KNOWN_FULL)
     u = _vocab_weight(a.unembedding()) if prep.known_unembed is not None else None
@@ -1175,7 +1185,8 @@ def _known_devs(a: Adapter, prep: _Prepared, layer: int, experts: list[int] | No
     for c in mine:
         k = (c["kind"], layer, c["head"], c["expert"], c["signal"])
         if k in now and now[k].numel() == len(c["mean"]):
-            out[k] = _known_dev(now[k], prep.mean(c).view(now[k].shape))
+            dev = _norm_dev if c["signal"].startswith("known:norm") else _known_dev
+            out[k] = dev(now[k], prep.mean(c).view(now[k].shape))
     return out
 
 
@@ -1369,7 +1380,7 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
                 run_l = (_rate_z(y[1:], r) - r["run_norm_mean"][b]) / r["run_norm_std"][b]
                 if abs(run_l) > BEYOND * r["run_dev_mean"][b]:  # routing varies with content: beyond all clean text
                     zs[k] = (abs(run_l), run_l)
-                    rate_tail[k] = _rate_tail(y[1:], r, run_l > 0)
+                    rate_tail[k] = _rate_tail(y[1:], r)
                 continue
             if _scalar(k[0], k[4]):  # the context's mean z, against clean contexts of this length
                 run_l = (float(_value_z(y[1:], r, prep.tensors(r)).mean()) - r["run_norm_mean"][b]) / r["run_norm_std"][b]

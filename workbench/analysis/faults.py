@@ -722,7 +722,9 @@ def swap_embedding_rows(model, token: int) -> contextlib.AbstractContextManager:
 
 
 def scale_final_norm(model, scale: float = 0.3, channel: int | None = None) -> contextlib.AbstractContextManager:
-    """The final norm's weight multiplied by ``scale`` (every logit alike: a temperature), or only its ``channel``."""
+    """The final norm's weight multiplied by ``scale`` (every logit alike: a temperature), or only its ``channel``. A
+    norm kept as an offset from one (Gemma's, Qwen3-Next's ``1 + w``) is scaled around zero: another change, still an
+    edit of its weight."""
     w = _final_weight(adapter_for(model))
     if channel is None:
         return _edited(w, lambda t: t.mul_(scale))
@@ -745,8 +747,8 @@ def scale_unembedding_all(model, scale: float = 0.5) -> contextlib.AbstractConte
 
 
 def reset_norms(model, layer: int) -> contextlib.AbstractContextManager:
-    """Block ``layer``'s attention and MLP input norms at their initial weights, ones (a checkpoint that never loaded
-    them)."""
+    """Block ``layer``'s attention and MLP input norms at weights of one (a checkpoint that never loaded them; a norm
+    kept as an offset from one starts at zero, so there this doubles its scale: still an edit of its weight)."""
     a = adapter_for(model)
     _check_layer(a, layer)
     ws = [m.weight for m in (a.parts(layer)["attn_norm"], a.parts(layer)["mlp_norm"])
@@ -851,6 +853,8 @@ class FaultKind:
             return True
         if row["layer"] != layer and not (self.where == "paired" and row["layer"] == layer ^ 1):
             return False
+        if self.index is None:  # a layer-wide kind (its index unused): any part of its layer it names
+            return True
         if kind == "head":
             return row["head"] == index
         if kind == "expert":
