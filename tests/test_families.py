@@ -247,6 +247,7 @@ def test_fault_kinds_act_or_say_why_not_on_every_layout(family):
     layer = a.summary.moe_layers[-1]
     router = a.parts(layer)["router"]
     assert router.weight.dim() == 2 and router.weight.size(0) == a.summary.n_routed_experts
+    acted = set()
     for name in ("router_affinity", "kv_latent", "kv_noise", "final_norm", "layer_swap"):
         kind = faults.ALL_KINDS[name]
         for lay in kind.layers(a):
@@ -259,6 +260,8 @@ def test_fault_kinds_act_or_say_why_not_on_every_layout(family):
                 assert "layer" in str(e) or "final norm" in str(e), (name, e)
                 continue
             assert not torch.equal(broken, base), (name, lay)
+            acted.add(name)
+    assert {"router_affinity", "final_norm", "layer_swap"} <= acted  # the router found, the far end, whole blocks
     with torch.no_grad():
         assert torch.equal(a.forward(ids), base)
 
