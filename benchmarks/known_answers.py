@@ -57,7 +57,7 @@ def has_down(a, layer: int, expert: int) -> bool:
 
 def exact_rows(a, ids, prof) -> dict:
     """The known answers alone (the layers' and the model's ends'), whatever the statistics say beside them."""
-    return activations._known_evidence(a, activations.capture(a, ids)[0], prof) | activations._embedding_evidence(
+    return activations._known_evidence(a, activations.capture(a, ids)[0], prof) | activations._end_evidence(
         a, ids, prof)
 
 

@@ -608,20 +608,20 @@ def test_an_embedding_row_swapped_or_rescaled_is_named_at_the_positions_that_hol
     assert cell.height == 1 and cell["n"][0] == vocab
     assert cell["mean"].list.len()[0] == vocab * activations.KNOWN_EMBED_DIMS
     ids = _prompts(1, 30, seed=5)[0]
-    assert activations._embedding_evidence(tiny, ids, prof) == {}
+    assert activations._end_evidence(tiny, ids, prof) == {}
     t = ids[7]
     if t ^ 1 in ids[:7]:
         pytest.skip("the partner token comes first")
     with faults.HELD_OUT["embed_swap"](tiny, index=t):
-        got = activations._embedding_evidence(tiny, ids, prof)
+        got = activations._end_evidence(tiny, ids, prof)
         rows = activations.anomaly_rows(tiny, ids, prof)
     where = {ids.index(x) for x in (t, t ^ 1) if x in ids}
     assert got == {("embed", None, None, None, p): activations.KNOWN_NATS for p in where}
     named = [r for r in rows if r["component"] == "embed" and r["pos"] == 7]
     assert named and named[0]["severity"] == "critical" and "not the row the profile holds" in named[0]["explanation"]
     with faults.KINDS["embedding"](tiny, index=t, strength=1.5):  # a modest rescale: within the statistics' range
-        assert set(activations._embedding_evidence(tiny, ids, prof)) == {("embed", None, None, None, 7)}
-    assert activations._embedding_evidence(tiny, ids, prof) == {}  # undone
+        assert set(activations._end_evidence(tiny, ids, prof)) == {("embed", None, None, None, 7)}
+    assert activations._end_evidence(tiny, ids, prof) == {}  # undone
 
 
 def test_a_changed_embedding_row_does_not_hide_a_fault_elsewhere(tiny, prof):
@@ -649,7 +649,7 @@ def test_the_norms_and_the_output_head_are_held_and_a_change_is_named_where_it_i
     rows = prof.filter((pl.col("kind") == "unembed") & (pl.col("signal") == "known:rows"))
     assert rows.height == 1 and rows["n"][0] == tiny.unembedding().weight.size(0)
     ids = _prompts(1, 30, seed=5)[0]
-    ends = lambda: activations._embedding_evidence(tiny, ids, prof)  # noqa: E731
+    ends = lambda: activations._end_evidence(tiny, ids, prof)  # noqa: E731
     assert ends() == {} and _known(tiny, ids, prof) == {}
     w = tiny.final_norm().weight
     with faults._edited(w, lambda x: x.mul_(0.3)):
@@ -666,7 +666,7 @@ def test_the_norms_and_the_output_head_are_held_and_a_change_is_named_where_it_i
         assert _top(activations.evidence(tiny, ids, prof), 1) == [("unembed", None, None, None, None)]
     token = 7 if 7 not in ids else 9  # a row no context token holds: judged when it is the explained token
     with faults.KINDS["unembedding"](tiny, 0, index=token):
-        assert activations._embedding_evidence(tiny, ids, prof, [token]) == {
+        assert activations._end_evidence(tiny, ids, prof, [token]) == {
             ("unembed", None, None, None, None): activations.KNOWN_NATS}
     layer = 2
     norm = tiny.parts(layer)["mlp_norm"].weight

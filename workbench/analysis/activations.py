@@ -501,6 +501,19 @@ def _bucket_end(b: int, n: int) -> int:
     return min(RUN_BUCKETS[b + 1] - 1 if b + 1 < len(RUN_BUCKETS) else n, n)
 
 
+def _held_row(kind: str, layer, head, expert, signal: str, n: int, mean: list, **stats) -> dict:
+    """A profile row that holds values, not a statistic's cell (an exact answer, a check, a count): ``n`` and
+    ``mean``, the statistics' columns at their neutral values unless ``stats`` gives them."""
+    return {"kind": kind, "layer": layer, "head": head, "expert": expert, "signal": signal, "n": n, "mean": mean,
+            "std": [], "log_norm_mean": 0.0, "log_norm_std": 1.0, "dev_mean": 0.0, "dev_std": 1.0,
+            "run_norm_mean": [], "run_norm_std": [], "run_dev_mean": [], "run_dev_std": []} | stats
+
+
+def _end_row(kind: str, signal: str, y: torch.Tensor) -> dict:
+    """A known-answer row of the model's ends (no layer): ``y`` [N, W] as held, flattened."""
+    return _held_row(kind, None, None, None, signal, y.size(0), y.flatten().tolist())
+
+
 def build(a: Adapter, prompts: list[list[int]], seed: int = 0, first_tokens: list[int] | None = None) -> pl.DataFrame:
     """The activation profile of ``a`` from teacher-forced forwards of ``prompts`` (token-id lists).
 
@@ -583,10 +596,8 @@ def build(a: Adapter, prompts: list[list[int]], seed: int = 0, first_tokens: lis
     for k, ys in angle_rows.items():
         theta = ys[0][1]
         if all(int(_off_rotation(y, theta).sum()) == 0 for y in ys):
-            cells[k] = {"kind": k[0], "layer": k[1], "head": None, "expert": None, "signal": "angle", "n": len(ys),
-                        "mean": theta.tolist(), "std": [0.0] * theta.numel(), "log_norm_mean": 0.0,
-                        "log_norm_std": 1.0, "dev_mean": 0.0, "dev_std": 1.0, "run_norm_mean": [],
-                        "run_norm_std": [], "run_dev_mean": [], "run_dev_std": []}
+            cells[k] = _held_row(k[0], k[1], None, None, "angle", len(ys), theta.tolist(),
+                                 std=[0.0] * theta.numel())
     emb = cells.get(("embed", None, None, None, "out"))
     if emb is not None:  # a token's row is what it is: the largest |z| any calibration token reached
         emb["run_dev_mean"] = [max(float(_zs(g[("embed", None, None, None, "out")][1:], emb,
@@ -594,11 +605,9 @@ def build(a: Adapter, prompts: list[list[int]], seed: int = 0, first_tokens: lis
                                    for g in captured)]
     out_rows = _row_spread(captured, prompts, cells.get(("unembed", None, None, None, "logit")), rng)
     first_rows = _first_cells(a, prompts, captured, cells, first_tokens)
-    known_rows = _known_cells(a, prompts, captured) + _known_embedding_cells(a)
-    check = {"kind": "router_check", "layer": None, "head": None, "expert": None, "signal": "disagree",
-             "n": disagree, "mean": [], "std": [], "log_norm_mean": 0.0, "log_norm_std": 1.0, "dev_mean": 0.0,
-             "dev_std": 1.0, "run_norm_mean": [], "run_norm_std": [], "run_dev_mean": [], "run_dev_std": []}
-    reach = {**check, "kind": "calibration", "signal": "max_context", "n": max(len(p) for p in prompts)}
+    known_rows = _known_cells(a, prompts, captured) + _known_end_cells(a)
+    check = _held_row("router_check", None, None, None, "disagree", disagree, [])
+    reach = _held_row("calibration", None, None, None, "max_context", max(len(p) for p in prompts), [])
     return pl.DataFrame([*cells.values(), check, reach, *out_rows, *first_rows, *known_rows], schema=COLUMNS)
 
 
@@ -646,19 +655,14 @@ def _first_cells(a: Adapter, prompts: list[list[int]], captured: list[dict], cel
             if k in ref and k[4] in FIRST_SIGNALS and _first_dev(y[0], ref[k][0], torch.as_tensor(sd)) > FIRST_TOL / 10:
                 bad.add(k)
     agree = Counter(ids[0] for ids in prompts)
-    rows = [{"kind": "first_check", "layer": None, "head": None, "expert": None, "signal": str(a.dtype).split(".")[-1],
-             "n": len(alone), "mean": [], "std": [], "log_norm_mean": 0.0, "log_norm_std": 1.0, "dev_mean": 0.0,
-             "dev_std": 1.0, "run_norm_mean": [], "run_norm_std": [], "run_dev_mean": [], "run_dev_std": []}]
+    rows = [_held_row("first_check", None, None, None, str(a.dtype).split(".")[-1], len(alone), [])]
     for t, got in alone.items():
         for k, y in got.items():
             if k[4] not in FIRST_SIGNALS or k[0] in ("route", "expert_fit") or k in bad:
                 continue
             if k[0] == "expert" and bool(torch.isnan(y[0]).any()):  # not chosen here: its ``chosen`` row says so
                 continue
-            rows.append({"kind": k[0], "layer": k[1], "head": k[2], "expert": k[3], "signal": f"first:{k[4]}:{t}",
-                         "n": agree.get(t, 0), "mean": y[0].tolist(), "std": [], "log_norm_mean": 0.0,
-                         "log_norm_std": 1.0, "dev_mean": 0.0, "dev_std": 1.0, "run_norm_mean": [],
-                         "run_norm_std": [], "run_dev_mean": [], "run_dev_std": []})
+            rows.append(_held_row(k[0], k[1], k[2], k[3], f"first:{k[4]}:{t}", agree.get(t, 0), y[0].tolist()))
     return rows
 
 
@@ -994,8 +998,6 @@ def _known_cells(a: Adapter, prompts: list[list[int]], captured: list[dict]) -> 
     output at the middle position of the first ``KNOWN_INPUTS`` calibration prompts (real inputs: every hidden
     unit in its usual range). A component is kept only where a second call gives the same answer."""
     rows = []
-    base = {"n": 0, "std": [], "log_norm_mean": 0.0, "log_norm_std": 1.0, "dev_mean": 0.0, "dev_std": 1.0,
-            "run_norm_mean": [], "run_norm_std": [], "run_dev_mean": [], "run_dev_std": []}
     for layer in range(a.summary.n_layers):
         xs = [got[("mlp_norm", layer, None, None, "out")][len(ids) // 2] for got, ids in zip(captured, prompts)
               if ("mlp_norm", layer, None, None, "out") in got][:KNOWN_INPUTS]
@@ -1006,10 +1008,8 @@ def _known_cells(a: Adapter, prompts: list[list[int]], captured: list[dict]) -> 
         if not kept:
             continue
         if x is not None and any(not k[4].startswith("known:") for k in kept):
-            rows.append(base | {"kind": "known_input", "layer": layer, "head": None, "expert": None, "signal": "in",
-                                "n": x.size(0), "mean": x.flatten().tolist()})
-        rows += [base | {"kind": k[0], "layer": k[1], "head": k[2], "expert": k[3], "signal": k[4],
-                         "n": y.size(0), "mean": y.flatten().tolist()} for k, y in kept.items()]
+            rows.append(_held_row("known_input", layer, None, None, "in", x.size(0), x.flatten().tolist()))
+        rows += [_held_row(*k, y.size(0), y.flatten().tolist()) for k, y in kept.items()]
     return rows
 
 
@@ -1022,13 +1022,6 @@ def _embedding_held(w: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
     p = _known_projection(w.size(1))[:, :KNOWN_EMBED_DIMS].to(w.device)
     return torch.cat([torch.nan_to_num(w[i:i + chunk].detach().float(), nan=0.0) @ p
                       for i in range(0, w.size(0), chunk)]).cpu()
-
-
-def _end_cell(kind: str, signal: str, y: torch.Tensor) -> dict:
-    """A known-answer row of the model's ends (no layer): ``y`` [N, W] as held, flattened."""
-    return {"kind": kind, "layer": None, "head": None, "expert": None, "signal": signal, "n": y.size(0),
-            "mean": y.flatten().tolist(), "std": [], "log_norm_mean": 0.0, "log_norm_std": 1.0, "dev_mean": 0.0,
-            "dev_std": 1.0, "run_norm_mean": [], "run_norm_std": [], "run_dev_mean": [], "run_dev_std": []}
 
 
 def _vocab_weight(m) -> torch.Tensor | None:
@@ -1044,7 +1037,7 @@ def _final_norm(a: Adapter):
     return m if _norm_like(m) else None
 
 
-def _known_embedding_cells(a: Adapter) -> list[dict]:
+def _known_end_cells(a: Adapter) -> list[dict]:
     """The model's ends, held exactly: ``("embed", None, None, None, "known:rows")``, every input-embedding row; the
     same of the output projection (``unembed``; not where it is the embedding's own tensor, tied); and the final
     norm's answer on fixed inputs (``("final_norm", None, None, None, "known:norm")``). An embedding is a lookup
@@ -1056,14 +1049,14 @@ def _known_embedding_cells(a: Adapter) -> list[dict]:
     w = _vocab_weight(a.embedding())
     with torch.no_grad():
         if w is not None:
-            rows.append(_end_cell("embed", "known:rows", _embedding_held(w)))
+            rows.append(_end_row("embed", "known:rows", _embedding_held(w)))
         u = _vocab_weight(a.unembedding())
         if u is not None and (w is None or u.data_ptr() != w.data_ptr()):
-            rows.append(_end_cell("unembed", "known:rows", _embedding_held(u)))
+            rows.append(_end_row("unembed", "known:rows", _embedding_held(u)))
     fn = _final_norm(a)
     y, again = (_norm_answer(fn), _norm_answer(fn)) if fn is not None else (None, None)
     if y is not None and again is not None and _known_dev(again, y) <= KNOWN_TOL / 10:
-        rows.append(_end_cell("final_norm", "known:norm", y))
+        rows.append(_end_row("final_norm", "known:norm", y))
     return rows
 
 
@@ -1080,7 +1073,7 @@ def _row_devs(w: torch.Tensor, toks: torch.Tensor, held: tuple[torch.Tensor, flo
 ROW_SAMPLE = 256  # output-projection rows always compared (evenly spaced): a change of the whole projection shows
 
 
-def _embedding_evidence(a: Adapter, ids: list[int], prof: pl.DataFrame, targets: list[int] = ()) -> dict[tuple, float]:
+def _end_evidence(a: Adapter, ids: list[int], prof: pl.DataFrame, targets: list[int] = ()) -> dict[tuple, float]:
     """The model's ends against the rows the profile holds (only where the model runs in the dtype the profile was
     made in): ``("embed", None, None, None, pos)`` -> ``KNOWN_NATS`` times how far off (up to all of it) for the first
     position holding each token of the context whose input-embedding row differs; ``("unembed", ...)`` where an
@@ -1231,10 +1224,8 @@ def _row_spread(captured: list[dict], prompts: list[list[int]], cell: dict | Non
             v = torch.cat(vals)
             last = (float(v.mean()), max(float(v.std()), 1e-3), float(((v - v.mean()) / v.std()).max()))
         stats.append(last)
-    return [{"kind": "unembed_rows", "layer": None, "head": None, "expert": None, "signal": "abs_z", "n": 0,
-             "mean": [], "std": [], "log_norm_mean": 0.0, "log_norm_std": 1.0, "dev_mean": 0.0, "dev_std": 1.0,
-             "run_norm_mean": [x[0] for x in stats], "run_norm_std": [x[1] for x in stats],
-             "run_dev_mean": [x[2] for x in stats], "run_dev_std": []}]
+    return [_held_row("unembed_rows", None, None, None, "abs_z", 0, [], run_norm_mean=[x[0] for x in stats],
+                      run_norm_std=[x[1] for x in stats], run_dev_mean=[x[2] for x in stats])]
 
 
 def save(store, sha: str, rows: pl.DataFrame, source: str) -> int:
@@ -1359,7 +1350,7 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
     if prof is not None and len(ids) >= 1:
         firsts = _first_evidence(got, int(ids[0]), prof, a.dtype)
         ends = [*targets, *([] if top_token is None else [top_token])]  # output rows judged beside the context's
-        known = _known_evidence(a, got, prof) | _embedding_evidence(a, list(ids), prof, ends)
+        known = _known_evidence(a, got, prof) | _end_evidence(a, list(ids), prof, ends)
     # the statistics' cells judge a context of ``min_stats`` to ``max_stats`` tokens (past the longest context the
     # calibration ran, what a clean model computes is unknown to them); the exact checks above judge any
     if prof is not None and max(min_stats, 2) <= len(ids) <= (max_stats or len(ids)):
