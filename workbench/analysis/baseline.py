@@ -231,10 +231,9 @@ def load_profile(store: Store, sha: str | None) -> pl.DataFrame | None:
     if cached is not None and cached[0] == query.profile_stamp(store, sha):
         return cached[1]
     got = query.profile(store, sha)
-    if got.height and _stale_bundle(got["source"][0], got["created_at"][0], sha, set(got["signal"].unique().to_list()),
-                                    got.height):  # an older release's bundle
-        got = got.clear()
     have = set(got["signal"].unique().to_list()) if got.height else set()
+    if got.height and _stale_bundle(got["source"][0], got["created_at"][0], sha, have, got.height):
+        got, have = got.clear(), set()  # an older release's bundle
     # a cell today's detectors read, absent where its profile has what it is made from: an older workbench's (a model
     # that records no head outputs, JetMoE's attention experts, has neither: its profile is current)
     missing = {c for c, base in CURRENT_SIGNALS.items() if c not in have and base in have}
