@@ -124,8 +124,12 @@ def _decoder_layers(hf: nn.Module) -> nn.ModuleList:
     return max(pool, key=lambda m: sum(p.numel() for p in m.parameters()))
 
 
-def _attention(layer: nn.Module) -> nn.Module | None:
-    """A layer's softmax attention module, or None (a state-space, convolution, linear-attention or MLP layer)."""
+def _attention(layer: nn.Module, declared: str | None = None) -> nn.Module | None:
+    """A layer's softmax attention module, or None (a state-space, convolution, linear-attention or MLP layer; a layer
+    the config declares linear attention, ``declared`` its ``layer_types`` entry: MiniMax's lightning attention sits in
+    ``self_attn``, and what it returns beside its output is no probability)."""
+    if declared is not None and "linear" in str(declared):
+        return None
     for owner in (layer, *layer.children()):
         for n in ATTN_NAMES:
             m = getattr(owner, n, None)
@@ -483,12 +487,10 @@ class HFAdapter(Adapter):
         cfg = _text_config(hf.config)
         hidden = int(_cfg(cfg, "hidden_size", "d_model"))
         self.layers = _decoder_layers(hf)
+        self._final_norm: nn.Module | None = None  # ``final_norm()``, found on first use
         types = getattr(cfg, "layer_types", None) or []
-        # a layer the config declares linear attention (MiniMax's lightning attention sits in ``self_attn``, and what
-        # it returns beside its output is no probability) is no softmax attention, whatever its module is called
-        self.attn: list[nn.Module | None] = [
-            None if i < len(types) and "linear" in str(types[i]) else _attention(layer)
-            for i, layer in enumerate(self.layers)]
+        self.attn: list[nn.Module | None] = [_attention(layer, types[i] if i < len(types) else None)
+                                             for i, layer in enumerate(self.layers)]
         self.moe: dict[int, tuple[nn.Module, nn.Module, nn.Module, RouterMath]] = {}
         self._seam: dict[int, RouterSeam] = {}
         self._bias_src: dict[int, tuple[nn.Module, str] | None] = {}
@@ -870,13 +872,16 @@ class HFAdapter(Adapter):
         """The norm after the last decoder layer: a module named like one (``norm``, ``ln_f``, ...) outside the
         decoder layers, the nearest the root (``model.norm``, ``transformer.ln_f``,
         ``model.decoder.final_layer_norm``)."""
-        inside = {id(m) for m in self.layers.modules()}
-        found = [(name.count("."), name, m) for name, m in self.module.named_modules()
-                 if name.rsplit(".", 1)[-1] in FINAL_NORM and id(m) not in inside and any(True for _ in m.parameters())]
-        if not found:
-            raise ValueError(f"cannot find the final norm of {self.summary.family} (no module named "
-                             f"{' / '.join(FINAL_NORM)} outside the decoder layers)")
-        return min(found, key=lambda f: f[:2])[2]
+        if self._final_norm is None:  # looked up once (the component check and the lens ask on every call)
+            inside = {id(m) for m in self.layers.modules()}
+            found = [(name.count("."), name, m) for name, m in self.module.named_modules()
+                     if name.rsplit(".", 1)[-1] in FINAL_NORM and id(m) not in inside
+                     and any(True for _ in m.parameters())]
+            if not found:
+                raise ValueError(f"cannot find the final norm of {self.summary.family} (no module named "
+                                 f"{' / '.join(FINAL_NORM)} outside the decoder layers)")
+            self._final_norm = min(found, key=lambda f: f[:2])[2]
+        return self._final_norm
 
     def lens_logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = super().lens_logits(h)
