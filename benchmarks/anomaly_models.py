@@ -2,8 +2,8 @@
 
     python benchmarks/anomaly_models.py [--family qwen3_moe] [--calibration 40] [--write]
 
-A tiny random transformers folder of ``--family`` (``workbench.capture.tiny.make_folder``, seed 0; a family it does not
-know, any of ``tiny.moe_families()``: ``tiny_family``, the family's own default config shrunk) is calibrated with
+A tiny random transformers folder of ``--family`` (``workbench.capture.tiny.make_folder``, seed 0: any MoE family of the
+installed transformers) is calibrated with
 ``workbench.profile`` on the first ``--calibration`` prompts of data/prompts/calibration.jsonl (a quarter of each
 kind), cut to its context; then, as benchmarks/anomaly_eval.py does for the demo model:
 - clean runs of every prompt of data/prompts/clean_kinds.jsonl, other_kinds.jsonl and held_out_kinds.jsonl (cut to
@@ -39,7 +39,7 @@ from results_md import write_section  # noqa: E402
 import workbench  # noqa: E402
 from workbench.capture.adapters import load_adapter  # noqa: E402
 from workbench.capture.prompts import load_prompts  # noqa: E402
-from workbench.capture.tiny import FAMILIES, make_folder, moe_families, save_tokenizer, tiny_family  # noqa: E402
+from workbench.capture.tiny import make_folder  # noqa: E402
 from workbench.model import load_tokenizer  # noqa: E402
 
 
@@ -61,17 +61,11 @@ def calibration_set(n: int) -> list[str]:
 
 
 def tiny_folder(family: str, folder: Path) -> Path:
-    """A tiny random folder of ``family``: ``make_folder``'s for the families it knows, else any MoE family of the
-    installed transformers (``tiny_family``: its own default config shrunk), seed 0, with the tiny tokenizer."""
-    if family in FAMILIES:
+    """A tiny random folder of ``family`` (``make_folder``: any MoE family of the installed transformers), seed 0."""
+    try:
         return make_folder(family, folder, seed=0)
-    if family not in moe_families():
-        raise SystemExit(f"anomaly_models: unknown family {family!r}: one of {sorted(FAMILIES)} or of "
-                         "workbench.capture.tiny.moe_families()")
-    folder.mkdir(parents=True, exist_ok=True)
-    save_tokenizer(folder)
-    tiny_family(family, seed=0).save_pretrained(folder)
-    return folder
+    except ValueError as e:
+        raise SystemExit(f"anomaly_models: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

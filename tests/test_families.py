@@ -10,6 +10,7 @@ run.
 """
 from __future__ import annotations
 
+import json
 import warnings
 
 import numpy as np
@@ -279,3 +280,15 @@ def test_a_family_whose_final_norm_is_not_found_still_gets_an_activation_profile
     assert prof.filter(pl.col("kind") == "final_norm").height == 0 and prof.height > 0
     with pytest.raises(ValueError, match="final norm"):
         faults.HELD_OUT["final_norm"](a)
+
+
+def test_a_tiny_folder_of_any_family_is_made_where_the_benchmarks_make_them(tmp_path):
+    """``make_folder`` builds any MoE family of transformers (its own default config shrunk, as ``tiny_family``), with
+    the tiny tokenizer and its provenance, and refuses a name it does not know."""
+    from workbench.capture.tiny import make_folder
+
+    folder = make_folder("phimoe", tmp_path / "phimoe")
+    assert json.loads((folder / "tiny.json").read_text())["family"] == "phimoe"
+    assert load_adapter(str(folder)).summary.family == "phimoe"
+    with pytest.raises(ValueError, match="unknown family"):
+        make_folder("no_such_family", tmp_path / "x")

@@ -65,17 +65,24 @@ def save_tokenizer(folder: Path) -> int:
 
 def make_folder(family: str, folder: str | Path, seed: int = 0, tokenizer: bool = True, std: float = 0.15) -> Path:
     """Save a tiny random ``family`` model (and a tokenizer) to ``folder``; weights are scaled up from the
-    default init so routing, attention and the next token depend visibly on the input."""
+    default init so routing, attention and the next token depend visibly on the input. A family of ``FAMILIES`` is
+    built from its hand-picked config, any other MoE family of the installed transformers (``moe_families``) by
+    ``tiny_family``, its own default config shrunk."""
     import transformers  # optional: tiny folders need transformers, importing this module does not
 
-    cfg_name, lm_name, kw = FAMILIES[family]
+    if family not in FAMILIES and family not in moe_families():
+        raise ValueError(f"unknown family {family!r}: one of {sorted(FAMILIES)} or of moe_families()")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     vocab = save_tokenizer(folder) if tokenizer else 300
-    torch.manual_seed(seed)
-    cfg = getattr(transformers, cfg_name)(vocab_size=vocab, **kw)
-    hf = getattr(transformers, lm_name)(cfg).eval()
-    _scale(hf, std)
+    if family in FAMILIES:
+        cfg_name, lm_name, kw = FAMILIES[family]
+        torch.manual_seed(seed)
+        cfg = getattr(transformers, cfg_name)(vocab_size=vocab, **kw)
+        hf = getattr(transformers, lm_name)(cfg).eval()
+        _scale(hf, std)
+    else:
+        hf = tiny_family(family, seed=seed, std=std)
     hf.save_pretrained(folder)
     (folder / "tiny.json").write_text(json.dumps({"family": family, "seed": seed, "std": std}) + "\n")  # provenance
     return folder
