@@ -91,14 +91,56 @@ class HookPoint(nn.Module):
 
     Extra keyword arguments (e.g. ``q_start``) reach hooks registered with ``with_kwargs=True``.
     A hook that returns a tensor replaces the value flowing on (used for interventions).
+
+    ``tap(fn)`` is the workbench's way in: ``fn(x, info)`` (``info``: the keyword arguments) sees the value after
+    every hook, and a tensor it returns replaces it, as a hook's does. A point with taps and no hooks calls them
+    without ``nn.Module``'s hook machinery (a recorder listens at tens of points per decode step).
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.taps: list = []
 
     def forward(self, x: torch.Tensor, **info) -> torch.Tensor:
         return x
 
+    def __call__(self, x: torch.Tensor, **info) -> torch.Tensor:
+        if (self._forward_hooks or self._forward_pre_hooks or self._backward_hooks or self._backward_pre_hooks
+                or _global_hooks()):
+            x = super().__call__(x, **info)
+        for fn in self.taps:
+            y = fn(x, info)
+            if y is not None:
+                x = y
+        return x
+
+    def tap(self, fn) -> "Tap":
+        """Call ``fn(x, info)`` on every value through this point (its result, if a tensor, flows on instead) until
+        the returned handle's ``remove()``."""
+        self.taps.append(fn)
+        return Tap(self.taps, fn)
+
     @property
     def active(self) -> bool:
-        return bool(self._forward_hooks) or bool(self._forward_pre_hooks)
+        return bool(self._forward_hooks) or bool(self._forward_pre_hooks) or bool(self.taps)
+
+
+class Tap:
+    """The handle of ``HookPoint.tap``: ``remove()`` as a hook's handle."""
+
+    def __init__(self, taps: list, fn) -> None:
+        self.taps, self.fn = taps, fn
+
+    def remove(self) -> None:
+        if self.fn in self.taps:
+            self.taps.remove(self.fn)
+
+
+def _global_hooks() -> bool:
+    """Whether any module-wide hook is registered (``nn.modules.module.register_module_forward_hook`` ...)."""
+    m = nn.modules.module
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks)
 
 
 class RMSNorm(nn.Module):
@@ -482,10 +524,11 @@ class MLP(nn.Module):
         self.w1 = nn.Linear(dim, inter_dim, bias=False)
         self.w2 = nn.Linear(inter_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, inter_dim, bias=False)
-        self.hook_out = HookPoint()
+        self.hook_out = HookPoint()  # [N, D]; keyword act: the down projection's input [N, I]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.hook_out(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+        act = F.silu(self.w1(x)) * self.w3(x)
+        return self.hook_out(self.w2(act), act=act)
 
 
 class Expert(MLP):

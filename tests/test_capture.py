@@ -46,7 +46,7 @@ def plain_hooks(module: torch.nn.Module, names: list[str], ids: list[int], **kw)
 
 
 def no_hooks_left(module: torch.nn.Module) -> bool:
-    return not any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+    return not any(m._forward_hooks or m._forward_pre_hooks or getattr(m, "taps", None) for m in module.modules())
 
 
 def test_capture_equals_plain_forward_hooks_on_a_transformers_model(mixtral):

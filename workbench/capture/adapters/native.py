@@ -19,10 +19,6 @@ from .base import Adapter, Listener, ModelSummary, QuantPoints
 from .routing import RouterMath
 
 
-def _hook(module: nn.Module, fn) -> object:
-    return module.register_forward_hook(fn, with_kwargs=True)
-
-
 class _KernelSet:
     """``MLA.stats_kernel`` set while a stats listener is attached (``remove`` unsets it, as a hook handle)."""
 
@@ -43,10 +39,11 @@ def _stats_kernel(module: nn.Module):
 
 
 def _bare_expert(ex: nn.Module) -> bool:
-    """An expert whose output is its down projection's output as it stands: ``MLP.forward`` with no hook on the
-    expert or its ``hook_out`` (a fault's output hook there is seen only by a hook on the expert itself)."""
+    """An expert whose output and down projection input are what its ``hook_out`` hands over (its value, after any
+    hook there, and its keyword ``act``): ``MLP.forward`` with no hook on the expert itself (a fault's output hook
+    there is seen only by a hook on the expert) nor one changing its down projection's input."""
     return (isinstance(ex, MLP) and type(ex).forward is MLP.forward and "forward" not in ex.__dict__
-            and not any(m._forward_hooks or m._forward_pre_hooks for m in (ex, ex.hook_out)))
+            and not (ex._forward_hooks or ex._forward_pre_hooks or ex.w2._forward_pre_hooks))
 
 
 class NativeAdapter(Adapter):
@@ -258,23 +255,22 @@ class NativeAdapter(Adapter):
         layers = self.module.layers
         if seam == "attn_probs":
             rows = slice(None) if getattr(fn, "batched", False) else 0  # a batch fan-out takes every row
-            return [_hook(l.attn.hook_attn_probs, lambda _m, _a, kw, out, i=i: fn(i, out[rows], kw["q_start"]))
+            return [l.attn.hook_attn_probs.tap(lambda out, kw, i=i: fn(i, out[rows], kw["q_start"]))
                     for i, l in enumerate(layers)]
         if seam == "attn_stats":
             rows = slice(None) if getattr(fn, "batched", False) else 0
-            handles = [_hook(l.attn.hook_attn_stats,
-                             lambda _m, _a, kw, out, i=i: fn(i, out[rows], kw["received"][rows], kw["q_start"]))
-                       for i, l in enumerate(layers)]
+            handles = [l.attn.hook_attn_stats.tap(
+                lambda out, kw, i=i: fn(i, out[rows], kw["received"][rows], kw["q_start"])) for i, l in enumerate(layers)]
             kernel = _stats_kernel(self.module)  # on CUDA: a prefill's statistics from the fused Triton kernel
             return handles + ([_KernelSet(l.attn, kernel) for l in layers] if kernel is not None else [])
         if seam == "attn_row":
             rows = slice(None) if getattr(fn, "batched", False) else 0
-            return [_hook(l.attn.hook_attn_row, lambda _m, _a, kw, out, i=i: fn(i, out[rows], kw["q_start"]))
+            return [l.attn.hook_attn_row.tap(lambda out, kw, i=i: fn(i, out[rows], kw["q_start"]))
                     for i, l in enumerate(layers)]
         if seam == "head_out":
-            return [_hook(l.attn.hook_z, lambda _m, _a, _kw, z, i=i: fn(i, z)) for i, l in enumerate(layers)]
+            return [l.attn.hook_z.tap(lambda z, _kw, i=i: fn(i, z)) for i, l in enumerate(layers)]
         if seam == "resid_post":
-            return [_hook(l.hook_resid_post, lambda _m, _a, _kw, h, i=i: fn(i, h)) for i, l in enumerate(layers)]
+            return [l.hook_resid_post.tap(lambda h, _kw, i=i: fn(i, h)) for i, l in enumerate(layers)]
         if seam == "expert_in":  # MoE.forward runs its experts on its input's rows
             return [layers[i].ffn.register_forward_pre_hook(lambda _m, a, i=i: fn(i, a[0]))
                     for i in self.summary.moe_layers]
@@ -282,8 +278,8 @@ class NativeAdapter(Adapter):
             handles = []
             for i in self.summary.moe_layers:
                 for e, ex in enumerate(layers[i].ffn.experts):
-                    if _bare_expert(ex):  # its output is its down projection's: one hook sees both (one dispatch)
-                        handles.append(ex.w2.register_forward_hook(lambda _m, a, y, i=i, e=e: fn(i, e, y, a[0])))
+                    if _bare_expert(ex):  # its hook_out hands over both: one tap, no hook machinery
+                        handles.append(ex.hook_out.tap(lambda y, kw, i=i, e=e: fn(i, e, y, kw["act"])))
                         continue
                     seen: dict = {}  # the down projection's input of the call under way (registered last: as used)
 
@@ -293,7 +289,7 @@ class NativeAdapter(Adapter):
                     handles.append(ex.register_forward_hook(out))
             return handles
         if seam == "shared_out":
-            return [_hook(layers[i].ffn.shared_experts.hook_out, lambda _m, _a, _kw, o, i=i: fn(i, o))
+            return [layers[i].ffn.shared_experts.hook_out.tap(lambda o, _kw, i=i: fn(i, o))
                     for i in self.summary.moe_layers]
         raise KeyError(seam)
 
@@ -302,7 +298,7 @@ class NativeAdapter(Adapter):
         for i in self.summary.moe_layers:
             gate = self.module.layers[i].ffn.gate
             seen: dict = {}
-            handles.append(gate.hook_logits.register_forward_hook(lambda _m, _a, lg, seen=seen: seen.__setitem__("l", lg)))
+            handles.append(gate.hook_logits.tap(lambda lg, _kw, seen=seen: seen.__setitem__("l", lg)))
 
             def on_gate(g, _a, out, i=i, seen=seen):
                 weights, indices = out
