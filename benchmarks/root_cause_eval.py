@@ -337,7 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     model, label = load_model(ckpt)
     reference = adapter_for(copy.deepcopy(model.module))  # the known-good model; faults go into `model` only
-    kinds = [k for k in args.kinds.split(",") if k and faults.ALL_KINDS[k].layers(model)]
+    # a cache-only kind is no root-cause case: root cause recomputes without the cache (anomaly_eval judges it)
+    kinds = [k for k in args.kinds.split(",") if k and faults.ALL_KINDS[k].layers(model)
+             and not faults.ALL_KINDS[k].cached_only]
     tok_path = next((p for p in (ckpt / "tokenizer.json", ckpt.parent / "tokenizer.json") if p.exists()), None)
     tok = load_tokenizer(tok_path)
     if args.prompt_file:  # another kind of text than the code the default prompts are

@@ -418,17 +418,24 @@ def test_every_fault_kind_changes_the_output_and_is_undone(tiny, ids):
                 p.mul_(1.5)
     for name, kind in faults.ALL_KINDS.items():  # the held-out kinds too
         m = adapter_for(trained) if name == "norm_reset" else a  # (a reset is no change of a random model's ones)
+
+        def out(m=m, kind=kind) -> torch.Tensor:  # a cache-only kind acts in a generation's cache: its prefill
+            if kind.cached_only:
+                return list(m.stream(ids[0].tolist(), 1, 0.0, 1.0, 0, None))[0].logits
+            return m.forward(ids)
         with torch.no_grad():
-            base = m.forward(ids)
+            base, plain = out(), m.forward(ids)
         layer = kind.layers(m)[0]
         index = int(ids[0, 3]) if kind.index == "token" else 1
         made = kind(m, layer, index)  # a fault only acts inside its with block
         with torch.no_grad():
-            assert torch.equal(m.forward(ids), base), f"{name} acted before its with block"
+            assert torch.equal(out(), base), f"{name} acted before its with block"
         with torch.no_grad(), made:
-            broken = m.forward(ids)
+            broken = out()
+            if kind.cached_only:  # and a forward without the cache is unchanged
+                assert torch.equal(m.forward(ids), plain), name
         with torch.no_grad():
-            after = m.forward(ids)
+            after = out()
         assert (broken - base).abs().max() > 1e-3, name
         assert torch.equal(after, base), name
     with pytest.raises(ValueError, match="dense layer"), faults.KINDS["starved"](a, 0, 1):

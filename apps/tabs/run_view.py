@@ -11,7 +11,7 @@ import gradio as gr
 import polars as pl
 
 from workbench.analysis.diff import diff_runs
-from workbench.analysis.rootcause import ig_check
+from workbench.analysis.rootcause import cache_note, ig_check
 from workbench.apps.shared import (
     COLOR_MAP,
     LAST,
@@ -187,8 +187,10 @@ def explain(app: AppContext, s: Session, run_id: str | None, pos: float | None, 
     f.forget("attributions")  # just stored
     methods = ", ".join(sorted(set(ranked["method"].drop_nulls().to_list()))) if ranked.height else ""
     warn = ig_check(ranked, int(steps))
+    cached = cache_note(run.store, run_id)
     shown = ranked.select([c for c in CAUSE_COLUMNS if c in ranked.columns]).head(30)
     return (f"Root cause of pos {pos}: {ranked.height} ranked causes ({md_plain(methods)})."
+            + (f"  \n⚠️ {md_plain(cached)}" if cached else "")
             + (f"  \n⚠️ {md_plain(warn)}" if warn else ""), f.fig_attribution(pos), f.fig_components(pos), shown)
 
 

@@ -165,12 +165,14 @@ FIRST_NATS = 30.0  # a component whose first-position output differs from the cl
 FIRST_SIGNALS = ("out", "logit", "chosen")
 
 
-def capture(a: Adapter, ids: list[int]) -> tuple[dict[Key, torch.Tensor], dict[int, torch.Tensor],
-                                                 dict[int, torch.Tensor]]:
+def capture(a: Adapter, ids: list[int], seen: dict | None = None) -> tuple[dict[Key, torch.Tensor],
+                                                                          dict[int, torch.Tensor],
+                                                                          dict[int, torch.Tensor]]:
     """One teacher-forced forward of ``ids``: every component's output [T, D] (float32, CPU); per MoE layer the
     experts the router's logits select but the tokens did not go to ([T, E] bool); and per MoE layer whose
     ``RouterMath`` is exact, the positions whose experts were mixed with other weights than the router's logits give
-    ([T] bool: more than 5% off, e.g. a top-k dropped to 1 or a scaling factor gone wrong after the router)."""
+    ([T] bool: more than 5% off, e.g. a top-k dropped to 1 or a scaling factor gone wrong after the router).
+    ``seen``, when given, gets what ``cache_free`` returns from this same forward: ``"logprobs"`` and ``"resid"``."""
     taps = _Taps(a)
     taps.capture = True
     logits: dict[int, torch.Tensor] = {}
@@ -242,6 +244,10 @@ def capture(a: Adapter, ids: list[int]) -> tuple[dict[Key, torch.Tensor], dict[i
         for h in handles:
             h.remove()
     c, s = taps.cache, a.summary
+    if seen is not None:
+        seen["logprobs"] = _logprobs(final[0], x[0])
+        seen["resid"] = {layer: c[("resid", layer)][-len(ids):].float().norm(dim=-1).cpu().double().numpy()
+                         for layer in range(s.n_layers) if ("resid", layer) in c}
     out: dict[Key, torch.Tensor] = {("unembed", None, None, None, "logit"): final[0].float().cpu()}
     prev = c.get(("embed", None))
     if prev is not None:
@@ -1304,7 +1310,8 @@ def _signed_nats(nats: float, sign: float) -> float:
 
 def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool = True,
              signals: dict | None = None, found: dict | None = None,
-             min_stats: int = 2, max_stats: int | None = None, targets: list[int] = ()) -> list[tuple[tuple, float]]:
+             min_stats: int = 2, max_stats: int | None = None, targets: list[int] = (),
+             seen: dict | None = None) -> list[tuple[tuple, float]]:
     """((kind, layer, head, expert, source_pos), signed surprise in nats) for every profiled component, on the
     context ``ids`` (the tokens before the explained one), plus the routing consistency rows (no profile
     needed). A head's output and its two attention-pattern scalars give one ``head`` row: the largest.
@@ -1315,8 +1322,9 @@ def evidence(a: Adapter, ids: list[int], prof: pl.DataFrame | None, last: bool =
     unusual, unless its z is past ``OWN_ALONE_Z``, e.g. an expert that outputs nothing; root cause uses it where
     the expert's ablation says it also matters to the explained token), and
     ``"top_token"``, the token the model ranks first after the last position. ``targets``: tokens whose output rows
-    are compared with the profile's beside the context's and the top token's (root cause: the explained token)."""
-    got, lost, reweighted = capture(a, list(ids))
+    are compared with the profile's beside the context's and the top token's (root cause: the explained token).
+    ``seen``: ``capture``'s, filled from the same forward."""
+    got, lost, reweighted = capture(a, list(ids), seen)
     top_token = int(got[("unembed", None, None, None, "logit")][-1].argmax()) if ids else None
     experts: dict | None = None
     if found is not None:
@@ -1515,6 +1523,27 @@ BUNDLE_SOURCE = "prompts of data/prompts/calibration"  # scripts/build_activatio
 # detection over a whole run (workbench.analysis.anomalies.detect with the recording's model)
 WARNING_NATS = 20.0  # a component this unusual (after Bonferroni within its family) is a warning row
 CRITICAL_NATS = 60.0  # and a critical one
+def cache_free(a: Adapter, ids: list[int]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+    """One forward of ``ids`` as a whole, without the KV cache and without gradients: each token's logprob under
+    the positions before it ([T - 1]: tokens 1 .. T - 1) and each layer's residual-stream norm per position
+    ({layer: [T]}), to hold a recorded run against (``anomalies.cache_rows``)."""
+    a = adapter_for(a)
+    norms: dict[int, np.ndarray] = {}
+
+    def resid(layer: int, h: torch.Tensor) -> None:
+        norms[layer] = h.detach()[0].float().norm(dim=-1).cpu().double().numpy()
+    x = torch.tensor([list(ids)], device=a.device)
+    with torch.no_grad(), a.seams({"resid_post": resid}):
+        logits = a.forward(x)[0]
+    return _logprobs(logits, x[0]), norms
+
+
+def _logprobs(logits: torch.Tensor, ids: torch.Tensor) -> np.ndarray:
+    """log p(ids[t] | ids[:t]) for t >= 1 from a forward's logits [T, V]: [T - 1] float64."""
+    lp = torch.log_softmax(logits[:-1].detach().float(), -1).gather(1, ids[1:, None].to(logits.device))[:, 0]
+    return lp.cpu().double().numpy()
+
+
 MAX_TOKENS = 2048  # a run's first tokens that the check reads (one teacher-forced forward with attention)
 WORDS = {"embed": "the input embedding of the token at position {pos}",
          "unembed": "the output projection (one token's logit is off at every position)",
@@ -1533,7 +1562,7 @@ EXACT_SIGNALS = frozenset({"first", "known", "mismatch", "weights", "angle"})
 
 
 def anomaly_rows(a: Adapter, ids: list[int], prof: pl.DataFrame | None, routing_shift: bool = False,
-                 novel: bool = False) -> list[dict]:
+                 novel: bool = False, seen: dict | None = None) -> list[dict]:
     """Anomaly rows (kind ``component_outlier``, the schema of workbench.analysis.anomalies) for the components
     whose activations over the first ``MAX_TOKENS`` of ``ids`` are at least ``WARNING_NATS`` unusual. The
     statistics judge a run of at least ``STATS_MIN_TOKENS`` tokens (the exact checks every run): one position's
@@ -1546,7 +1575,8 @@ def anomaly_rows(a: Adapter, ids: list[int], prof: pl.DataFrame | None, routing_
     rows = []
     a = adapter_for(a)
     signals: dict = {}
-    for key, nats in evidence(a, list(ids)[:MAX_TOKENS], prof, last=False, signals=signals, min_stats=STATS_MIN_TOKENS):
+    for key, nats in evidence(a, list(ids)[:MAX_TOKENS], prof, last=False, signals=signals, min_stats=STATS_MIN_TOKENS,
+                              seen=seen):
         kind, layer, head, expert, pos = key
         if abs(nats) < WARNING_NATS:
             continue

@@ -39,6 +39,10 @@ value broke, since a component can fail both ways: blown up, or collapsed, gone,
 - ``repetition`` (no test: read off the generated ids, severity warning): a loop, a repeated n-gram, a verbatim
   copy of a span of the prompt (``repetition``);
 - ``non_finite``: NaN or Inf in a recorded signal: always critical (no test needed).
+- ``cache_mismatch`` (with the model the run was recorded with, no profile needed; not for a run with interventions):
+  the recorded token logprobs against one forward of the run's tokens without the KV cache (``cache_rows``), critical
+  past ``CACHE_NATS``, at the first layer whose recorded residual norm differs: a fault only the cached step-by-step
+  path has (a corrupted cache entry, a decode kernel) that root cause, which recomputes without the cache, cannot see.
 
 Without a profile the same tests run against the run's own robust statistics (median / MAD, normal tail) and
 a uniform expert load, but every row they raise is ``info`` (so are repetition rows), with one ``no_profile``
@@ -885,10 +889,12 @@ def novel_input(nov: dict) -> pl.DataFrame:
                                   "profile`)"}])
 
 
-def component_rows(store, info: dict, tokens: pl.DataFrame, model, meta: dict) -> pl.DataFrame:
+def component_rows(store, info: dict, tokens: pl.DataFrame, model, meta: dict,
+                   seen: dict | None = None) -> pl.DataFrame:
     """``component_outlier`` rows: the run's components (its ``tokens`` rows) against the model's activation
     profile (workbench.analysis.activations), from one teacher-forced forward of the model the run was recorded
-    with; empty without a model or a profile. ``meta`` gets ``component_tests`` (components judged)."""
+    with; empty without a model or a profile. ``meta`` gets ``component_tests`` (components judged); ``seen`` the
+    forward's token logprobs and residual norms (``activations.capture``), for ``cache_rows``."""
     if model is None:
         return empty()
     from workbench.analysis import activations  # lazy: imports torch; reading a stored run needs none
@@ -916,7 +922,76 @@ def component_rows(store, info: dict, tokens: pl.DataFrame, model, meta: dict) -
                                    "profile on longer prompts to judge the rest")
         start = reach
     return _rows(activations.anomaly_rows(model, ids[:start], prof, routing_shift=bool(meta.get("routing_shift")),
-                                          novel=bool(meta.get("novelty", {}).get("novel"))))
+                                          novel=bool(meta.get("novelty", {}).get("novel")), seen=seen))
+
+
+# how far a recorded token's logprob may be from a forward of the run's tokens without the KV cache, in nats, and a
+# layer's residual norm, relatively: summation order differs between the two paths (fp32: 1e-6 on the demo and the
+# tiny transformers families); a half-precision model's rounding differs more
+CACHE_NATS = {"float32": 0.05, None: 1.0}
+CACHE_REL = {"float32": 1e-3, None: 0.05}
+CACHE_TOKENS = 2048  # a run's first tokens held against the cache-free forward
+
+
+def cache_rows(tokens: pl.DataFrame, resid: pl.DataFrame | None, model, dtype: str | None,
+               seen: dict | None = None) -> pl.DataFrame:
+    """``cache_mismatch``: one critical row when the run's recorded token logprobs differ from one forward of its
+    tokens as a whole, without the KV cache (``activations.cache_free``), by more than ``CACHE_NATS``: what only the
+    recorded step-by-step path computes (the KV cache's entries, a decode kernel, a hook active while recording) is
+    not what the model computes. ``layer``: the first layer whose recorded residual norm differs from the cache-free
+    one (``CACHE_REL``) at the first position where any does; root cause, which recomputes without the cache, cannot
+    see such a fault. Empty when the two agree, the run has no token logprobs, or the adapter is not ``cache_exact``
+    (attention that selects its keys: the cached decode is another computation). ``seen``: the component check's
+    forward of the same tokens (``activations.capture``), used instead of a forward of its own where it covered them
+    all, or at least one generated token (the run before its first loop)."""
+    if (model is None or tokens is None or not tokens.height or "logprob" not in tokens.columns
+            or not getattr(model, "cache_exact", True)):
+        return empty()
+    from workbench.analysis import activations  # lazy: imports torch; reading a stored run needs none
+
+    t = tokens.sort("pos").head(CACHE_TOKENS)
+    n_seen = len(seen.get("logprobs", ())) + 1 if seen else 0
+    prompt = int(t["is_prompt"].sum()) if "is_prompt" in t.columns else 0
+    if n_seen >= 2 and (n_seen >= t.height or n_seen > prompt):
+        # the component check's forward covered them all, or the run up to its first loop past the prompt (a run
+        # that loops is held against the clean model up to there only: a forward of its own costs as much again)
+        t = t.head(n_seen)
+        lp, norms = seen["logprobs"], seen["resid"]
+    elif t.height >= 2:
+        lp, norms = activations.cache_free(model, t["token_id"].to_list())
+    else:
+        return empty()
+    ids = t["token_id"].to_list()
+    rec = t["logprob"].to_numpy()[1:].astype(np.float64)
+    ok = np.isfinite(rec) & np.isfinite(lp)
+    gap = np.where(ok, np.abs(rec - np.where(ok, lp, 0.0)), 0.0)
+    nats, rel = CACHE_NATS.get(dtype, CACHE_NATS[None]), CACHE_REL.get(dtype, CACHE_REL[None])
+    off = np.nonzero(gap > nats)[0]
+    if not off.size:
+        return empty()
+    first_pos = int(off[0]) + 1
+    layer, where = None, ""
+    if resid is not None and resid.height and norms:
+        r = resid.filter(pl.col("pos") < len(ids)).sort("pos", "layer")
+        mine = np.array([norms[lay][pos] if lay in norms else np.nan
+                         for pos, lay in zip(r["pos"].to_list(), r["layer"].to_list())])
+        got = r["norm"].to_numpy().astype(np.float64)
+        bad = np.abs(got - mine) > rel * np.maximum(np.abs(mine), 1e-6)
+        if bad.any():
+            hit = r.filter(pl.Series(bad))
+            p0 = int(hit["pos"].min())
+            layer = int(hit.filter(pl.col("pos") == p0)["layer"].min())
+            where = f"; the residual stream first differs at layer {layer} (position {p0})"
+    worst = int(np.argmax(gap)) + 1
+    n = f"{off.size} of {len(ids) - 1} token logprobs compared"
+    return _rows([{"kind": "cache_mismatch", "severity": "critical", "pos": first_pos, "layer": layer,
+                   "score": float(gap.max()), "threshold": nats,
+                   "explanation": "the recorded run is not what the model computes for its tokens without the KV "
+                                  f"cache: {n} more than {nats:g} nats apart, first at position {first_pos}, most at "
+                                  f"{worst} ({gap.max():.2f} nats){where}: what only the recorded step-by-step path "
+                                  "computes is at fault (the KV cache's entries, a decode kernel, a hook active while "
+                                  "recording), or the model given is not the one recorded; root cause recomputes "
+                                  "without the cache and cannot see it"}])
 
 
 def _reference_attention(store, info: dict, summary, reference: str) -> pl.DataFrame:
@@ -947,19 +1022,21 @@ def _compute(store, run_id: str, reference: str | None = None, model=None,
     n_experts = summary.n_routed_experts if summary.moe_layers else 0
     tokens = query.tokens(store, run_id)
     meta: dict = {"token_rows": tokens.height}  # none: recorded without the tokens probe (no loop check either)
+    resid = query.signal(store, "resid_norm", run_id)
     df = detect_frames(tokens, query.attention(store, run_id), query.routing(store, run_id),
                        n_experts, kv=query.kv(store, run_id), reference_attention=ref_att,
                        profile=prof,
-                       resid=query.signal(store, "resid_norm", run_id), kv_tokens=query.kv_tokens(store, run_id),
+                       resid=resid, kv_tokens=query.kv_tokens(store, run_id),
                        head_norm=query.signal(store, "head_norm", run_id), meta=meta,
                        sampler=Sampler.of_run(info, summary.vocab_size), **thresholds)
     if prof is not None and model is None:
         comp = _kept_components(store, run_id, meta)
         if comp.height:
             df = pl.concat([df, comp], how="vertical_relaxed")
-    elif prof is not None:
+    seen: dict = {}  # the component check's forward, for the cache check
+    if prof is not None and model is not None:
         try:
-            comp = component_rows(store, info, tokens, model, meta)
+            comp = component_rows(store, info, tokens, model, meta, seen)
         except Exception as e:  # noqa: BLE001 - the recorded signals' rows stand without it
             warnings.warn(f"the component check of run {run_id} failed: {e}")
             meta["component_check"] = f"failed: {type(e).__name__}: {e}"
@@ -967,6 +1044,20 @@ def _compute(store, run_id: str, reference: str | None = None, model=None,
         if comp.height:
             df = pl.concat([df, comp], how="vertical_relaxed")
     ivs = _interventions_of(store, run_id)
+    if model is not None and not getattr(model, "cache_exact", True):
+        meta["cache_check"] = ("not run: this model's attention selects its keys, so its cached decode is another "
+                               "computation")
+    elif model is not None and ivs is None:  # the run's own interventions are no fault: it is not compared then
+        try:
+            cache = cache_rows(tokens, resid, model, info.get("dtype"), seen)
+        except Exception as e:  # noqa: BLE001 - the recorded signals' rows stand without it
+            warnings.warn(f"the cache check of run {run_id} failed: {e}")
+            meta["cache_check"] = f"failed: {type(e).__name__}: {e}"
+            cache = empty()
+        else:
+            meta["cache_check"] = "differs" if cache.height else "agrees"
+        if cache.height:
+            df = pl.concat([df, cache], how="vertical_relaxed")
     if ivs is not None:
         df = declared(df, ivs)
         meta["interventions"] = ivs["spec"].to_list()

@@ -183,6 +183,15 @@ def corrupt_kv(model, layer: int, pos: int, scale: float = 30.0) -> Iterator[Non
         yield
 
 
+def corrupt_cache(model, layer: int, scale: float = 3.0) -> contextlib.AbstractContextManager:
+    """What block ``layer`` writes into a generation's KV cache is multiplied by ``scale`` (MLA: its latent; other
+    attention: its values), as a cache written wrong would be: the weights, and a forward without the cache, are
+    unchanged (root cause, which recomputes without the cache, cannot see it; the detectors' ``cache_mismatch``)."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    return a.cache_writes(layer, lambda t: t * scale)
+
+
 # -- weight and activation faults beyond heads, experts and routers (through the adapter's parts) -----------------
 @contextlib.contextmanager
 def _edited(tensor: torch.Tensor, edit: Callable[[torch.Tensor], None]) -> Iterator[None]:
@@ -792,6 +801,8 @@ class FaultKind:
         culprit: the root-cause kinds (``root_cause``'s ``kind`` column) that name it, at its layer and index.
         layer_wide: a whole-layer fault: a row of ``LAYER_ROWS`` at its layer names it too.
         paired: the fault changes two experts, ``index`` and its ``partner``: a row naming either names it.
+        cached_only: only a generation's cached path has it (a forward without the KV cache, root cause's, does not):
+            the detectors judge it (``cache_mismatch``), root-cause evaluations skip it.
     """
 
     name: str
@@ -803,6 +814,7 @@ class FaultKind:
     layer_wide: bool = False
     doc: str = ""
     paired: bool = False
+    cached_only: bool = False
 
     def __call__(self, model, layer: int = 0, index: int = 0, strength: float | None = None):
         s = self.strength if strength is None else strength
@@ -987,5 +999,10 @@ HELD_OUT: dict[str, FaultKind] = {k.name: k for k in [
     FaultKind("layer_swap", lambda m, l, i, s: swap_layers(m, l), None, "paired", None,
               ("attn_norm", "mlp_norm", "kv_latent", "rotary", "head", "router", "expert", "shared_expert",
                "dense_mlp"), True, doc="two blocks' weights exchanged (0-1, 2-3, ...: a layer index off by one)"),
+    # added 2026-12-05 (session 21): a fault only the cached step-by-step path has (root cause recomputes without
+    # the cache: judged by the detectors, ``cached_only``)
+    FaultKind("kv_cache", lambda m, l, i, s: corrupt_cache(m, l, scale=s), None, "any", 3.0, ("kv_latent",), True,
+              doc="what one layer writes into the KV cache of a generation multiplied (a cache written wrong; a "
+                  "forward without the cache unchanged)", cached_only=True),
 ]}
 ALL_KINDS: dict[str, FaultKind] = KINDS | HELD_OUT

@@ -11,7 +11,8 @@ Rows (warning and critical) become findings by what they point at:
   concentrated on one routed expert of that layer (hypergeometric test against the run's routing), the
   finding names that expert; else it joins that layer's head finding if there is one; else it names the
   layer's feed-forward block (its shared experts, in an MoE layer);
-- ``kv_norm_outlier``: one per layer of the KV cache;
+- ``kv_norm_outlier``: one per layer of the KV cache; ``cache_mismatch`` (the recorded run against a forward of its
+  tokens without the cache): one ``kv`` finding at the first layer whose residual stream differs;
 - ``head_entropy_shift`` / ``head_norm_shift`` (run-level): with the head's rows; ``block_shift``: one ``layer`` finding
   per layer;
 - ``low_confidence`` / ``high_surprise``: one per span of consecutive token positions;
@@ -125,6 +126,10 @@ def group_findings(anomalies: pl.DataFrame, routing: pl.DataFrame | None = None,
                             f"runs, all run long ({g['explanation'][0]})", layer=layer, positions=[]))
     for (layer,), g in a.filter(pl.col("kind") == "routing_collapse").group_by("layer", maintain_order=True):
         out.append(_finding("router", g, f"layer {layer}: the router's load is concentrated on few experts", layer=layer))
+    for r in a.filter(pl.col("kind") == "cache_mismatch").iter_rows(named=True):
+        one = a.filter(pl.col("kind") == "cache_mismatch")
+        where = f"layer {r['layer']}: " if r["layer"] is not None else ""
+        out.append(_finding("kv", one, f"{where}{r['explanation']}", layer=r["layer"], positions=[r["pos"]]))
     for (layer,), g in a.filter(pl.col("kind") == "kv_norm_outlier").group_by("layer", maintain_order=True):
         pos = sorted(g["pos"].to_list())
         out.append(_finding("kv", g, f"layer {layer}: cached KV entries out of their usual range{_where(pos)}",

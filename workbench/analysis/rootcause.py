@@ -504,6 +504,24 @@ def sampler_note(store, run_id: str, pos: int) -> str | None:
             f"{p:.2g} at these settings: the causes below explain the model's distribution, not this draw")
 
 
+def cache_note(store, run_id: str) -> str | None:
+    """A line saying the run's recorded probabilities are not what its model computes without the KV cache (the
+    detectors' ``cache_mismatch`` row): root cause recomputes without the cache, so it explains another computation
+    than the one that made the run. None without such a row (or without stored anomalies)."""
+    try:
+        hit = query.anomalies(store, run_id).filter(pl.col("kind") == "cache_mismatch")
+    except Exception:  # noqa: BLE001 - an older database without the table: nothing to say
+        return None
+    if not hit.height:
+        return None
+    r = hit.row(0, named=True)
+    where = f" of layer {r['layer']}" if r["layer"] is not None else ""
+    return (f"this run's recorded probabilities are not what its model computes without the KV cache (up to "
+            f"{r['score']:.2f} nats apart; anomaly cache_mismatch): root cause recomputes without the cache, so the "
+            f"causes below explain the cache-free model, not the recorded tokens; look at the KV cache{where} (a "
+            "corrupted cache entry, a decode kernel, a hook active while recording)")
+
+
 def ig_check(df: pl.DataFrame, steps: int | None = None, tolerance: float = 0.05) -> str | None:
     """A warning when a ranking's Integrated Gradients did not converge: |delta| over ``tolerance`` of
     |f(x) - f(baseline)| (token rows sum to that gap plus delta). None when it converged (or has no IG rows)."""

@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from workbench.analysis.rootcause import ig_check, sampler_note
+from workbench.analysis.rootcause import cache_note, ig_check, sampler_note
 from workbench.capture.resolve import load_for_run, run_tokenizer
 from workbench.run import Run, Workbench
 
@@ -52,13 +52,14 @@ def main(args) -> int:
     delta = ig["delta"][0] if ig.height else None
     warning = ig_check(df, args.steps)
     drawn = sampler_note(run.store, run.run_id, args.pos)
+    cached = cache_note(run.store, run.run_id)
     if args.json:
         rows = [{k: _num(v) for k, v in r.items()} | ({"source_text": texts.get(r["source_pos"])}
                                                       if r["source_pos"] is not None else {})
                 for r in df.iter_rows(named=True)]
         print(json.dumps({"run_id": run.run_id, "pos": args.pos, "reference": args.reference, "token": target["text"],
                           "logprob": _num(target["logprob"]), "method": method, "delta": _num(delta),
-                          "ig_warning": warning, "sampler_note": drawn,
+                          "ig_warning": warning, "sampler_note": drawn, "cache_note": cached,
                           "ig_total": _num(float(ig["score"].sum())) if ig.height else None, "causes": rows}))
         return 0
 
@@ -79,8 +80,9 @@ def main(args) -> int:
             cells.append("-" if rest is None or not math.isfinite(rest) else f"{rest:.0%}")
         t.add_row(*(escape(str(v)) for v in cells + [r["method"]]))
     con = Console()
-    if drawn:
-        con.print(escape(f"note: {drawn}"), style="bold")
+    for note in (cached, drawn):
+        if note:
+            con.print(escape(f"note: {note}"), style="bold")
     con.print(t)
     if ig.height and delta is not None:
         con.print(escape(f"token attributions: {method}, {args.steps} steps, sum {ig['score'].sum():+.4f} nats, "

@@ -273,13 +273,15 @@ def build_report(run, explain: int = 3, root_cause_kw: dict | None = None,
         causes = _explain(run, pos, rep, dict(root_cause_kw or {}))
         if causes is None:
             continue
-        from workbench.analysis.rootcause import ig_check, sampler_note  # lazy: imports torch; reading a run needs none
+        from workbench.analysis.rootcause import (  # lazy: imports torch; reading a run needs none
+            cache_note, ig_check, sampler_note)
         warn = ig_check(causes, (root_cause_kw or {}).get("steps", 32))
         if warn:
             rep.notes.append(f"position {pos}: {warn}")
         tok = causes.filter(pl.col("kind") == "token").sort("source_pos")
         facts["explained"].append({
             "pos": pos, "text": text.get(pos), "sampler_note": sampler_note(run.store, run.run_id, pos),
+            "cache_note": cache_note(run.store, run.run_id),
             "anomaly_ids": [r["anomaly_id"] for r in anomalies.iter_rows(named=True) if r["pos"] == pos],
             "causes": _records(causes.sort("rank").head(CAUSES_SHOWN).select(
                 [c for c in ("rank", "kind", "layer", "head", "expert", "source_pos", "score", "method", "delta")

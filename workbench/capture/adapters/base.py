@@ -206,6 +206,9 @@ class Adapter:
     supports_batch = False  # has stream_batch, kv_state(row=) and batched attn_probs listeners
     stats_seam = False  # offers the attn_stats seam (the model reduces attention rows itself)
     row_seam = False  # offers the attn_row seam (a decode step's probabilities instead of its attn_stats)
+    # a decode step through the KV cache computes what a forward of the whole sequence computes (to rounding): a
+    # recorded run can be held against one (``anomalies.cache_rows``)
+    cache_exact = True
     expert_out_seam = False  # offers the expert_out seam (each routed expert's output as the model ran it)
 
     # -- subclasses -------------------------------------------------------------------------------
@@ -303,6 +306,12 @@ class Adapter:
         """Full forwards of at most ``length`` tokens from position 0, without gradients, through a fresh KV cache
         (the generation's own cache, if any, put back afterwards); yields ``forward(ids [1, T]) -> logits
         [1, T, V]`` (fp32), whose cache writes pass through the functions ``quantize_kv`` set."""
+        raise NotImplementedError
+
+    def cache_writes(self, layer: int, fn: Callable[[torch.Tensor], torch.Tensor]) -> contextlib.AbstractContextManager:
+        """For the duration, what block ``layer`` writes into a generation's KV cache (``stream``, ``stream_batch``) is
+        ``fn(tensor)`` as attention reads it back (MLA: the latent; otherwise the values); a forward without the cache
+        is unchanged (a cache-only fault: ``faults.corrupt_cache``)."""
         raise NotImplementedError
 
     def quantize_kv(self, layer: int, fn: Callable[[torch.Tensor], torch.Tensor]) -> contextlib.AbstractContextManager:

@@ -193,6 +193,24 @@ class NativeAdapter(Adapter):
                 layer.attn.cache = c
 
     @contextlib.contextmanager
+    def cache_writes(self, layer: int, fn) -> Iterator[None]:
+        attn = self.module.layers[layer].attn
+        hooked: dict = {}  # cache object -> its handle: each generation sets up a fresh cache
+
+        def pre(_m, _args) -> None:
+            c = attn.cache
+            if c is not None and id(c) not in hooked:
+                hooked[id(c)] = c.hook_latent.register_forward_hook(
+                    lambda _m, _a, out: fn(out) if isinstance(out, torch.Tensor) else None)
+        handle = attn.register_forward_pre_hook(pre)
+        try:
+            yield
+        finally:
+            handle.remove()
+            for h in hooked.values():
+                h.remove()
+
+    @contextlib.contextmanager
     def quantize_kv(self, layer: int, fn) -> Iterator[None]:
         cache = self.module.layers[layer].attn.cache
         if cache is None:

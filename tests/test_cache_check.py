@@ -1,0 +1,124 @@
+"""The cache check (``anomalies.cache_rows``): a recorded run against one forward of its tokens without the KV cache.
+
+A fault only the cached step-by-step path has (``faults.corrupt_cache``: what one layer writes into the cache, scaled)
+leaves the weights and a cache-free forward as they were, so root cause (which recomputes without the cache) and the
+component check cannot see it; the recorded token logprobs can. A clean run agrees to rounding; a corrupted cache is a
+critical ``cache_mismatch`` row at the faulted layer and a ``kv`` finding there; a run with interventions, and a model
+whose attention selects its keys (its cached decode is another computation), are not compared."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from helpers import tiny_model
+
+import workbench
+from workbench.analysis import activations, faults
+from workbench.capture.adapters import load_adapter
+from workbench.capture.tiny import make_folder, tiny_family
+from workbench.data.store import Store
+from workbench.interventions import ban_expert
+
+PROMPT = [5, 17, 101, 3, 3, 250, 42, 9, 77, 18, 200, 64]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return tiny_model()
+
+
+def _cache_rows(run) -> pl.DataFrame:
+    return run.anomalies().filter(pl.col("kind") == "cache_mismatch")
+
+
+def test_the_cache_free_forward_gives_back_the_recorded_logprobs(tiny, tmp_path):
+    run = workbench.record(PROMPT, model=tiny, max_new_tokens=12, db=Store(tmp_path / "c.duckdb"), detect=False)
+    t = run.tokens().sort("pos")
+    lp, norms = activations.cache_free(load_adapter(tiny), t["token_id"].to_list())
+    np.testing.assert_allclose(lp, t["logprob"].to_numpy()[1:], atol=1e-5)
+    resid = run.signal("resid_norm")
+    mine = np.array([norms[layer][pos] for pos, layer in zip(resid["pos"], resid["layer"])])
+    np.testing.assert_allclose(mine, resid["norm"].to_numpy(), rtol=1e-5)
+
+
+def test_a_clean_run_agrees_and_a_corrupted_cache_is_named_at_its_layer(tiny, tmp_path):
+    db = Store(tmp_path / "c.duckdb")
+    clean = workbench.record(PROMPT, model=tiny, max_new_tokens=16, db=db)
+    assert _cache_rows(clean).height == 0
+    assert json.loads(clean.info["detection"])["cache_check"] == "agrees"
+    layer = 1
+    with torch.no_grad():
+        base = load_adapter(tiny).forward(torch.tensor([PROMPT]))
+    with faults.HELD_OUT["kv_cache"](tiny, layer):
+        with torch.no_grad():  # a forward without the cache: unchanged
+            assert torch.equal(load_adapter(tiny).forward(torch.tensor([PROMPT])), base)
+        bad = workbench.record(PROMPT, model=tiny, max_new_tokens=16, db=db)
+    rows = _cache_rows(bad)
+    assert rows.height == 1 and rows["severity"][0] == "critical" and rows["layer"][0] == layer
+    assert rows["score"][0] > 0.05
+    f = bad.findings()
+    kv = f.filter(pl.col("component") == "kv")
+    assert kv.height == 1 and kv["layer"][0] == layer and "without the KV cache" in kv["explanation"][0]
+    after = workbench.record(PROMPT, model=tiny, max_new_tokens=16, db=db)  # the fault is gone with its block
+    assert _cache_rows(after).height == 0
+
+
+def test_a_run_with_interventions_is_not_compared(tiny, tmp_path):
+    run = workbench.record(PROMPT, model=tiny, max_new_tokens=8, db=Store(tmp_path / "c.duckdb"),
+                           interventions=[ban_expert(1, 1)])
+    assert _cache_rows(run).height == 0
+    assert "cache_check" not in json.loads(run.info["detection"])
+
+
+def test_a_transformers_family_with_a_corrupted_cache(tmp_path):
+    folder = make_folder("mixtral", tmp_path / "mixtral")
+    a = load_adapter(folder)
+    assert a.cache_exact
+    db = Store(tmp_path / "c.duckdb")
+    clean = workbench.record(PROMPT, model=a, max_new_tokens=10, db=db)
+    assert _cache_rows(clean).height == 0
+    layer = a.summary.n_layers - 1
+    with faults.HELD_OUT["kv_cache"](a, layer, strength=4.0):
+        bad = workbench.record(PROMPT, model=a, max_new_tokens=10, db=db)
+    rows = _cache_rows(bad)
+    assert rows.height == 1 and rows["layer"][0] == layer
+
+
+def test_attention_that_selects_its_keys_is_not_compared():
+    """DeepSeek-V3.2's indexer picks the keys a query attends to: its cached decode and its whole-sequence forward
+    differ on a clean model (2.7 nats on the tiny config), so the check does not run there."""
+    a = load_adapter(tiny_family("deepseek_v32"))
+    assert not a.cache_exact
+    assert load_adapter(tiny_family("deepseek_v3")).cache_exact
+
+
+def test_explain_and_the_report_say_root_cause_cannot_see_a_corrupted_cache(tiny, tmp_path):
+    from workbench.analysis.rootcause import cache_note
+
+    db = Store(tmp_path / "c.duckdb")
+    clean = workbench.record(PROMPT, model=tiny, max_new_tokens=8, db=db)
+    assert cache_note(db, clean.run_id) is None
+    with faults.HELD_OUT["kv_cache"](tiny, 0):
+        bad = workbench.record(PROMPT, model=tiny, max_new_tokens=8, db=db)
+    note = cache_note(db, bad.run_id)
+    assert note is not None and "layer 0" in note and "root cause recomputes without the cache" in note
+    md = bad.report(tmp_path / "bad.md", format="md").read_text()
+    assert "without the KV cache" in md and "cache_mismatch" in md
+
+
+def test_with_a_profile_the_component_checks_forward_is_reused(tmp_path, monkeypatch):
+    """The demo model has a profile: its component check runs one forward of the run's tokens, and the cache check
+    takes the logprobs and residual norms from it instead of a forward of its own (a clean run costs no more)."""
+    from workbench.model import load_checkpoint
+
+    model = load_checkpoint()
+
+    def no_forward(*_a, **_k):
+        raise AssertionError("a forward of its own")
+    monkeypatch.setattr(activations, "cache_free", no_forward)
+    run = workbench.record("def add(a, b):\n    return", model=model, max_new_tokens=12, db=Store(tmp_path / "c.db"))
+    assert json.loads(run.info["detection"])["cache_check"] == "agrees"
