@@ -244,8 +244,12 @@ def fault_eval(model, store, prompts: list[list[int]], args) -> list[dict]:
                 with inject(kind, model, layer, index):  # detected as after a recording: with the faulty model
                     run = workbench.record(ids, model=model, db=store, max_new_tokens=args.fault_tokens,
                                            temperature=args.fault_temperature, seed=k)
-                    seq = run.tokens()["token_id"].to_list()
-                    bad = teacher_forced_logprobs(model, seq)
+                    toks = run.tokens().sort("pos")
+                    seq = toks["token_id"].to_list()
+                    fk = faults.ALL_KINDS.get(kind)
+                    # a cache-only fault leaves a forward without the cache as it was: its effect is in the recording
+                    bad = torch.tensor(toks["logprob"].to_numpy()[1:], dtype=torch.float32) if fk is not None \
+                        and fk.cached_only else teacher_forced_logprobs(model, seq)
             except (ValueError, NotImplementedError, KeyError) as e:  # a kind this model lacks
                 print(f"{kind}: skipped ({type(e).__name__}: {e})", flush=True)
                 break

@@ -63,6 +63,7 @@ def test_a_clean_run_agrees_and_a_corrupted_cache_is_named_at_its_layer(tiny, tm
     f = bad.findings()
     kv = f.filter(pl.col("component") == "kv")
     assert kv.height == 1 and kv["layer"][0] == layer and "without the KV cache" in kv["explanation"][0]
+    assert f["kinds"][0].to_list() == ["cache_mismatch"]  # it leads: the rest is what the cached path computed
     after = workbench.record(PROMPT, model=tiny, max_new_tokens=16, db=db)  # the fault is gone with its block
     assert _cache_rows(after).height == 0
 
@@ -82,7 +83,7 @@ def test_a_transformers_family_with_a_corrupted_cache(tmp_path):
     clean = workbench.record(PROMPT, model=a, max_new_tokens=10, db=db)
     assert _cache_rows(clean).height == 0
     layer = a.summary.n_layers - 1
-    with faults.HELD_OUT["kv_cache"](a, layer, strength=4.0):
+    with faults.HELD_OUT["kv_cache"](a, layer):
         bad = workbench.record(PROMPT, model=a, max_new_tokens=10, db=db)
     rows = _cache_rows(bad)
     assert rows.height == 1 and rows["layer"][0] == layer

@@ -183,13 +183,22 @@ def corrupt_kv(model, layer: int, pos: int, scale: float = 30.0) -> Iterator[Non
         yield
 
 
-def corrupt_cache(model, layer: int, scale: float = 3.0) -> contextlib.AbstractContextManager:
-    """What block ``layer`` writes into a generation's KV cache is multiplied by ``scale`` (MLA: its latent; other
-    attention: its values), as a cache written wrong would be: the weights, and a forward without the cache, are
-    unchanged (root cause, which recomputes without the cache, cannot see it; the detectors' ``cache_mismatch``)."""
+def corrupt_cache(model, layer: int, amount: float = 1.0, seed: int = 0) -> contextlib.AbstractContextManager:
+    """What block ``layer`` writes into a generation's KV cache has each channel multiplied by its own factor
+    ``1 + amount * g`` (g standard normal, fixed by ``seed``; MLA: the latent's channels; other attention: the values'
+    head channels), as a cache written wrong would be (a bad quantisation scale): the weights, and a forward without
+    the cache, are unchanged (root cause, which recomputes without the cache, cannot see it; the detectors'
+    ``cache_mismatch``). Channel by channel, not one scale: a norm after the attention (Gemma's, OLMo-2's) undoes that."""
     a = adapter_for(model)
     _check_layer(a, layer)
-    return a.cache_writes(layer, lambda t: t * scale)
+    factors: dict[int, torch.Tensor] = {}
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        n = t.size(-1)
+        if n not in factors:
+            factors[n] = 1 + amount * torch.randn(n, generator=torch.Generator().manual_seed(seed))
+        return t * factors[n].to(t)
+    return a.cache_writes(layer, fn)
 
 
 # -- weight and activation faults beyond heads, experts and routers (through the adapter's parts) -----------------
@@ -1001,8 +1010,8 @@ HELD_OUT: dict[str, FaultKind] = {k.name: k for k in [
                "dense_mlp"), True, doc="two blocks' weights exchanged (0-1, 2-3, ...: a layer index off by one)"),
     # added 2026-12-05 (session 21): a fault only the cached step-by-step path has (root cause recomputes without
     # the cache: judged by the detectors, ``cached_only``)
-    FaultKind("kv_cache", lambda m, l, i, s: corrupt_cache(m, l, scale=s), None, "any", 3.0, ("kv_latent",), True,
-              doc="what one layer writes into the KV cache of a generation multiplied (a cache written wrong; a "
-                  "forward without the cache unchanged)", cached_only=True),
+    FaultKind("kv_cache", lambda m, l, i, s: corrupt_cache(m, l, amount=s), None, "any", 1.0, ("kv_latent",), True,
+              doc="each channel of what one layer writes into a generation's KV cache multiplied by its own random "
+                  "factor (a cache written wrong; a forward without the cache unchanged)", cached_only=True),
 ]}
 ALL_KINDS: dict[str, FaultKind] = KINDS | HELD_OUT

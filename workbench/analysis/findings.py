@@ -12,7 +12,7 @@ Rows (warning and critical) become findings by what they point at:
   finding names that expert; else it joins that layer's head finding if there is one; else it names the
   layer's feed-forward block (its shared experts, in an MoE layer);
 - ``kv_norm_outlier``: one per layer of the KV cache; ``cache_mismatch`` (the recorded run against a forward of its
-  tokens without the cache): one ``kv`` finding at the first layer whose residual stream differs;
+  tokens without the cache): one ``kv`` finding at the first layer whose residual stream differs, first after NaN/Inf;
 - ``head_entropy_shift`` / ``head_norm_shift`` (run-level): with the head's rows; ``block_shift``: one ``layer`` finding
   per layer;
 - ``low_confidence`` / ``high_surprise``: one per span of consecutive token positions;
@@ -24,9 +24,10 @@ Columns: rank, component (kind: head | expert | router | shared_expert | mlp | l
 generation | non_finite | embedding | unembedding), layer, head, expert, pos_start, pos_end, positions (the evidence), n_rows, kinds, severity,
 score (the strongest row's -log10 q), explanation (one line).
 
-Order: by severity (NaN/Inf first), then layer by layer, the layer with the strongest finding first, and within a
-layer upstream first (a head, then the KV cache, the router, routed experts, shared experts / the feed-forward
-block: what a head breaks, the router and experts of its layer read), findings without a layer by their score.
+Order: by severity (NaN/Inf first, then a recording unlike its model's own computation), then layer by layer, the
+layer with the strongest finding first, and within a layer upstream first (a head, then the KV cache, the router,
+routed experts, shared experts / the feed-forward block: what a head breaks, the router and experts of its layer
+read), findings without a layer by their score.
 """
 from __future__ import annotations
 
@@ -156,7 +157,10 @@ def group_findings(anomalies: pl.DataFrame, routing: pl.DataFrame | None = None,
         return pl.DataFrame(schema=SCHEMA)
     df = pl.DataFrame(out, schema={k: v for k, v in SCHEMA.items() if k != "rank"})
     sev = pl.col("severity").replace_strict(SEVERITY, return_dtype=pl.Int32)
-    first = pl.col("component") != "non_finite"  # NaN/Inf leads: everything after it is its consequence
+    # NaN/Inf leads: everything after it is its consequence; then a recording unlike its model's own computation
+    # (cache_mismatch): the other findings describe what the cached path computed, which root cause cannot replay
+    first = pl.when(pl.col("component") == "non_finite").then(0).when(
+        pl.col("kinds").list.contains("cache_mismatch")).then(1).otherwise(2)
     # one layer's findings stay together (ranked by the layer's strongest), upstream first: a head's output feeds
     # the router and the experts of its layer, so their findings there are likely its consequence
     group = pl.when(pl.col("layer").is_null()).then(-1 - pl.int_range(pl.len())).otherwise(pl.col("layer"))
