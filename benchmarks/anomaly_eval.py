@@ -496,7 +496,8 @@ def markdown(clean, tiny, results, loop, args, seconds, threads) -> str:
                  else "`faults.KINDS` plus NaN and a scaled KV entry")
         lines += [f"**Injected faults with a symptom** ({len(results)} faults, up to {args.per_kind} per kind of "
                   f"{which}, each moving some token's logprob by >= "
-                  f"{args.min_effect:g} nats teacher-forced, {args.fault_tokens} generated tokens"
+                  f"{args.min_effect:g} nats teacher-forced (a cache-only kind: as recorded), {args.fault_tokens} "
+                  "generated tokens"
                   + (f", sampled at temperature {args.fault_temperature:g}" if args.fault_temperature > 0 else "")
                   + "): a finding names "
                   f"the faulted layer in **{named:.0%}** (target >= 90%: {'met' if named >= 0.9 else 'missed'}); "

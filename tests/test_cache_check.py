@@ -39,6 +39,7 @@ def test_the_cache_free_forward_gives_back_the_recorded_logprobs(tiny, tmp_path)
     run = workbench.record(PROMPT, model=tiny, max_new_tokens=12, db=Store(tmp_path / "c.duckdb"), detect=False)
     t = run.tokens().sort("pos")
     lp, norms = activations.cache_free(load_adapter(tiny), t["token_id"].to_list())
+    norms = norms["resid"]
     np.testing.assert_allclose(lp, t["logprob"].to_numpy()[1:], atol=1e-5)
     resid = run.signal("resid_norm")
     mine = np.array([norms[layer][pos] for pos, layer in zip(resid["pos"], resid["layer"])])
@@ -123,3 +124,20 @@ def test_with_a_profile_the_component_checks_forward_is_reused(tmp_path, monkeyp
     monkeypatch.setattr(activations, "cache_free", no_forward)
     run = workbench.record("def add(a, b):\n    return", model=model, max_new_tokens=12, db=Store(tmp_path / "c.db"))
     assert json.loads(run.info["detection"])["cache_check"] == "agrees"
+
+
+def test_the_faulted_layer_is_where_a_heads_output_first_differs(tiny, tmp_path):
+    """A head's output norm changes at once with what it reads from the cache; the residual's norm only to second
+    order (a change across it): the cache-free forward's head norms equal the recorded ones on a clean run, and the
+    faulted layer is named at every layer."""
+    db = Store(tmp_path / "c.duckdb")
+    clean = workbench.record(PROMPT, model=tiny, max_new_tokens=12, db=db, detect=False)
+    t = clean.tokens().sort("pos")
+    _, norms = activations.cache_free(load_adapter(tiny), t["token_id"].to_list())
+    h = clean.signal("head_norm")
+    mine = np.array([norms["head"][layer][pos, head] for pos, layer, head in zip(h["pos"], h["layer"], h["head"])])
+    np.testing.assert_allclose(mine, h["norm"].to_numpy(), rtol=1e-5)
+    for layer in range(tiny.args.n_layers):
+        with faults.HELD_OUT["kv_cache"](tiny, layer):
+            bad = workbench.record(PROMPT, model=tiny, max_new_tokens=12, db=db)
+        assert _cache_rows(bad)["layer"].to_list() == [layer]

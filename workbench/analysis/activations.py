@@ -172,7 +172,7 @@ def capture(a: Adapter, ids: list[int], seen: dict | None = None) -> tuple[dict[
     experts the router's logits select but the tokens did not go to ([T, E] bool); and per MoE layer whose
     ``RouterMath`` is exact, the positions whose experts were mixed with other weights than the router's logits give
     ([T] bool: more than 5% off, e.g. a top-k dropped to 1 or a scaling factor gone wrong after the router).
-    ``seen``, when given, gets what ``cache_free`` returns from this same forward: ``"logprobs"`` and ``"resid"``."""
+    ``seen``, when given, gets what ``cache_free`` returns from this same forward: ``"logprobs"`` and ``"norms"``."""
     taps = _Taps(a)
     taps.capture = True
     logits: dict[int, torch.Tensor] = {}
@@ -246,8 +246,10 @@ def capture(a: Adapter, ids: list[int], seen: dict | None = None) -> tuple[dict[
     c, s = taps.cache, a.summary
     if seen is not None:
         seen["logprobs"] = _logprobs(final[0], x[0])
-        seen["resid"] = {layer: c[("resid", layer)][-len(ids):].float().norm(dim=-1).cpu().double().numpy()
-                         for layer in range(s.n_layers) if ("resid", layer) in c}
+        seen["norms"] = {"resid": {layer: c[("resid", layer)][-len(ids):].float().norm(dim=-1).cpu().double().numpy()
+                                   for layer in range(s.n_layers) if ("resid", layer) in c},
+                         "head": {layer: c[("z", layer)].float().norm(dim=-1).cpu().double().numpy()
+                                  for layer in range(s.n_layers) if ("z", layer) in c}}
     out: dict[Key, torch.Tensor] = {("unembed", None, None, None, "logit"): final[0].float().cpu()}
     prev = c.get(("embed", None))
     if prev is not None:
@@ -1523,17 +1525,21 @@ BUNDLE_SOURCE = "prompts of data/prompts/calibration"  # scripts/build_activatio
 # detection over a whole run (workbench.analysis.anomalies.detect with the recording's model)
 WARNING_NATS = 20.0  # a component this unusual (after Bonferroni within its family) is a warning row
 CRITICAL_NATS = 60.0  # and a critical one
-def cache_free(a: Adapter, ids: list[int]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+def cache_free(a: Adapter, ids: list[int]) -> tuple[np.ndarray, dict[str, dict[int, np.ndarray]]]:
     """One forward of ``ids`` as a whole, without the KV cache and without gradients: each token's logprob under
-    the positions before it ([T - 1]: tokens 1 .. T - 1) and each layer's residual-stream norm per position
-    ({layer: [T]}), to hold a recorded run against (``anomalies.cache_rows``)."""
+    the positions before it ([T - 1]: tokens 1 .. T - 1) and, per layer, the norms the recorder keeps: ``"resid"``
+    the residual stream's per position ([T]), ``"head"`` each head's output's ([T, H]), to hold a recorded run
+    against (``anomalies.cache_rows``)."""
     a = adapter_for(a)
-    norms: dict[int, np.ndarray] = {}
+    norms: dict[str, dict[int, np.ndarray]] = {"resid": {}, "head": {}}
 
     def resid(layer: int, h: torch.Tensor) -> None:
-        norms[layer] = h.detach()[0].float().norm(dim=-1).cpu().double().numpy()
+        norms["resid"][layer] = h.detach()[0].float().norm(dim=-1).cpu().double().numpy()
+
+    def head(layer: int, z: torch.Tensor) -> None:
+        norms["head"][layer] = z.detach()[0].float().norm(dim=-1).cpu().double().numpy()
     x = torch.tensor([list(ids)], device=a.device)
-    with torch.no_grad(), a.seams({"resid_post": resid}):
+    with torch.no_grad(), a.seams({"resid_post": resid, "head_out": head}):
         logits = a.forward(x)[0]
     return _logprobs(logits, x[0]), norms
 

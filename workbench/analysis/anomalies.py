@@ -934,13 +934,14 @@ CACHE_TOKENS = 2048  # a run's first tokens held against the cache-free forward
 
 
 def cache_rows(tokens: pl.DataFrame, resid: pl.DataFrame | None, model, dtype: str | None,
-               seen: dict | None = None) -> pl.DataFrame:
+               seen: dict | None = None, head_norm: pl.DataFrame | None = None) -> pl.DataFrame:
     """``cache_mismatch``: one critical row when the run's recorded token logprobs differ from one forward of its
     tokens as a whole, without the KV cache (``activations.cache_free``), by more than ``CACHE_NATS``: what only the
     recorded step-by-step path computes (the KV cache's entries, a decode kernel, a hook active while recording) is
-    not what the model computes. ``layer``: the first layer whose recorded residual norm differs from the cache-free
-    one (``CACHE_REL``) at the first position where any does; root cause, which recomputes without the cache, cannot
-    see such a fault. Empty when the two agree, the run has no token logprobs, or the adapter is not ``cache_exact``
+    not what the model computes. ``layer``: the first layer whose recorded residual or head output norm differs from
+    the cache-free one (``CACHE_REL``) at the first position where any does (a head's output norm changes with what it
+    reads from the cache at once; the residual's norm only to second order); root cause, which recomputes without
+    the cache, cannot see such a fault. Empty when the two agree, the run has no token logprobs, or the adapter is not ``cache_exact``
     (attention that selects its keys: the cached decode is another computation). ``seen``: the component check's
     forward of the same tokens (``activations.capture``), used instead of a forward of its own where it covered them
     all, or at least one generated token (the run before its first loop)."""
@@ -956,7 +957,7 @@ def cache_rows(tokens: pl.DataFrame, resid: pl.DataFrame | None, model, dtype: s
         # the component check's forward covered them all, or the run up to its first loop past the prompt (a run
         # that loops is held against the clean model up to there only: a forward of its own costs as much again)
         t = t.head(n_seen)
-        lp, norms = seen["logprobs"], seen["resid"]
+        lp, norms = seen["logprobs"], seen["norms"]
     elif t.height >= 2:
         lp, norms = activations.cache_free(model, t["token_id"].to_list())
     else:
@@ -971,17 +972,12 @@ def cache_rows(tokens: pl.DataFrame, resid: pl.DataFrame | None, model, dtype: s
         return empty()
     first_pos = int(off[0]) + 1
     layer, where = None, ""
-    if resid is not None and resid.height and norms:
-        r = resid.filter(pl.col("pos") < len(ids)).sort("pos", "layer")
-        mine = np.array([norms[lay][pos] if lay in norms else np.nan
-                         for pos, lay in zip(r["pos"].to_list(), r["layer"].to_list())])
-        got = r["norm"].to_numpy().astype(np.float64)
-        bad = np.abs(got - mine) > rel * np.maximum(np.abs(mine), 1e-6)
-        if bad.any():
-            hit = r.filter(pl.Series(bad))
-            p0 = int(hit["pos"].min())
-            layer = int(hit.filter(pl.col("pos") == p0)["layer"].min())
-            where = f"; the residual stream first differs at layer {layer} (position {p0})"
+    firsts = [_first_differing(frame, norms.get(kind, {}), len(ids), rel)
+              for kind, frame in (("resid", resid), ("head", head_norm))]
+    firsts = [f for f in firsts if f is not None]
+    if firsts:
+        p0, layer = min(firsts)
+        where = f"; the layers' outputs first differ at layer {layer} (position {p0})"
     worst = int(np.argmax(gap)) + 1
     n = f"{off.size} of {len(ids) - 1} token logprobs compared"
     return _rows([{"kind": "cache_mismatch", "severity": "critical", "pos": first_pos, "layer": layer,
@@ -992,6 +988,28 @@ def cache_rows(tokens: pl.DataFrame, resid: pl.DataFrame | None, model, dtype: s
                                   "computes is at fault (the KV cache's entries, a decode kernel, a hook active while "
                                   "recording), or the model given is not the one recorded; root cause recomputes "
                                   "without the cache and cannot see it"}])
+
+
+def _first_differing(frame: pl.DataFrame | None, mine: dict[int, np.ndarray], n: int,
+                     rel: float) -> tuple[int, int] | None:
+    """(position, layer) of the first recorded norm (a ``resid_norm`` frame: pos, layer, norm; ``head_norm``: and
+    head) that differs from the cache-free forward's (``mine``: per layer [T] or [T, H]) by more than ``rel`` of it,
+    the lowest layer at the first such position; None when all agree (or nothing to compare)."""
+    if frame is None or not frame.height or not mine:
+        return None
+    f = frame.filter((pl.col("pos") < n) & pl.col("layer").is_in(list(mine)))
+    if not f.height:
+        return None
+    pos, lay = f["pos"].to_numpy(), f["layer"].to_numpy()
+    heads = f["head"].to_numpy() if "head" in f.columns else None
+    want = np.array([mine[la][p] if heads is None else mine[la][p, h]
+                     for p, la, h in zip(pos, lay, heads if heads is not None else pos)], dtype=np.float64)
+    got = f["norm"].to_numpy().astype(np.float64)
+    bad = np.abs(got - want) > rel * np.maximum(np.abs(want), 1e-6)
+    if not bad.any():
+        return None
+    p0 = int(pos[bad].min())
+    return p0, int(lay[bad & (pos == p0)].min())
 
 
 def _reference_attention(store, info: dict, summary, reference: str) -> pl.DataFrame:
@@ -1022,12 +1040,12 @@ def _compute(store, run_id: str, reference: str | None = None, model=None,
     n_experts = summary.n_routed_experts if summary.moe_layers else 0
     tokens = query.tokens(store, run_id)
     meta: dict = {"token_rows": tokens.height}  # none: recorded without the tokens probe (no loop check either)
-    resid = query.signal(store, "resid_norm", run_id)
+    resid, heads = query.signal(store, "resid_norm", run_id), query.signal(store, "head_norm", run_id)
     df = detect_frames(tokens, query.attention(store, run_id), query.routing(store, run_id),
                        n_experts, kv=query.kv(store, run_id), reference_attention=ref_att,
                        profile=prof,
                        resid=resid, kv_tokens=query.kv_tokens(store, run_id),
-                       head_norm=query.signal(store, "head_norm", run_id), meta=meta,
+                       head_norm=heads, meta=meta,
                        sampler=Sampler.of_run(info, summary.vocab_size), **thresholds)
     if prof is not None and model is None:
         comp = _kept_components(store, run_id, meta)
@@ -1049,7 +1067,7 @@ def _compute(store, run_id: str, reference: str | None = None, model=None,
                                "computation")
     elif model is not None and ivs is None:  # the run's own interventions are no fault: it is not compared then
         try:
-            cache = cache_rows(tokens, resid, model, info.get("dtype"), seen)
+            cache = cache_rows(tokens, resid, model, info.get("dtype"), seen, head_norm=heads)
         except Exception as e:  # noqa: BLE001 - the recorded signals' rows stand without it
             warnings.warn(f"the cache check of run {run_id} failed: {e}")
             meta["cache_check"] = f"failed: {type(e).__name__}: {e}"

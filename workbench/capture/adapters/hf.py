@@ -818,12 +818,19 @@ class HFAdapter(Adapter):
     @contextlib.contextmanager
     def cache_writes(self, layer: int, fn) -> Iterator[None]:
         writes = self.__dict__.setdefault("_kv_writes", {})
-        writes[layer] = fn
+        # the cache's own layer indices of the block's parts (a block with two attentions, LongCat-Flash's, has two;
+        # a block whose parts carry none: the block's)
+        block = self.layers[layer]
+        idx = sorted({int(m.layer_idx) for m in block.modules()
+                      if m is not block and isinstance(getattr(m, "layer_idx", None), int)}) or [layer]
+        for i in idx:
+            writes[i] = fn
         try:
             yield
         finally:
-            if writes.get(layer) is fn:
-                del writes[layer]
+            for i in idx:
+                if writes.get(i) is fn:
+                    del writes[i]
 
     def _written(self, cache):
         """``cache`` whose ``update`` passes the values each layer writes through ``cache_writes``' functions."""
