@@ -50,7 +50,7 @@ def test_a_clean_run_agrees_and_a_corrupted_cache_is_named_at_its_layer(tiny, tm
     db = Store(tmp_path / "c.duckdb")
     clean = workbench.record(PROMPT, model=tiny, max_new_tokens=16, db=db)
     assert _cache_rows(clean).height == 0
-    assert json.loads(clean.info["detection"])["cache_check"] == "agrees"
+    assert json.loads(clean.info["detection"])["cache_check"].startswith("agrees")
     layer = 1
     with torch.no_grad():
         base = load_adapter(tiny).forward(torch.tensor([PROMPT]))
@@ -123,7 +123,7 @@ def test_with_a_profile_the_component_checks_forward_is_reused(tmp_path, monkeyp
         raise AssertionError("a forward of its own")
     monkeypatch.setattr(activations, "cache_free", no_forward)
     run = workbench.record("def add(a, b):\n    return", model=model, max_new_tokens=12, db=Store(tmp_path / "c.db"))
-    assert json.loads(run.info["detection"])["cache_check"] == "agrees"
+    assert json.loads(run.info["detection"])["cache_check"].startswith("agrees")
 
 
 def test_the_faulted_layer_is_where_a_heads_output_first_differs(tiny, tmp_path):
@@ -141,3 +141,69 @@ def test_the_faulted_layer_is_where_a_heads_output_first_differs(tiny, tmp_path)
         with faults.HELD_OUT["kv_cache"](tiny, layer):
             bad = workbench.record(PROMPT, model=tiny, max_new_tokens=12, db=db)
         assert _cache_rows(bad)["layer"].to_list() == [layer]
+
+
+def test_a_recompute_without_the_model_keeps_the_check(tiny, tmp_path):
+    """The cache check runs the model: a recompute where none is loaded (the CLI, the app, new thresholds) keeps the
+    row and what the recording's detection said, as the component check's rows are kept."""
+    from workbench.analysis import anomalies
+
+    db = Store(tmp_path / "c.duckdb")
+    with faults.HELD_OUT["kv_cache"](tiny, 1):
+        bad = workbench.record(PROMPT, model=tiny, max_new_tokens=12, db=db)
+    assert _cache_rows(bad).height == 1
+    again = anomalies.detect(db, bad.run_id, recompute=True, alpha=0.02)  # no model: thresholds force a recompute
+    assert again.filter(pl.col("kind") == "cache_mismatch")["layer"].to_list() == [1]
+    info = json.loads(workbench.Workbench(db).run(bad.run_id).info["detection"])
+    assert info["cache_check"].startswith("differs") and "kept from the detection" in info["cache_check"]
+
+
+def test_the_faulted_layer_through_the_component_checks_forward(tmp_path):
+    """The demo model has a profile: its component check's forward is the one the cache check reads, faulty run
+    included."""
+    from workbench.model import load_checkpoint
+
+    model = load_checkpoint()
+    with faults.HELD_OUT["kv_cache"](model, 2):
+        bad = workbench.record("def add(a, b):\n    return", model=model, max_new_tokens=12, db=Store(tmp_path / "c.db"))
+    assert _cache_rows(bad)["layer"].to_list() == [2]
+
+
+def test_half_precision_is_judged_by_its_looser_threshold(tmp_path):
+    from workbench.analysis import anomalies
+    from workbench.model import load_checkpoint
+
+    model = load_checkpoint()
+    db = Store(tmp_path / "c.db")
+    run = workbench.record("def add(a, b):\n    return", model=model, max_new_tokens=48, db=db, dtype="bfloat16",
+                           temperature=1.0, seed=3)
+    meta: dict = {}
+    got = anomalies.cache_rows(run.tokens(), run.signal("resid_norm"), run.adapter(), "bfloat16", meta=meta)
+    assert got.height == 0 and meta["cache_check"].startswith("agrees"), meta
+    # the same numbers judged as fp32 (a run's dtype said wrongly): the model's own dtype still rules
+    assert anomalies.cache_rows(run.tokens(), run.signal("resid_norm"), run.adapter(), "float32").height == 0
+
+
+def test_a_rotary_embedding_that_depends_on_the_length_is_compared_only_up_to_it(tmp_path):
+    from workbench.analysis import anomalies
+
+    folder = make_folder("mixtral", tmp_path / "mixtral")
+    a = load_adapter(folder)
+    a.module.config.rope_parameters = {"rope_type": "longrope", "original_max_position_embeddings": 8,
+                                       "rope_theta": 1e6}
+    assert a.cache_exact_len == 8
+    run = workbench.record(PROMPT, model=a, max_new_tokens=4, db=Store(tmp_path / "c.db"), detect=False)
+    meta: dict = {}
+    assert anomalies.cache_rows(run.tokens(), None, a, "float32", meta=meta).height == 0
+    assert meta["cache_check"].startswith("not run") and "8 tokens" in meta["cache_check"]
+
+
+def test_a_corrupted_cache_keeps_acting_on_every_generation_of_its_block(tiny):
+    """Each generation sets up fresh caches; one whose id a freed cache had is hooked all the same."""
+    a = load_adapter(tiny)
+    with torch.no_grad():
+        clean = list(a.stream(PROMPT, 1, 0.0, 1.0, 0, None))[0].logits
+        with faults.HELD_OUT["kv_cache"](tiny, 0):
+            for _ in range(6):
+                got = list(a.stream(PROMPT, 1, 0.0, 1.0, 0, None))[0].logits
+                assert (got - clean).abs().max() > 1e-3

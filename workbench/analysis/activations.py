@@ -246,10 +246,13 @@ def capture(a: Adapter, ids: list[int], seen: dict | None = None) -> tuple[dict[
     c, s = taps.cache, a.summary
     if seen is not None:
         seen["logprobs"] = _logprobs(final[0], x[0])
-        seen["norms"] = {"resid": {layer: c[("resid", layer)][-len(ids):].float().norm(dim=-1).cpu().double().numpy()
-                                   for layer in range(s.n_layers) if ("resid", layer) in c},
+        # a block's output of one row per position only (a parallel-residual block's [T, n, D] is no resid_post row)
+        seen["norms"] = {"resid": {layer: c[("resid", layer)].float().norm(dim=-1).cpu().double().numpy()
+                                   for layer in range(s.n_layers) if ("resid", layer) in c
+                                   and c[("resid", layer)].size(0) == len(ids)},
                          "head": {layer: c[("z", layer)].float().norm(dim=-1).cpu().double().numpy()
-                                  for layer in range(s.n_layers) if ("z", layer) in c}}
+                                  for layer in range(s.n_layers) if ("z", layer) in c
+                                  and c[("z", layer)].dim() == 3 and c[("z", layer)].size(0) == len(ids)}}
     out: dict[Key, torch.Tensor] = {("unembed", None, None, None, "logit"): final[0].float().cpu()}
     prev = c.get(("embed", None))
     if prev is not None:

@@ -911,6 +911,23 @@ class HFAdapter(Adapter):
             return False
         return not any(type(m).__name__.endswith("Indexer") for m in self.module.modules())
 
+    @functools.cached_property
+    def cache_exact_len(self) -> int | None:  # type: ignore[override]
+        """Past ``original_max_position_embeddings`` a longrope or dynamic-NTK rotary embedding picks its frequencies
+        by the length: a cached decode that crosses it keeps keys rotated the short way, a whole forward rotates
+        them all the long way. None for a rotary embedding the same at every length."""
+        cfg = getattr(self.module, "config", None)
+        cfg = getattr(cfg, "get_text_config", lambda: cfg)() if cfg is not None else None
+        rp = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        parts = [rp] + [v for v in rp.values() if isinstance(v, dict)] if isinstance(rp, dict) else []
+        for part in parts:
+            if part.get("rope_type", part.get("type")) in ("longrope", "dynamic"):
+                orig = (part.get("original_max_position_embeddings")
+                        or getattr(cfg, "original_max_position_embeddings", None)
+                        or getattr(cfg, "max_position_embeddings", None))
+                return int(orig or 0)
+        return None
+
     def final_norm(self) -> nn.Module:
         """The norm after the last decoder layer: a module named like one (``norm``, ``ln_f``, ...) outside the
         decoder layers, the nearest the root (``model.norm``, ``transformer.ln_f``,

@@ -8,6 +8,7 @@ experts' output and the residual stream after each block. The KV state is the la
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Iterator, Sequence
 
 import torch
@@ -195,19 +196,22 @@ class NativeAdapter(Adapter):
     @contextlib.contextmanager
     def cache_writes(self, layer: int, fn) -> Iterator[None]:
         attn = self.module.layers[layer].attn
-        hooked: dict = {}  # cache object -> its handle: each generation sets up a fresh cache
+        hooked: dict = {}  # id(cache) -> (a weak reference to it, its handle): each generation sets up a fresh cache
 
         def pre(_m, _args) -> None:
             c = attn.cache
-            if c is not None and id(c) not in hooked:
-                hooked[id(c)] = c.hook_latent.register_forward_hook(
-                    lambda _m, _a, out: fn(out) if isinstance(out, torch.Tensor) else None)
+            if c is None:
+                return
+            got = hooked.get(id(c))
+            if got is None or got[0]() is not c:  # a new cache (an id a freed cache had is no match)
+                hooked[id(c)] = (weakref.ref(c), c.hook_latent.register_forward_hook(
+                    lambda _m, _a, out: fn(out) if isinstance(out, torch.Tensor) else None))
         handle = attn.register_forward_pre_hook(pre)
         try:
             yield
         finally:
             handle.remove()
-            for h in hooked.values():
+            for _, h in hooked.values():
                 h.remove()
 
     @contextlib.contextmanager
