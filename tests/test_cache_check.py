@@ -165,7 +165,8 @@ def test_the_faulted_layer_through_the_component_checks_forward(tmp_path):
 
     model = load_checkpoint()
     with faults.HELD_OUT["kv_cache"](model, 2):
-        bad = workbench.record("def add(a, b):\n    return", model=model, max_new_tokens=12, db=Store(tmp_path / "c.db"))
+        bad = workbench.record("def add(a, b):\n    return", model=model, max_new_tokens=12,
+                               db=Store(tmp_path / "c.db"))
     assert _cache_rows(bad)["layer"].to_list() == [2]
 
 

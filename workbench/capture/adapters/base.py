@@ -209,7 +209,7 @@ class Adapter:
     # a decode step through the KV cache computes what a forward of the whole sequence computes (to rounding): a
     # recorded run can be held against one (``anomalies.cache_rows``)
     cache_exact = True
-    cache_exact_len: int | None = None  # ... only up to this many tokens (a rotary embedding that depends on the length)
+    cache_exact_len: int | None = None  # ... up to this many tokens only (a rotary embedding depending on the length)
     expert_out_seam = False  # offers the expert_out seam (each routed expert's output as the model ran it)
 
     # -- subclasses -------------------------------------------------------------------------------
