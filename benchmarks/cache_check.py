@@ -1,15 +1,17 @@
 """The cache check across every MoE family of the installed transformers: clean runs agree, a corrupted cache is named.
 
-    python benchmarks/cache_check.py [--families F ...] [--tokens 16] [--write]
+    python benchmarks/cache_check.py [--families F ...] [--kinds kv_cache decode_attn] [--tokens 16] [--write]
 
 Per family (a tiny random model, ``workbench.capture.tiny.make_folder``): one clean recording, then one per layer
-with ``faults.HELD_OUT["kv_cache"]`` (each channel of what the layer writes into the generation's KV cache multiplied
-by its own random factor; a forward without the cache unchanged), each judged by the detectors after the recording (``anomalies.cache_rows``: the recorded token
-logprobs against one forward of the run's tokens without the cache). Columns: clean ``cache_mismatch`` rows (false
-alarms), then of the faulted layers: where the fault moved some recorded token's logprob by >= 0.05 nats (the check's
-fp32 threshold) against the clean run, how many raised a ``cache_mismatch`` row and how many of those named the
-faulted layer. A layer the fault does not reach (a linear-attention layer, a family whose cache is its own) moves no
-token. With ``--write`` the table goes into benchmarks/RESULTS.md under "## Cache check".
+and cache-only fault kind (``faults.HELD_OUT["kv_cache"]``: each channel of what the layer writes into the
+generation's KV cache multiplied by its own random factor; ``"decode_attn"``: the layer's attention output x3 in
+decode steps only; a forward without the cache unchanged by either), each judged by the detectors after the
+recording (``anomalies.cache_rows``: the recorded token logprobs against one forward of the run's tokens without the
+cache). Columns: clean ``cache_mismatch`` rows (false alarms), then of the faulted layers: where the fault moved some
+recorded token's logprob by >= 0.05 nats (the check's fp32 threshold) against the clean run ("moved"), how many
+raised a ``cache_mismatch`` row ("found") and how many of those named the faulted layer. A layer the fault does not
+reach (a linear-attention layer, a family whose cache is its own) moves no token. With ``--write`` the table goes
+into benchmarks/RESULTS.md under "## Cache check".
 """
 from __future__ import annotations
 
@@ -42,28 +44,30 @@ def _logprobs(run) -> dict[int, float]:
     return dict(zip(t["pos"].to_list(), t["logprob"].to_list()))
 
 
-def family(name: str, tmp: Path, store: Store, tokens: int) -> dict:
+def family(name: str, tmp: Path, store: Store, tokens: int, kinds: list[str]) -> dict:
     a = load_adapter(make_folder(name, tmp / name))
     if not a.cache_exact:
         return {"family": name, "note": "not compared: its attention selects its keys"}
     clean = workbench.record(PROMPT, model=a, max_new_tokens=tokens, db=store)
     base = _logprobs(clean)
     out = {"family": name, "clean": clean.anomalies().filter(pl.col("kind") == "cache_mismatch").height,
-           "layers": a.summary.n_layers, "acted": 0, "rows": 0, "named": 0, "misnamed": []}
-    for layer in range(a.summary.n_layers):
-        with faults.HELD_OUT["kv_cache"](a, layer):
-            bad = workbench.record(PROMPT, model=a, max_new_tokens=tokens, db=store)
-        got = _logprobs(bad)
-        moved = max((abs(got[p] - base[p]) for p in got.keys() & base.keys()), default=0.0)
-        if moved < CACHE_NATS["float32"]:
-            continue
-        out["acted"] += 1
-        rows = bad.anomalies().filter(pl.col("kind") == "cache_mismatch")
-        out["rows"] += rows.height > 0
-        if rows.height and rows["layer"][0] == layer:
-            out["named"] += 1
-        elif rows.height:
-            out["misnamed"].append(f"{layer} -> {rows['layer'][0]}")
+           "layers": a.summary.n_layers}
+    for kind in kinds:
+        k = out[kind] = {"acted": 0, "rows": 0, "named": 0, "misnamed": []}
+        for layer in range(a.summary.n_layers):
+            with faults.HELD_OUT[kind](a, layer):
+                bad = workbench.record(PROMPT, model=a, max_new_tokens=tokens, db=store)
+            got = _logprobs(bad)
+            moved = max((abs(got[p] - base[p]) for p in got.keys() & base.keys()), default=0.0)
+            if moved < CACHE_NATS["float32"]:
+                continue
+            k["acted"] += 1
+            rows = bad.anomalies().filter(pl.col("kind") == "cache_mismatch")
+            k["rows"] += rows.height > 0
+            if rows.height and rows["layer"][0] == layer:
+                k["named"] += 1
+            elif rows.height:
+                k["misnamed"].append(f"{layer} -> {rows['layer'][0]}")
     return out
 
 
@@ -71,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", nargs="*", default=None, help="default: every MoE family of transformers")
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--kinds", nargs="*", default=["kv_cache", "decode_attn"], help="cache-only fault kinds")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     res = []
     for name in args.families or moe_families():
         try:
-            r = family(name, tmp, store, args.tokens)
+            r = family(name, tmp, store, args.tokens, args.kinds)
         except Exception as e:  # noqa: BLE001 - a family that cannot be built here: said, the others go on
             r = {"family": name, "note": f"failed: {type(e).__name__}: {str(e)[:80]}"}
         print(r, file=sys.stderr, flush=True)
@@ -89,22 +94,25 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     done = [r for r in res if "note" not in r]
-    acted = sum(r["acted"] for r in done)
     lines = ["## Cache check", "",
              f"`python benchmarks/cache_check.py` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
              f"{time.perf_counter() - t0:.0f} s, transformers {transformers.__version__}, 1 torch thread). " +
              __doc__.split("\n\n")[2].replace("\n", " "), "",
-             f"Compared: {len(done)} families; clean `cache_mismatch` rows: **{sum(r['clean'] for r in done)}**. "
-             f"Faulted layers that moved a token: {acted}; a `cache_mismatch` row: **{sum(r['rows'] for r in done)} "
-             f"of {acted}**; at the faulted layer: **{sum(r['named'] for r in done)}**.", "",
-             "| family | clean rows | layers | fault moved a token | cache_mismatch | at the faulted layer | named elsewhere |",
-             "|---|---|---|---|---|---|---|"]
+             f"Compared: {len(done)} families; clean `cache_mismatch` rows: **{sum(r['clean'] for r in done)}**."]
+    for kind in args.kinds:
+        acted = sum(r[kind]["acted"] for r in done)
+        lines.append(f"`{kind}` ({faults.HELD_OUT[kind].doc}): faulted layers that moved a token {acted}; a "
+                     f"`cache_mismatch` row **{sum(r[kind]['rows'] for r in done)} of {acted}**; at the faulted "
+                     f"layer **{sum(r[kind]['named'] for r in done)}**.")
+    head = " | ".join(f"{k}: moved / found / at its layer | {k}: named elsewhere" for k in args.kinds)
+    lines += ["", f"| family | clean rows | layers | {head} |", "|---|---|---|" + "---|---|" * len(args.kinds)]
     for r in res:
         if "note" in r:
-            lines.append(f"| {r['family']} | {r['note']} | | | | | |")
-        else:
-            lines.append(f"| {r['family']} | {r['clean']} | {r['layers']} | {r['acted']} | {r['rows']} | {r['named']} "
-                         f"| {', '.join(r['misnamed'])} |")
+            lines.append(f"| {r['family']} | {r['note']} |" + " |" * (2 + 2 * len(args.kinds)))
+            continue
+        cells = " | ".join(f"{r[k]['acted']} / {r[k]['rows']} / {r[k]['named']} | {', '.join(r[k]['misnamed'])}"
+                           for k in args.kinds)
+        lines.append(f"| {r['family']} | {r['clean']} | {r['layers']} | {cells} |")
     text = "\n".join(lines + [""])
     print(text)
     if args.write:

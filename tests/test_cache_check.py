@@ -208,3 +208,13 @@ def test_a_corrupted_cache_keeps_acting_on_every_generation_of_its_block(tiny):
             for _ in range(6):
                 got = list(a.stream(PROMPT, 1, 0.0, 1.0, 0, None))[0].logits
                 assert (got - clean).abs().max() > 1e-3
+
+
+def test_a_fault_in_decode_steps_only_is_found_at_its_layer(tiny, tmp_path):
+    """A decode kernel gone wrong: a prefill and a whole forward are right, every decode step's attention at one layer
+    is not. Only the recorded steps show it."""
+    db = Store(tmp_path / "c.duckdb")
+    with faults.HELD_OUT["decode_attn"](tiny, 1):
+        bad = workbench.record(PROMPT, model=tiny, max_new_tokens=16, db=db)
+    rows = _cache_rows(bad)
+    assert rows["layer"].to_list() == [1] and rows["pos"][0] >= len(PROMPT)  # first off where decoding began

@@ -419,9 +419,9 @@ def test_every_fault_kind_changes_the_output_and_is_undone(tiny, ids):
     for name, kind in faults.ALL_KINDS.items():  # the held-out kinds too
         m = adapter_for(trained) if name == "norm_reset" else a  # (a reset is no change of a random model's ones)
 
-        def out(m=m, kind=kind) -> torch.Tensor:  # a cache-only kind acts in a generation's cache: its prefill
+        def out(m=m, kind=kind) -> torch.Tensor:  # a cache-only kind acts in a generation: prefill and a decode step
             if kind.cached_only:
-                return list(m.stream(ids[0].tolist(), 1, 0.0, 1.0, 0, None))[0].logits
+                return torch.cat([s.logits for s in m.stream(ids[0].tolist(), 2, 0.0, 1.0, 0, None)])
             return m.forward(ids)
         with torch.no_grad():
             base, plain = out(), m.forward(ids)

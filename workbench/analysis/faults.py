@@ -201,6 +201,20 @@ def corrupt_cache(model, layer: int, amount: float = 1.0, seed: int = 0) -> cont
     return a.cache_writes(layer, fn)
 
 
+def decode_attention(model, layer: int, scale: float = 3.0) -> contextlib.AbstractContextManager:
+    """Block ``layer``'s attention output multiplied by ``scale`` in decode steps only (one new token a forward, its
+    keys read from the cache), as a decode kernel gone wrong would: a prefill, and a forward of the whole sequence,
+    are unchanged (root cause cannot see it; the detectors' ``cache_mismatch``)."""
+    a = adapter_for(model)
+    _check_layer(a, layer)
+    attn = a.parts(layer)["attn"]
+
+    def hook(_m, _args, out):
+        y = first_output(out)
+        return replace_first_output(out, y * scale) if y.dim() >= 2 and y.size(-2) == 1 else None
+    return _hooked(lambda: [attn.register_forward_hook(hook)])
+
+
 # -- weight and activation faults beyond heads, experts and routers (through the adapter's parts) -----------------
 @contextlib.contextmanager
 def _edited(tensor: torch.Tensor, edit: Callable[[torch.Tensor], None]) -> Iterator[None]:
@@ -1013,5 +1027,8 @@ HELD_OUT: dict[str, FaultKind] = {k.name: k for k in [
     FaultKind("kv_cache", lambda m, l, i, s: corrupt_cache(m, l, amount=s), None, "any", 1.0, ("kv_latent",), True,
               doc="each channel of what one layer writes into a generation's KV cache multiplied by its own random "
                   "factor (a cache written wrong; a forward without the cache unchanged)", cached_only=True),
+    FaultKind("decode_attn", lambda m, l, i, s: decode_attention(m, l, scale=s), None, "any", 3.0, ("attn_block",),
+              True, doc="one layer's attention output multiplied in decode steps only (a decode kernel gone wrong; a "
+                        "prefill and a whole forward unchanged)", cached_only=True),
 ]}
 ALL_KINDS: dict[str, FaultKind] = KINDS | HELD_OUT
