@@ -201,17 +201,26 @@ def corrupt_cache(model, layer: int, amount: float = 1.0, seed: int = 0) -> cont
     return a.cache_writes(layer, fn)
 
 
-def decode_attention(model, layer: int, scale: float = 3.0) -> contextlib.AbstractContextManager:
-    """Block ``layer``'s attention output multiplied by ``scale`` in decode steps only (one new token a forward, its
-    keys read from the cache), as a decode kernel gone wrong would: a prefill, and a forward of the whole sequence,
-    are unchanged (root cause cannot see it; the detectors' ``cache_mismatch``)."""
+def decode_attention(model, layer: int, scale: float = 3.0, seed: int = 0) -> contextlib.AbstractContextManager:
+    """One fixed random direction added to block ``layer``'s attention output, ``scale`` times its RMS, in decode steps
+    only (one new token a forward, its keys read from the cache), as a decode kernel gone wrong would: a prefill, and
+    a forward of the whole sequence, are unchanged (root cause cannot see it; the detectors' ``cache_mismatch``). A
+    direction, not a scale: a norm after the attention (Gemma's, OLMo-2's) undoes a scale."""
     a = adapter_for(model)
     _check_layer(a, layer)
     attn = a.parts(layer)["attn"]
+    if attn is None:
+        raise ValueError(f"layer {layer} has no attention (a linear-attention or state-space layer)")
+    direction = torch.randn(a.embedding().weight.size(1), generator=torch.Generator().manual_seed(seed))
 
     def hook(_m, _args, out):
         y = first_output(out)
-        return replace_first_output(out, y * scale) if y.dim() >= 2 and y.size(-2) == 1 else None
+        if y.dim() < 2 or y.size(-2) != 1 or y.size(-1) != direction.numel():
+            return None
+        v = direction.to(y)
+        v = v / v.pow(2).mean().sqrt()
+        rms = y.float().pow(2).mean(-1, keepdim=True).sqrt().to(y)
+        return replace_first_output(out, y + scale * rms * v)
     return _hooked(lambda: [attn.register_forward_hook(hook)])
 
 
@@ -1028,7 +1037,7 @@ HELD_OUT: dict[str, FaultKind] = {k.name: k for k in [
               doc="each channel of what one layer writes into a generation's KV cache multiplied by its own random "
                   "factor (a cache written wrong; a forward without the cache unchanged)", cached_only=True),
     FaultKind("decode_attn", lambda m, l, i, s: decode_attention(m, l, scale=s), None, "any", 3.0, ("attn_block",),
-              True, doc="one layer's attention output multiplied in decode steps only (a decode kernel gone wrong; a "
-                        "prefill and a whole forward unchanged)", cached_only=True),
+              True, doc="a fixed direction added to one layer's attention output in decode steps only (a decode "
+                        "kernel gone wrong; a prefill and a whole forward unchanged)", cached_only=True),
 ]}
 ALL_KINDS: dict[str, FaultKind] = KINDS | HELD_OUT
