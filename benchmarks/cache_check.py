@@ -10,8 +10,9 @@ the detectors after the recording (``anomalies.cache_rows``: the recorded token 
 run's tokens without the cache). Columns: clean ``cache_mismatch`` rows (false alarms), then of the faulted layers:
 where the fault moved some recorded token's logprob by >= 0.05 nats (the check's fp32 threshold) against the clean
 run ("moved"), how many raised a ``cache_mismatch`` row ("found") and how many of those named the faulted layer. A
-layer the fault does not reach (a linear-attention layer, a family whose cache is its own) moves no token. With ``--write`` the table goes
-into benchmarks/RESULTS.md under "## Cache check".
+layer the fault does not reach (a linear-attention layer, a family whose cache is its own) moves no token.
+
+With ``--write`` the table goes into benchmarks/RESULTS.md under "## Cache check".
 """
 from __future__ import annotations
 
