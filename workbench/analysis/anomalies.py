@@ -959,7 +959,7 @@ def cache_rows(tokens: pl.DataFrame, resid: pl.DataFrame | None, model, dtype: s
     if model is None or tokens is None or not tokens.height or "logprob" not in tokens.columns:
         return empty()
     from workbench.analysis import activations  # lazy: imports torch; reading a stored run needs none
-    from workbench.capture.adapters import adapter_for  # lazy, as above
+    from workbench.capture.adapters import adapter_for  # lazy: imports torch, as above
 
     model = adapter_for(model)
     if not getattr(model, "cache_exact", True):
