@@ -218,3 +218,11 @@ def test_a_fault_in_decode_steps_only_is_found_at_its_layer(tiny, tmp_path):
         bad = workbench.record(PROMPT, model=tiny, max_new_tokens=16, db=db)
     rows = _cache_rows(bad)
     assert rows["layer"].to_list() == [1] and rows["pos"][0] >= len(PROMPT)  # first off where decoding began
+
+
+def test_the_suspects_lead_with_the_cache_root_cause_cannot_see(tiny, tmp_path):
+    db = Store(tmp_path / "c.duckdb")
+    with faults.HELD_OUT["kv_cache"](tiny, 1):
+        bad = workbench.record(PROMPT, model=tiny, max_new_tokens=8, db=db)
+    s = bad.suspects(len(PROMPT) + 2, steps=4)
+    assert s.select("kind", "layer").row(0) == ("kv_cache", 1) and "without the KV cache" in s["evidence"][0]

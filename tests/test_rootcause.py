@@ -353,6 +353,11 @@ def test_suspects_put_what_a_finding_names_first():
     assert s.select("kind", "layer", "expert").rows()[:2] == [("expert", 1, 3), ("router", 1, None)]
     assert s["rank"].to_list() == [1, 2, 3, 4] and s["cause_rank"][2] == 1  # the rest keep their order
     assert suspects(causes, f.clear())["kind"].to_list() == ["head", "head", "expert", "router"]
+    cache = f.with_columns(pl.lit("kv").alias("component"), pl.lit(None, pl.Int32).alias("expert"),
+                           pl.lit(["cache_mismatch"], pl.List(pl.Utf8)).alias("kinds"))
+    s = suspects(causes, cache)  # root cause has no row for it (it recomputes without the cache): one of its own
+    assert s.select("kind", "layer").row(0) == ("kv_cache", 1) and s["score"][0] is None and s["finding"][0] == 1
+    assert s["kind"].to_list()[1:] == ["head", "head", "expert", "router"]
 
 
 # -- activation patching, the fault registry ---------------------------------------------------------------------

@@ -448,7 +448,9 @@ def suspects(causes: pl.DataFrame, findings: pl.DataFrame) -> pl.DataFrame:
         causes: a ``root_cause`` ranking (its component rows are used).
         findings: the run's findings (``Run.findings()``).
     Returns: rank, kind, layer, head, expert, score (the component's root-cause score), cause_rank, finding
-        (the naming finding's rank, NULL if none), evidence (that finding's explanation).
+        (the naming finding's rank, NULL if none), evidence (that finding's explanation). A ``cache_mismatch``
+        finding adds a ``kv_cache`` row (its layer's KV cache as the recorded run read it; no score: root cause
+        recomputes without the cache).
     """
     comps = causes.filter(pl.col("kind") != "token").select("kind", "layer", "head", "expert", "score",
                                                            pl.col("rank").alias("cause_rank"))
@@ -465,8 +467,15 @@ def suspects(causes: pl.DataFrame, findings: pl.DataFrame) -> pl.DataFrame:
             keys = [("shared_expert", f["layer"], None, None)]
         elif f["component"] == "router":
             keys = [("router", f["layer"], None, None)]
+        elif f["component"] == "kv" and "cache_mismatch" in (f["kinds"] or []):
+            keys = [("kv_cache", f["layer"], None, None)]  # no root-cause row: it recomputes without the cache
         for k in keys:
             named.setdefault(k, (f["rank"], f["explanation"]))
+    cache = [k for k in named if k[0] == "kv_cache"]
+    if cache:  # what only the recorded path had: a suspect of its own, named by its finding alone
+        cols = ("kind", "layer", "head", "expert")
+        rows = pl.DataFrame([dict(zip(cols, k)) for k in cache], schema={c: comps.schema[c] for c in cols})
+        comps = pl.concat([comps, rows], how="diagonal_relaxed")
     key = [tuple(r) for r in comps.select("kind", "layer", "head", "expert").iter_rows()]
     comps = comps.with_columns(pl.Series("finding", [named.get(k, (None, None))[0] for k in key], pl.Int32),
                                pl.Series("evidence", [named.get(k, (None, None))[1] for k in key], pl.Utf8))
