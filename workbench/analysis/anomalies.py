@@ -66,7 +66,7 @@ import math
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import polars as pl
@@ -962,11 +962,11 @@ def cache_rows(tokens: pl.DataFrame, resid: pl.DataFrame | None, model, dtype: s
     from workbench.capture.adapters import adapter_for  # lazy: imports torch, as above
 
     model = adapter_for(model)
-    if not getattr(model, "cache_exact", True):
+    if not model.cache_exact:
         meta["cache_check"] = ("not run: this model's attention selects its keys, so its cached decode is another "
                                "computation")
         return empty()
-    limit = getattr(model, "cache_exact_len", None)
+    limit = model.cache_exact_len
     if limit is not None and tokens.height > limit:
         meta["cache_check"] = (f"not run: the run is longer than {limit} tokens, past which this model's rotary "
                                "embedding depends on the length (its cached decode then differs from a whole forward)")
@@ -1084,34 +1084,23 @@ def _compute(store, run_id: str, reference: str | None = None, model=None,
                        resid=resid, kv_tokens=query.kv_tokens(store, run_id),
                        head_norm=heads, meta=meta,
                        sampler=Sampler.of_run(info, summary.vocab_size), **thresholds)
-    if prof is not None and model is None:
-        comp = _kept_components(store, run_id, meta)
-        if comp.height:
-            df = pl.concat([df, comp], how="vertical_relaxed")
-    seen: dict = {}  # the component check's forward, for the cache check
-    if prof is not None and model is not None:
-        try:
-            comp = component_rows(store, info, tokens, model, meta, seen)
-        except Exception as e:  # noqa: BLE001 - the recorded signals' rows stand without it
-            warnings.warn(f"the component check of run {run_id} failed: {e}")
-            meta["component_check"] = f"failed: {type(e).__name__}: {e}"
-            comp = empty()
-        if comp.height:
-            df = pl.concat([df, comp], how="vertical_relaxed")
     ivs = _interventions_of(store, run_id)
-    if model is not None and ivs is None:  # the run's own interventions are no fault: it is not compared then
-        try:
-            cache = cache_rows(tokens, resid, model, info.get("dtype"), seen, head_norm=heads, meta=meta)
-        except Exception as e:  # noqa: BLE001 - the recorded signals' rows stand without it
-            warnings.warn(f"the cache check of run {run_id} failed: {e}")
-            meta["cache_check"] = f"failed: {type(e).__name__}: {e}"
-            cache = empty()
-        if cache.height:
-            df = pl.concat([df, cache], how="vertical_relaxed")
-    elif model is None:  # a recompute without the model keeps the check the recording's detection made
-        kept = _kept_rows(store, run_id, "cache_mismatch", "cache_check", meta)
-        if kept.height:
-            df = pl.concat([df, kept], how="vertical_relaxed")
+    seen: dict = {}  # the component check's forward, for the cache check
+    parts = []
+    if model is None:  # a recompute without the model keeps what the recording's detection ran the model for
+        if prof is not None:
+            parts.append(_kept_components(store, run_id, meta))
+        parts.append(_kept_rows(store, run_id, "cache_mismatch", "cache_check", meta))
+    else:
+        if prof is not None:
+            parts.append(_checked("component check", run_id, meta,
+                                  lambda: component_rows(store, info, tokens, model, meta, seen)))
+        if ivs is None:  # the run's own interventions are no fault: it is not compared then
+            parts.append(_checked("cache check", run_id, meta, lambda: cache_rows(
+                tokens, resid, model, info.get("dtype"), seen, head_norm=heads, meta=meta)))
+    for part in parts:
+        if part.height:
+            df = pl.concat([df, part], how="vertical_relaxed")
     if ivs is not None:
         df = declared(df, ivs)
         meta["interventions"] = ivs["spec"].to_list()
@@ -1172,20 +1161,40 @@ def _interventions_of(store, run_id: str) -> pl.DataFrame | None:
     return got if got.height else None
 
 
+def _checked(what: str, run_id: str, meta: dict, check: Callable[[], pl.DataFrame]) -> pl.DataFrame:
+    """``check()``'s rows, or none with a warning and ``meta`` saying it failed (``what``: "component check" sets
+    ``component_check``): the recorded signals' rows stand without it."""
+    try:
+        return check()
+    except Exception as e:  # noqa: BLE001 - the recorded signals' rows stand without it
+        warnings.warn(f"the {what} of run {run_id} failed: {e}")
+        meta[what.replace(" ", "_")] = f"failed: {type(e).__name__}: {e}"
+        return empty()
+
+
+def _last_detection(store, run_id: str) -> dict:
+    """What the run's last detection tested (its ``detection`` JSON; {} for none or an unreadable one)."""
+    stored = query.run_row(store, run_id).get("detection")
+    try:
+        return json.loads(stored) if stored else {}
+    except ValueError:
+        return {}
+
+
+def _stored(store, run_id: str, kind: str) -> pl.DataFrame:
+    """The run's stored ``kind`` anomaly rows, without run_id (as computed ones are before it is added)."""
+    return query.anomalies(store, run_id).filter(pl.col("kind") == kind).select([c for c in SCHEMA if c != "run_id"])
+
+
 def _kept_components(store, run_id: str, meta: dict) -> pl.DataFrame:
     """The component check's rows of the run's last detection, kept by a recompute without the model (the check
     runs the model: a notebook or the app reading a stored run has none loaded), with what it tested; ``meta`` says
     where they come from. None kept: the check is said not run."""
-    stored = query.run_row(store, run_id).get("detection")
-    try:
-        last = json.loads(stored) if stored else {}
-    except ValueError:
-        last = {}
+    last = _last_detection(store, run_id)
     if last.get("component_tests"):
         meta["component_tests"] = last["component_tests"]
         meta["component_check"] = "kept from the detection after the recording: no model loaded to run it again"
-        return query.anomalies(store, run_id).filter(pl.col("kind") == "component_outlier").select(
-            [c for c in SCHEMA if c != "run_id"])
+        return _stored(store, run_id, "component_outlier")
     meta.setdefault("component_check", last.get("component_check") or "not run: no model loaded")
     return empty()
 
@@ -1193,16 +1202,12 @@ def _kept_components(store, run_id: str, meta: dict) -> pl.DataFrame:
 def _kept_rows(store, run_id: str, kind: str, key: str, meta: dict) -> pl.DataFrame:
     """The ``kind`` rows of the run's last detection and its ``meta[key]``, kept by a recompute without the model (the
     cache check runs the model); empty where that detection had no such check."""
-    stored = query.run_row(store, run_id).get("detection")
-    try:
-        last = json.loads(stored) if stored else {}
-    except ValueError:
-        last = {}
+    last = _last_detection(store, run_id)
     if not last.get(key):
         return empty()
     was = str(last[key]).split(" (kept from")[0]
     meta[key] = f"{was} (kept from the detection after the recording: no model loaded to run it again)"
-    return query.anomalies(store, run_id).filter(pl.col("kind") == kind).select([c for c in SCHEMA if c != "run_id"])
+    return _stored(store, run_id, kind)
 
 
 def _sorted(df: pl.DataFrame) -> pl.DataFrame:

@@ -113,6 +113,20 @@ def _cfg(cfg, *names, default=None):
     return default
 
 
+def _through(cache, fns: dict, keys: bool):
+    """``cache`` whose ``update`` passes what layer ``i`` writes through ``fns[i]`` (looked up at each write): its
+    values, and with ``keys`` its keys too."""
+    update = cache.update
+
+    def through(key, value, layer_idx, *args, **kwargs):
+        fn = fns.get(layer_idx)
+        if fn is not None:
+            key, value = fn(key) if keys else key, fn(value)
+        return update(key, value, layer_idx, *args, **kwargs)
+    cache.update = through
+    return cache
+
+
 def _decoder_layers(hf: nn.Module) -> nn.ModuleList:
     """The decoder layers: the largest ``ModuleList`` of as many modules as the config has layers (hybrid models
     mix attention, state-space, convolution and MoE-only layers; some count sub-layers instead)."""
@@ -799,16 +813,7 @@ class HFAdapter(Adapter):
         quant = self.__dict__.setdefault("_kv_quant", {})
 
         def forward(ids: torch.Tensor) -> torch.Tensor:
-            cache = DynamicCache(config=m.config)  # a fresh cache whose update passes through quantize_kv's fns
-            update = cache.update
-
-            def quantized_update(key, value, layer_idx, *args, **kwargs):
-                fn = quant.get(layer_idx)
-                if fn is not None:
-                    key, value = fn(key), fn(value)
-                return update(key, value, layer_idx, *args, **kwargs)
-
-            cache.update = quantized_update
+            cache = _through(DynamicCache(config=m.config), quant, keys=True)  # a fresh cache, quantize_kv's fns
             self._pos = 0  # the attention probe's position counter
             return m(ids, cache=cache, use_cache=True).logits.float()
 
@@ -835,15 +840,7 @@ class HFAdapter(Adapter):
     def _written(self, cache):
         """``cache`` whose ``update`` passes the values each layer writes through ``cache_writes``' functions."""
         writes = self.__dict__.get("_kv_writes")
-        if not writes:
-            return cache
-        update = cache.update
-
-        def written(key, value, layer_idx, *args, **kwargs):
-            fn = writes.get(layer_idx)
-            return update(key, fn(value) if fn is not None else value, layer_idx, *args, **kwargs)
-        cache.update = written
-        return cache
+        return _through(cache, writes, keys=False) if writes else cache
 
     @contextlib.contextmanager
     def quantize_kv(self, layer: int, fn) -> Iterator[None]:
@@ -905,9 +902,7 @@ class HFAdapter(Adapter):
         dots3-note; Doge's dynamic mask): its cached decode chooses among other keys than the whole sequence's forward
         does, so the two differ on a clean model (0.3-4.9 nats on the tiny configs of transformers 5.25; every other
         MoE family of it agrees within 5e-5)."""
-        cfg = getattr(self.module, "config", None)
-        cfg = getattr(cfg, "get_text_config", lambda: cfg)() if cfg is not None else None
-        if any(getattr(cfg, k, None) is not None for k in ("index_topk", "keep_window_size")):
+        if _cfg(_text_config(self.module.config), "index_topk", "keep_window_size") is not None:
             return False
         return not any(type(m).__name__.endswith("Indexer") for m in self.module.modules())
 
@@ -916,15 +911,13 @@ class HFAdapter(Adapter):
         """Past ``original_max_position_embeddings`` a longrope or dynamic-NTK rotary embedding picks its frequencies
         by the length: a cached decode that crosses it keeps keys rotated the short way, a whole forward rotates
         them all the long way. None for a rotary embedding the same at every length."""
-        cfg = getattr(self.module, "config", None)
-        cfg = getattr(cfg, "get_text_config", lambda: cfg)() if cfg is not None else None
-        rp = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        cfg = _text_config(self.module.config)
+        rp = _cfg(cfg, "rope_parameters") or _cfg(cfg, "rope_scaling") or {}
         parts = [rp] + [v for v in rp.values() if isinstance(v, dict)] if isinstance(rp, dict) else []
         for part in parts:
             if part.get("rope_type", part.get("type")) in ("longrope", "dynamic"):
-                orig = (part.get("original_max_position_embeddings")
-                        or getattr(cfg, "original_max_position_embeddings", None)
-                        or getattr(cfg, "max_position_embeddings", None))
+                orig = (part.get("original_max_position_embeddings") or _cfg(cfg, "original_max_position_embeddings")
+                        or _cfg(cfg, "max_position_embeddings"))
                 return int(orig or 0)
         return None
 
