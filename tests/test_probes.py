@@ -275,6 +275,28 @@ def test_probe_functions_on_random_tensors():
     np.testing.assert_allclose(r["margin"], (srt[:, 1] - srt[:, 2]).numpy(), rtol=1e-6)
 
 
+def test_token_confidence_against_float64():
+    """Entropy, confidence, probability and rank against a float64 softmax, masked (-inf) logits included: a
+    masked token adds nothing to the entropy (0 log 0 = 0) and the probabilities stay those of the rest (its rank is
+    -1, as for any non-finite logit); an inf logit makes the row's entropy NaN."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 300, generator=g) * 4
+    logits[1, :150] = float("-inf")  # a masked half of the vocabulary
+    logits[2, 7] = -300.0  # a probability that underflows to 0 in float32
+    logits[4, 9] = float("inf")
+    ids = torch.randint(150, 300, (6,), generator=g)
+    got = token_confidence(logits, ids, k=3)
+    for t in (0, 1, 2, 3, 5):
+        p = torch.softmax(logits[t].double(), -1)
+        ent = -torch.special.xlogy(p, p).sum().item()
+        assert abs(got["entropy"][t] - ent) < 1e-4 * max(1.0, ent)
+        assert abs(got["confidence"][t] - p.max().item()) < 1e-6
+        assert abs(got["prob"][t] - p[ids[t]].item()) < 1e-6
+        np.testing.assert_allclose(got["topk_probs"][t], p.topk(3).values.numpy(), atol=1e-6)
+    assert got["rank"][1] == -1 and got["rank"][0] >= 1
+    assert np.isnan(got["entropy"][4]) and got["rank"][4] == -1
+
+
 def test_chunked_prefill_equals_whole():
     """A prefill longer than attn_chunk (query rows in blocks, with or without probes) gives the same logits."""
     model = biased_tiny_model()
