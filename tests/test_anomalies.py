@@ -1084,3 +1084,46 @@ def test_a_novel_share_cell_from_few_runs_is_not_used_and_its_limit_has_a_floor(
     assert dup.novelty(np.arange(200, 260))["limit"] == an.NOVEL_FLOOR
     assert not dup.novelty(np.array(list(range(96)) + [500] * 4))["novel"]  # 4% new tokens
     assert dup.novelty(np.array(list(range(90)) + [500] * 10))["novel"]
+
+
+def _judge_by_groups(df: pl.DataFrame, value: str, keys: list[str], tail: str, min_positions: int):
+    """The within-run judgment as a loop over groups (the earlier implementation): the reference for ``judge``."""
+    p = np.ones(df.height)
+    side = np.full(df.height, "low" if tail == "lower" else "high", dtype=object)
+    df = df.with_row_index("_i")
+    group = [k for k in keys if k != "bucket"]
+    stats = df.group_by(group) if group else df.with_columns(pl.lit(0).alias("_g")).group_by("_g")
+    for _, grp in stats:
+        if grp.height < min_positions:
+            continue
+        v = grp[value].cast(pl.Float64).fill_null(float("nan")).to_numpy()
+        med = np.median(v)
+        mad = max(np.median(np.abs(v - med)) / 0.6745, 0.01 * (abs(med) + 1e-3), 1e-6)
+        z = (v - med) / mad
+        idx = grp["_i"].to_numpy()
+        p[idx], side[idx] = an._pick(an._norm_sf(z), an._norm_sf(-z), tail)
+    return p, side
+
+
+@pytest.mark.parametrize("tail", ["upper", "lower", "two"])
+def test_within_run_judge_equals_a_loop_over_groups(tail):
+    """Without a profile each row is judged against its group's median and MAD, all groups in one pass: equal to
+    a loop over the groups, with groups too small to judge, a NaN and a null in a group (NaN p-values there), an even
+    group's median, and no group keys at all."""
+    rng = np.random.default_rng(0)
+    n = 600
+    df = pl.DataFrame({"layer": rng.integers(0, 5, n).astype(np.int32), "head": rng.integers(0, 7, n).astype(np.int32),
+                       "bucket": rng.integers(0, 3, n).astype(np.int32), "entropy": rng.gamma(2.0, 1.0, n)})
+    df = pl.concat([df, pl.DataFrame({"layer": [9] * 5, "head": [0] * 5, "bucket": [0] * 5,
+                                      "entropy": [1.0, 2.0, 3.0, 4.0, 5.0]}, schema=df.schema)])  # under min_positions
+    vals = df["entropy"].to_list()
+    vals[3], vals[10] = float("nan"), None
+    df = df.with_columns(pl.Series("entropy", vals, pl.Float64))
+    base = an.Baseline.of(None)
+    for keys in (["layer", "head", "bucket"], ["layer"], ["bucket"]):
+        got_p, got_side, basis = base.judge(df, "entropy", "entropy", keys, tail, min_positions=8)
+        ref_p, ref_side = _judge_by_groups(df, "entropy", keys, tail, 8)
+        np.testing.assert_allclose(got_p, ref_p, rtol=1e-12, equal_nan=True)
+        assert list(got_side) == list(ref_side)
+        assert np.isnan(got_p).any() and (keys == ["bucket"] or (got_p == 1.0).any())  # [bucket]: one group
+        assert {b for b, q in zip(basis, got_p) if q != 1.0} <= {an.NO_PROFILE}

@@ -251,19 +251,24 @@ class Baseline:
                     basis[i] = np.where(j["filled"].to_numpy(), "the baseline profile (its nearest context-length "
                                         "bucket)", "the baseline profile")
             return p, list(side), list(basis)
+        # without a profile: each row against its own group's (``keys`` but the bucket) median and MAD, every group
+        # in one pass (a loop over groups cost 1 ms apiece: a model of 60 layers x 64 heads has 3,840 of them); a
+        # group holding a NaN judges its rows NaN, as np.median would
         group = [k for k in keys if k != "bucket"]
-        stats = (df.group_by(group) if group else df.with_columns(pl.lit(0).alias("_g")).group_by("_g"))
-        for _, grp in stats:
-            if grp.height < min_positions:
-                continue
-            v = grp[value].to_numpy()
-            med = np.median(v)
-            mad = max(np.median(np.abs(v - med)) / 0.6745, 0.01 * (abs(med) + 1e-3), 1e-6)
-            z = (v - med) / mad
-            idx = grp["_i"].to_numpy()
-            hi, lo = _norm_sf(z), _norm_sf(-z)
-            p[idx], side[idx] = _pick(hi, lo, tail)
-            basis[idx] = NO_PROFILE
+        over = (lambda e: e.over(group)) if group else (lambda e: e)
+        x = pl.col(value).cast(pl.Float64).fill_null(float("nan"))
+        st = df.select(*group, x.alias("_v"), over(pl.len()).alias("_n"), over(x.is_nan().any()).alias("_nan"),
+                       over(x.median()).alias("_med"))
+        st = st.with_columns(pl.when(pl.col("_nan")).then(float("nan")).otherwise(pl.col("_med")).alias("_med"))
+        st = st.with_columns(over((pl.col("_v") - pl.col("_med")).abs().median()).alias("_mad"))
+        keep = st["_n"].to_numpy() >= min_positions
+        if keep.any():
+            v, med, mad = (st[c].to_numpy()[keep] for c in ("_v", "_med", "_mad"))
+            mad = np.where(st["_nan"].to_numpy()[keep], np.nan, mad)
+            scale = np.maximum(np.maximum(mad / 0.6745, 0.01 * (np.abs(med) + 1e-3)), 1e-6)
+            z = (v - med) / scale
+            p[keep], side[keep] = _pick(_norm_sf(z), _norm_sf(-z), tail)
+            basis[keep] = NO_PROFILE
         return p, list(side), list(basis)
 
     def tails(self, signal: str, min_n: int = 20) -> CellTails:
