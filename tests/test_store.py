@@ -14,12 +14,15 @@ import duckdb
 import numpy as np
 import polars as pl
 import pytest
+import torch
 from helpers import tiny_model
 
 import workbench
+from workbench.capture.rows import attention_rows, kv_rows, steps_rows, token_frame
 from workbench.data.query import RunNotFound
 from workbench.data.schema import SCHEMA_VERSION, TABLES, columns
 from workbench.data.rows import Rows
+from workbench.data.signals import TABLES as SIGNAL_TABLES
 from workbench.data.store import Store, StoreError, merge_batches, to_frame
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -321,3 +324,48 @@ def test_a_commits_runs_move_on_as_far_as_its_rows_prove_whether_parts_or_frames
         got[how] = dict(store.execute("SELECT run_id, n_tokens FROM runs ORDER BY run_id"))
     # a: last step 4 -> 3 + 4 + 1 = 8; its fed position 12 -> 14 tokens; b: step 2 -> 8, position 11 -> 13
     assert got["parts"] == got["frames"] == {"a": 14, "b": 13}
+
+
+def test_rows_go_in_as_arrow_and_come_back_as_their_frames_would(tmp_path):
+    """A commit of ``Rows`` only goes into DuckDB as Arrow built from the numpy columns (no polars frame): every
+    signal table holds what the same parts inserted as frames (``to_frame``) hold, NaN kept where it is data and
+    NULL where the part says so (``nan_to_null``), list and string columns, several runs and an empty part."""
+    rng = np.random.default_rng(0)
+
+    def parts(rid: str, n: int) -> dict:
+        stats = {c: rng.random((n, 3)) for c in ("entropy", "norm_entropy", "max_weight", "sink_weight")}
+        stats["norm_entropy"][0, 1] = np.nan  # one key visible: NULL, as the attention probe writes it
+        stats["entropy"][1, 2] = np.nan  # a non-finite statistic stays NaN
+        logits = torch.randn(n, 50)
+        logits[0, 3] = float("nan")
+        out = {"attention": attention_rows(rid, [{"pos": np.arange(n, dtype=np.int32), "layer": 1, **stats}]),
+               "tokens": token_frame(rid, np.arange(n), list(range(1, n + 1)), list(range(n)),
+                                     ["<b>&", "é\n", "", "'; DROP TABLE runs; --"][:n], [False] * n, logits, 3),
+               "steps": steps_rows(rid, np.arange(n), np.ones(n, np.int32), rng.random(n)),
+               "resid_norm": Rows(rid, {"pos": np.arange(n, dtype=np.int32), "layer": np.zeros(n, np.int32),
+                                        "norm": rng.random(n)}),
+               "routing": Rows(rid, {"pos": np.arange(n, dtype=np.int32), "layer": np.ones(n, np.int32),
+                                     "slot": np.zeros(n, np.int32), "expert": np.arange(n, dtype=np.int32),
+                                     "weight": rng.random(n), "score": rng.random(n), "margin": -rng.random(n)})}
+        out.update(kv_rows(rid, 2, [(0, n, 64 * n), (1, n, 64 * n)],
+                           [{"layer": np.zeros(n, np.int32), "pos": np.arange(n, dtype=np.int32),
+                             "latent_norm": rng.random(n), "rope_norm": rng.random(n),
+                             "attn_received": rng.random(n)}]))
+        return out
+
+    merged = merge_batches([parts("a", 4), parts("b", 3), parts("a", 2),
+                            {"resid_norm": Rows("b", {"pos": np.zeros(0, np.int32), "layer": np.zeros(0, np.int32),
+                                                      "norm": np.zeros(0)})}])
+    assert set(merged) <= set(SIGNAL_TABLES)
+    got = {}
+    for how in ("arrow", "frames"):
+        store = Store(tmp_path / f"{how}.duckdb")
+        store.append(merged if how == "arrow" else {t: to_frame(p) for t, p in merged.items()})
+        got[how] = {t: store.sql(f"SELECT * FROM {t} ORDER BY ALL") for t in merged}
+    for t in merged:
+        a, f = got["arrow"][t], got["frames"][t]
+        assert a.schema == f.schema and a.height == f.height > 0, t
+        assert a.equals(f), t  # NaN equals NaN, NULL equals NULL, and neither the other
+    att = got["arrow"]["attention"]
+    assert att["norm_entropy"].null_count() == 3 and att["entropy"].is_nan().sum() == 3  # one of each a part
+    assert got["arrow"]["tokens"]["entropy"].is_nan().sum() == 3

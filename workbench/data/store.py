@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterator
 import duckdb
 import numpy as np
 import polars as pl
+import pyarrow as pa
 
 from workbench.data.rows import Rows
 from workbench.data.schema import ADDED_COLUMNS, SCHEMA_VERSION, TABLES, columns, ddl
@@ -594,9 +595,14 @@ class Store:
                 cur.close()
 
     @staticmethod
-    def _insert(cur: duckdb.DuckDBPyConnection, table: str, batch) -> pl.DataFrame | None:
+    def _insert(cur: duckdb.DuckDBPyConnection, table: str, batch) -> pl.DataFrame | pa.Table | None:
         """Insert a batch (frame, ``Rows`` or a list of them) into a table, columns matched by name;
-        returns the frame inserted (None when empty)."""
+        returns what was inserted, a frame or (a batch of ``Rows`` only) an Arrow table (None when empty)."""
+        arrow = _rows_arrow(batch, columns(table)) if table != "runs" else None
+        if arrow is not None:  # the probes' rows: numpy columns straight into Arrow, no polars frame on the way
+            if arrow.num_rows:
+                cur.from_arrow(arrow).insert_into(table)
+            return arrow if arrow.num_rows else None
         df = to_frame(batch)
         if df is None or df.height == 0:
             return None
@@ -827,6 +833,38 @@ def _rows_frame(parts: list[Rows]) -> pl.DataFrame:
     return pl.DataFrame(series)
 
 
+def _rows_arrow(batch, cols: list[str]) -> pa.Table | None:
+    """A batch of ``Rows`` that each hold every column of a table (``cols``: its columns, ``run_id`` first) as one
+    Arrow table in the table's column order, built from the numpy columns as ``to_frame`` would type them (the
+    run id dictionary-encoded; object columns as strings, 2-D ones as lists, ``nan_to_null`` columns with NaN as
+    NULL); None for anything else (a frame among the parts, a column more or less: ``to_frame`` then)."""
+    parts = batch if isinstance(batch, list) else [batch]
+    if not parts or not all(isinstance(p, Rows) for p in parts) or cols[0] != "run_id":
+        return None
+    want = set(cols[1:])
+    if any(p.cols.keys() != want for p in parts):
+        return None
+    tables = []
+    for p in parts:
+        n = p.height
+        if not n:
+            continue
+        arrays = [pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array([p.run_id], pa.string()))]
+        for c in cols[1:]:
+            v = p.cols[c]
+            if v.dtype == object:
+                arrays.append(pa.array(v.tolist(), pa.string()))
+            elif v.ndim == 2:  # [n, k] -> a list column
+                offsets = np.arange(n + 1, dtype=np.int32) * v.shape[1]
+                arrays.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.ascontiguousarray(v).ravel())))
+            else:
+                arrays.append(pa.array(v, from_pandas=c in p.nan_to_null))  # from_pandas: NaN -> NULL
+        tables.append(pa.Table.from_arrays(arrays, names=cols))
+    if not tables:
+        return pa.table({c: pa.array([], pa.null()) for c in cols})
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+
+
 def to_frame(batch) -> pl.DataFrame | None:
     """A table's batch (frame, ``Rows``, or a list of them) as one polars frame (None when empty)."""
     parts = batch if isinstance(batch, list) else [batch]
@@ -858,18 +896,20 @@ def _reach(table: str, df: pl.DataFrame, parts=None) -> tuple[dict[str, int], di
     fed position p (tables without a step) means the token at p + 1 was produced. ``parts``: the batch ``df`` was
     built from; where they are all ``Rows`` (each names its run) the maxima are read from them, a numpy max per part,
     instead of a group-by of the frame per table and commit."""
-    col = "step" if "step" in df.columns else "pos" if "pos" in df.columns else None
-    if "run_id" not in df.columns or col is None or df.height == 0:
+    names = df.column_names if isinstance(df, pa.Table) else df.columns  # what ``Store._insert`` inserted
+    col = "step" if "step" in names else "pos" if "pos" in names else None
+    if "run_id" not in names or col is None or len(df) == 0:
         return {}, {}
     parts = parts if isinstance(parts, list) else [parts]
-    runs = df["run_id"]
     if all(isinstance(p, Rows) for p in parts):
         maxima: dict[str, int] = {}
         for p in parts:
             v = p.cols.get(col)
             if v is not None and len(v):
                 maxima[p.run_id] = max(maxima.get(p.run_id, -1), int(np.max(v)))
-    elif runs[0] == runs[-1] and runs.n_unique() == 1:  # the recorder's batches: one run (no group_by per commit)
+        return (maxima, {}) if col == "step" else ({}, {r: v + 2 for r, v in maxima.items()})
+    runs = df["run_id"]
+    if runs[0] == runs[-1] and runs.n_unique() == 1:  # the recorder's batches: one run (no group_by per commit)
         v = df[col].max()
         maxima = {} if v is None else {runs[0]: int(v)}
     else:
