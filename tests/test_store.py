@@ -369,3 +369,14 @@ def test_rows_go_in_as_arrow_and_come_back_as_their_frames_would(tmp_path):
     att = got["arrow"]["attention"]
     assert att["norm_entropy"].null_count() == 3 and att["entropy"].is_nan().sum() == 3  # one of each a part
     assert got["arrow"]["tokens"]["entropy"].is_nan().sum() == 3
+
+
+def test_rows_typed_unlike_each_other_go_in_through_the_frame_path(tmp_path):
+    """Two parts of one table whose columns Arrow cannot concatenate as they are (int32 and int64 positions) take
+    the frame path's relaxed concat: the commit stands, every row stored."""
+    store = Store(tmp_path / "w.duckdb")
+    parts = [Rows("a", {"pos": np.arange(3, dtype=np.int32), "layer": np.zeros(3, np.int32), "norm": np.ones(3)}),
+             Rows("b", {"pos": np.arange(2, dtype=np.int64), "layer": np.zeros(2, np.int32), "norm": np.ones(2)})]
+    store.append({"resid_norm": parts})
+    got = store.sql("SELECT run_id, pos FROM resid_norm ORDER BY run_id, pos")
+    assert got["run_id"].to_list() == ["a"] * 3 + ["b"] * 2 and got["pos"].to_list() == [0, 1, 2, 0, 1]

@@ -845,24 +845,27 @@ def _rows_arrow(batch, cols: list[str]) -> pa.Table | None:
     if any(p.cols.keys() != want for p in parts):
         return None
     tables = []
-    for p in parts:
-        n = p.height
-        if not n:
-            continue
-        arrays = [pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array([p.run_id], pa.string()))]
-        for c in cols[1:]:
-            v = p.cols[c]
-            if v.dtype == object:
-                arrays.append(pa.array(v.tolist(), pa.string()))
-            elif v.ndim == 2:  # [n, k] -> a list column
-                offsets = np.arange(n + 1, dtype=np.int32) * v.shape[1]
-                arrays.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.ascontiguousarray(v).ravel())))
-            else:
-                arrays.append(pa.array(v, from_pandas=c in p.nan_to_null))  # from_pandas: NaN -> NULL
-        tables.append(pa.Table.from_arrays(arrays, names=cols))
-    if not tables:
-        return pa.table({c: pa.array([], pa.null()) for c in cols})
-    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+    try:
+        for p in parts:
+            n = p.height
+            if not n:
+                continue
+            arrays = [pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array([p.run_id], pa.string()))]
+            for c in cols[1:]:
+                v = p.cols[c]
+                if v.dtype == object:
+                    arrays.append(pa.array(v.tolist(), pa.string()))
+                elif v.ndim == 2:  # [n, k] -> a list column
+                    offsets = np.arange(n + 1, dtype=np.int32) * v.shape[1]
+                    arrays.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.ascontiguousarray(v).ravel())))
+                else:
+                    arrays.append(pa.array(v, from_pandas=c in p.nan_to_null))  # from_pandas: NaN -> NULL
+            tables.append(pa.Table.from_arrays(arrays, names=cols))
+        if not tables:
+            return pa.table({c: pa.array([], pa.null()) for c in cols})
+        return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+    except (pa.ArrowException, TypeError, ValueError):  # parts typed unlike each other, a value Arrow cannot take:
+        return None  # the frame path, whose relaxed concat and casts take them (or say what is wrong)
 
 
 def to_frame(batch) -> pl.DataFrame | None:
