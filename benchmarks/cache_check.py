@@ -1,6 +1,7 @@
 """The cache check across every MoE family of the installed transformers: clean runs agree, a corrupted cache is named.
 
     python benchmarks/cache_check.py [--families F ...] [--kinds kv_cache decode_attn] [--tokens 16] [--write]
+    python benchmarks/cache_check.py --dtype bfloat16 --tokens 32 [--write]   # half precision's own rule
 
 Per family (a tiny random model, ``workbench.capture.tiny.make_folder``): one clean recording, then one per layer
 and cache-only fault kind (``faults.HELD_OUT["kv_cache"]``: each channel of what the layer writes into the
@@ -12,7 +13,8 @@ where the fault moved some recorded token's logprob by >= 0.05 nats (the check's
 run ("moved"), how many raised a ``cache_mismatch`` row ("found") and how many of those named the faulted layer. A
 layer the fault does not reach (a linear-attention layer, a family whose cache is its own) moves no token.
 
-With ``--write`` the table goes into benchmarks/RESULTS.md under "## Cache check".
+With ``--write`` the table goes into benchmarks/RESULTS.md under "## Cache check" (``--dtype`` other than float32:
+"## Cache check (DTYPE)"; half precision is judged by the generated tokens as a whole, ``CACHE_MEDIAN_HALF``).
 """
 from __future__ import annotations
 
@@ -45,8 +47,8 @@ def _logprobs(run) -> dict[int, float]:
     return dict(zip(t["pos"].to_list(), t["logprob"].to_list()))
 
 
-def family(name: str, tmp: Path, store: Store, tokens: int, kinds: list[str]) -> dict:
-    a = load_adapter(make_folder(name, tmp / name))
+def family(name: str, tmp: Path, store: Store, tokens: int, kinds: list[str], dtype: torch.dtype | None = None) -> dict:
+    a = load_adapter(make_folder(name, tmp / name), dtype=dtype)
     if not a.cache_exact:
         return {"family": name, "note": "not compared: its attention selects its keys"}
     clean = workbench.record(PROMPT, model=a, max_new_tokens=tokens, db=store)
@@ -81,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--families", nargs="*", default=None, help="default: every MoE family of transformers")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--kinds", nargs="*", default=["kv_cache", "decode_attn"], help="cache-only fault kinds")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     t0 = time.perf_counter()
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     res = []
     for name in args.families or moe_families():
         try:
-            r = family(name, tmp, store, args.tokens, args.kinds)
+            r = family(name, tmp, store, args.tokens, args.kinds, dtype)
         except Exception as e:  # noqa: BLE001 - a family that cannot be built here: said, the others go on
             r = {"family": name, "note": f"failed: {type(e).__name__}: {str(e)[:80]}"}
         print(r, file=sys.stderr, flush=True)
@@ -99,8 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     done = [r for r in res if "note" not in r]
-    lines = ["## Cache check", "",
-             f"`python benchmarks/cache_check.py` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+    opts = "" if args.dtype == "float32" else f" --dtype {args.dtype} --tokens {args.tokens}"
+    if args.families:
+        opts += " --families " + " ".join(args.families)
+    lines = ["## Cache check" + ("" if args.dtype == "float32" else f" ({args.dtype})"), "",
+             f"`python benchmarks/cache_check.py{opts}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
              f"{time.perf_counter() - t0:.0f} s, transformers {transformers.__version__}, 1 torch thread). " +
              __doc__.split("\n\n")[2].replace("\n", " "), "",
              f"Compared: {len(done)} families; clean `cache_mismatch` rows: **{sum(r['clean'] for r in done)}**."]

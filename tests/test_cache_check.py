@@ -226,3 +226,48 @@ def test_the_suspects_lead_with_the_cache_root_cause_cannot_see(tiny, tmp_path):
         bad = workbench.record(PROMPT, model=tiny, max_new_tokens=8, db=db)
     s = bad.suspects(len(PROMPT) + 2, steps=4)
     assert s.select("kind", "layer").row(0) == ("kv_cache", 1) and "without the KV cache" in s["evidence"][0]
+
+
+def _judged_half(gaps: list[float], n_prompt: int = 4) -> tuple[pl.DataFrame, dict]:
+    """``cache_rows`` of a bf16 run whose recorded logprobs sit ``gaps`` (one per generated token) from the cache-free
+    forward's (handed in as the component check's, so no model runs), the prompt's exactly on it."""
+    from workbench.analysis import anomalies
+
+    n = n_prompt + len(gaps)
+    free = -np.linspace(0.5, 3.0, n - 1)
+    rec = np.concatenate([[np.nan], free - np.concatenate([np.zeros(n_prompt - 1), gaps])])
+    tokens = pl.DataFrame({"pos": np.arange(n, dtype=np.int32), "token_id": np.arange(n, dtype=np.int32),
+                           "is_prompt": [i < n_prompt for i in range(n)], "logprob": rec})
+    meta: dict = {}
+    seen = {"logprobs": free, "norms": {}}
+    return anomalies.cache_rows(tokens, None, _Exact(), "bfloat16", seen=seen, meta=meta), meta
+
+
+class _Exact:
+    """A stand-in adapter: its cache is exact (compared), nothing runs (the component check's forward is given)."""
+    cache_exact, cache_exact_len, dtype = True, None, torch.bfloat16
+
+
+def test_half_precision_judges_the_generated_tokens_as_a_whole(monkeypatch):
+    """bf16 rounds the cached and the whole forward differently: a few generated tokens 1-1.6 nats apart (a near tie
+    of a router flipped) with the rest close is rounding; most tokens moved, or a quarter of them by over a nat, is
+    the cache. Measured on clean bf16 runs of a 102M random DeepSeek-V3: medians 0.03-0.063 nats, at most 10% over 1."""
+    from workbench.capture import adapters
+
+    monkeypatch.setattr(adapters, "adapter_for", lambda a: a)
+    rng = np.random.default_rng(0)
+    noise = list(rng.uniform(0.0, 0.06, 40))
+    for i in (3, 11, 20, 31):  # 10% of them over a nat: what the clean 102M runs showed at most
+        noise[i] = 1.5
+    rows, meta = _judged_half(noise)
+    assert rows.height == 0 and meta["cache_check"].startswith("agrees") and "rounding" in meta["cache_check"]
+    rows, meta = _judged_half([g + 0.3 for g in noise])  # every generated token moved: a median over 0.2 nats
+    assert rows["kind"].to_list() == ["cache_mismatch"] and meta["cache_check"].startswith("differs")
+    assert "median 0.3" in rows["explanation"][0] and rows["pos"][0] == 4  # the first generated token
+    late = noise[:28] + [2.0] * 12  # a late fault: 30% of them over a nat, the median still small
+    rows, _ = _judged_half(late)
+    assert rows.height == 1 and rows["pos"][0] == 4 + 3  # the first over a nat: one of the rounding's
+    rows, _ = _judged_half([0.05, 1.5])  # two generated tokens, one of them over a nat: a median of 0.78
+    assert rows.height == 1
+    rows, _ = _judged_half([1.5])  # one generated token says nothing either way
+    assert rows.height == 0

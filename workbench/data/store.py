@@ -850,14 +850,16 @@ def _rows_arrow(batch, cols: list[str]) -> pa.Table | None:
             n = p.height
             if not n:
                 continue
-            arrays = [pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array([p.run_id], pa.string()))]
+            run = pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array([p.run_id], pa.string()))
+            arrays = [run]
             for c in cols[1:]:
                 v = p.cols[c]
                 if v.dtype == object:
                     arrays.append(pa.array(v.tolist(), pa.string()))
                 elif v.ndim == 2:  # [n, k] -> a list column
                     offsets = np.arange(n + 1, dtype=np.int32) * v.shape[1]
-                    arrays.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.ascontiguousarray(v).ravel())))
+                    flat = pa.array(np.ascontiguousarray(v).ravel())
+                    arrays.append(pa.ListArray.from_arrays(pa.array(offsets), flat))
                 else:
                     arrays.append(pa.array(v, from_pandas=c in p.nan_to_null))  # from_pandas: NaN -> NULL
             tables.append(pa.Table.from_arrays(arrays, names=cols))
