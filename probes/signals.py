@@ -40,7 +40,8 @@ def token_confidence(logits: torch.Tensor, next_ids: torch.Tensor, k: int = 5) -
     rank = torch.where(finite, rank, torch.full_like(rank, -1))
     top_p, top_i = p.topk(min(k, p.size(-1)), dim=-1)  # its first column is the confidence (max prob)
     # one stacked conversion: this runs at every decode step
-    f = torch.stack([chosen.exp(), chosen, top_p[:, 0], entropy]).numpy().astype(np.float64)
+    conf = top_p[:, 0] if top_p.size(1) else p.amax(-1)  # k = 0: no top-k to read it from
+    f = torch.stack([chosen.exp(), chosen, conf, entropy]).numpy().astype(np.float64)
     return {
         "prob": f[0], "logprob": f[1], "confidence": f[2], "entropy": f[3],
         "rank": rank.numpy().astype(np.int32),

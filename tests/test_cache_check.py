@@ -263,11 +263,54 @@ def test_half_precision_judges_the_generated_tokens_as_a_whole(monkeypatch):
     assert rows.height == 0 and meta["cache_check"].startswith("agrees") and "rounding" in meta["cache_check"]
     rows, meta = _judged_half([g + 0.3 for g in noise])  # every generated token moved: a median over 0.2 nats
     assert rows["kind"].to_list() == ["cache_mismatch"] and meta["cache_check"].startswith("differs")
-    assert "median 0.3" in rows["explanation"][0] and rows["pos"][0] == 4  # the first generated token
+    assert "a median of 0.3" in rows["explanation"][0] and rows["pos"][0] == 4  # the first generated token
     late = noise[:28] + [2.0] * 12  # a late fault: 30% of them over a nat, the median still small
     rows, _ = _judged_half(late)
     assert rows.height == 1 and rows["pos"][0] == 4 + 3  # the first over a nat: one of the rounding's
-    rows, _ = _judged_half([0.05, 1.5])  # two generated tokens, one of them over a nat: a median of 0.78
+    assert "38% of them" in rows["explanation"][0]  # the rule that fired (15 of 40), not the median
+    rows, _ = _judged_half([0.5, 1.5])  # two generated tokens, both moved
     assert rows.height == 1
-    rows, _ = _judged_half([1.5])  # one generated token says nothing either way
+    rows, _ = _judged_half([0.05, 1.5])  # one token moved, as in fp32 (CACHE_MIN): not the cache on its own
     assert rows.height == 0
+    rows, _ = _judged_half([1.5])  # one generated token: every position judged, one of four moved
+    assert rows.height == 0
+
+
+def test_half_precision_without_generated_tokens_judges_every_position(monkeypatch):
+    """A recording of one new token has no generated tokens to judge as a whole: every compared position is, so a
+    cache written wrong under the prompt is still found (and a clean prompt's rounding is not); the row's score and
+    worst position come from what was judged."""
+    from workbench.capture import adapters
+
+    monkeypatch.setattr(adapters, "adapter_for", lambda a: a)
+    rows, meta = _judged_half([0.0], n_prompt=21)
+    assert rows.height == 0 and "21 token logprobs judged" in meta["cache_check"]
+    from workbench.analysis import anomalies
+
+    n = 22
+    free = -np.linspace(0.5, 3.0, n - 1)
+    rec = np.concatenate([[np.nan], free - 3.0])  # every prompt position 3 nats off
+    tokens = pl.DataFrame({"pos": np.arange(n, dtype=np.int32), "token_id": np.arange(n, dtype=np.int32),
+                           "is_prompt": [i < n - 1 for i in range(n)], "logprob": rec})
+    got = anomalies.cache_rows(tokens, None, _Exact(), "bfloat16", seen={"logprobs": free, "norms": {}})
+    assert got.height == 1 and got["score"][0] == pytest.approx(3.0)
+    # generated tokens judged: a prompt position far off is not their score
+    rows, _ = _judged_half([0.5] * 10, n_prompt=4)
+    assert rows.height == 1 and rows["score"][0] == pytest.approx(0.5) and rows["pos"][0] >= 4
+
+
+def test_a_component_forward_longer_than_the_compared_tokens(monkeypatch):
+    """The component check's forward can cover more tokens than the check compares (CACHE_TOKENS): its first ones
+    are held against them, no error."""
+    from workbench.analysis import anomalies
+    from workbench.capture import adapters
+
+    monkeypatch.setattr(adapters, "adapter_for", lambda a: a)
+    monkeypatch.setattr(anomalies, "CACHE_TOKENS", 16)
+    n = 30
+    free = -np.linspace(0.5, 3.0, n - 1)
+    tokens = pl.DataFrame({"pos": np.arange(n, dtype=np.int32), "token_id": np.arange(n, dtype=np.int32),
+                           "is_prompt": [i < 4 for i in range(n)], "logprob": np.concatenate([[np.nan], free])})
+    meta: dict = {}
+    got = anomalies.cache_rows(tokens, None, _Exact(), "float32", seen={"logprobs": free, "norms": {}}, meta=meta)
+    assert got.height == 0 and meta["cache_check"].startswith("agrees (positions 1-15")

@@ -294,6 +294,9 @@ def test_token_confidence_against_float64():
         assert abs(got["prob"][t] - p[ids[t]].item()) < 1e-6
         np.testing.assert_allclose(got["topk_probs"][t], p.topk(3).values.numpy(), atol=1e-6)
     assert got["rank"][1] == -1 and got["rank"][0] >= 1
+    none = token_confidence(logits, ids, k=0)  # no alternatives kept: the confidence all the same
+    np.testing.assert_allclose(none["confidence"], got["confidence"])
+    assert none["topk_ids"].shape == (6, 0)
     assert np.isnan(got["entropy"][4]) and got["rank"][4] == -1
 
 

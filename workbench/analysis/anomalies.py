@@ -993,7 +993,7 @@ def cache_rows(tokens: pl.DataFrame, resid: pl.DataFrame | None, model, dtype: s
         # the component check's forward covered them all, or the run up to its first loop past the prompt (a run
         # that loops is held against the clean model up to there only: a forward of its own costs as much again)
         t = t.head(n_seen)
-        lp, norms = seen["logprobs"], seen["norms"]
+        lp, norms = np.asarray(seen["logprobs"])[: t.height - 1], seen["norms"]  # a longer forward: its first tokens
     elif t.height >= 2:
         lp, norms = activations.cache_free(model, t["token_id"].to_list())
     else:
@@ -1005,27 +1005,32 @@ def cache_rows(tokens: pl.DataFrame, resid: pl.DataFrame | None, model, dtype: s
     half = dtype not in ("float32", None) or str(getattr(model, "dtype", "float32")).split(".")[-1] != "float32"
     key = None if half else "float32"
     nats, rel = CACHE_NATS[key], CACHE_REL[key]
-    off = np.nonzero(gap > nats)[0]
-    compared = int(ok.sum())
+    judged, whom, how = ok, "token logprobs", ""
     what = f"positions 1-{pos[-1]} of {tokens.height} compared"
-    if half:  # the generated tokens as a whole (CACHE_MEDIAN_HALF): rounding moves a few, a fault most
+    if half:  # as a whole (CACHE_MEDIAN_HALF): rounding moves a few tokens, a fault most
         prompt_at = t["is_prompt"].to_numpy()[1:].astype(bool) if "is_prompt" in t.columns else np.zeros(ok.size, bool)
-        gen = ok & ~prompt_at
-        g = gap[gen]
-        med, share = (float(np.median(g)), float(np.mean(g > nats))) if g.size else (0.0, 0.0)
-        if g.size < CACHE_MIN or (med <= CACHE_MEDIAN_HALF and share < CACHE_SHARE_HALF):
-            meta["cache_check"] = (f"agrees ({what}; the {g.size} generated tokens a median {med:.3f} nats apart, "
-                                   f"{int(np.sum(g > nats))} more than {nats:g}: half precision's rounding)")
+        if int((ok & ~prompt_at).sum()) >= CACHE_MIN:  # the generated tokens (a decode-only fault moves no other)
+            judged, whom = ok & ~prompt_at, "generated tokens"
+        g = gap[judged]
+        med = float(np.median(g)) if g.size else 0.0
+        n_over = int(np.sum(g > nats))
+        n_med = int(np.sum(g > CACHE_MEDIAN_HALF))
+        if not ((med > CACHE_MEDIAN_HALF and n_med >= CACHE_MIN)
+                or n_over >= max(CACHE_MIN, CACHE_SHARE_HALF * g.size)):
+            meta["cache_check"] = (f"agrees ({what}; the {g.size} {whom} judged a median {med:.3f} nats apart, "
+                                   f"{n_over} more than {nats:g}: half precision's rounding)")
             return empty()
-        nats = CACHE_MEDIAN_HALF if med > CACHE_MEDIAN_HALF else nats
-        off = np.nonzero(gen & (gap > nats))[0]
-        how = (f" (the generated tokens a median {med:.2f} nats apart, where half precision's rounding leaves under "
-               f"{CACHE_MEDIAN_HALF:g})")
-    elif off.size < max(CACHE_MIN, CACHE_SHARE * compared):
+        if med > CACHE_MEDIAN_HALF and n_med >= CACHE_MIN:
+            nats = CACHE_MEDIAN_HALF
+            how = (f" (a median of {med:.2f} nats, where half precision's rounding leaves the median under "
+                   f"{CACHE_MEDIAN_HALF:g})")
+        else:
+            how = f" ({n_over / g.size:.0%} of them, where half precision's rounding moves a few)"
+    off = np.nonzero(judged & (gap > nats))[0]
+    compared = int(judged.sum())
+    if not half and off.size < max(CACHE_MIN, CACHE_SHARE * compared):
         meta["cache_check"] = f"agrees ({what}; {off.size} more than {nats:g} nats apart)"
         return empty()
-    else:
-        how = ""
     meta["cache_check"] = f"differs ({what})"
     first_pos = pos[int(off[0]) + 1]
     layer, where = None, ""
@@ -1035,13 +1040,14 @@ def cache_rows(tokens: pl.DataFrame, resid: pl.DataFrame | None, model, dtype: s
     if firsts:
         p0, layer = min(firsts)
         where = f"; the layers' outputs first differ at layer {layer} (position {p0})"
-    worst = pos[int(np.argmax(gap)) + 1]
-    n = f"{off.size} of {compared} token logprobs compared"
+    top = np.where(judged, gap, -1.0)
+    worst, score = pos[int(np.argmax(top)) + 1], float(top.max())
+    n = f"{off.size} of {compared} {whom} compared"
     return _rows([{"kind": "cache_mismatch", "severity": "critical", "pos": first_pos, "layer": layer,
-                   "score": float(gap.max()), "threshold": nats,
+                   "score": score, "threshold": nats,
                    "explanation": "the recorded run is not what the model computes for its tokens without the KV "
                                   f"cache: {n} more than {nats:g} nats apart{how}, first at position {first_pos}, most "
-                                  f"at {worst} ({gap.max():.2f} nats){where}: what only the recorded step-by-step path "
+                                  f"at {worst} ({score:.2f} nats){where}: what only the recorded step-by-step path "
                                   "computes is at fault (the KV cache's entries, a decode kernel, a hook active while "
                                   "recording), or the model given is not the one recorded; root cause recomputes "
                                   "without the cache and cannot see it"}])
