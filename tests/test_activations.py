@@ -576,7 +576,7 @@ def test_the_profile_knows_its_longest_context_and_the_check_stops_there(tiny, p
     run up to there and says so: past it, what a clean model computes is unknown to the profile (the demo's clean
     prompts of 1,500-3,800 tokens raised 3-6 critical component rows each, a head 3,600 nats out)."""
     assert activations.calibrated_context(prof) == 40 and activations.calibrated_context(None) is None
-    assert prof.filter(pl.col("kind") == "calibration")["signal"].to_list() == ["max_context"]
+    assert prof.filter(pl.col("kind") == "calibration")["signal"].to_list() == ["max_context", "bucket_prompts"]
     from workbench.analysis import anomalies
     from workbench.capture.prompts import load_prompts
     from workbench.model import load_checkpoint, load_tokenizer
@@ -714,3 +714,24 @@ def test_a_norm_channel_gone_wrong_is_named_at_any_width():
         assert activations._norm_dev(activations._norm_answer(norm), clean) > 1.0 > activations.KNOWN_TOL
         assert activations._known_dev(activations._held(activations._norm_answer(norm)), activations._held(clean)) \
             < 5 * activations.KNOWN_TOL  # what a projection would have seen
+
+
+def test_the_reach_ends_where_a_length_bucket_has_too_few_calibration_prompts(prof):
+    """A spread from a handful of prompts judges no context: the profile's reach ends at the last length bucket that
+    REACH_RUNS calibration prompts reach (a 102M model profiled on 60 prompts, 5 of them past 512 tokens, judged its
+    clean 500-960-token prompts with 15 component rows); a profile of fewer prompts than that, or one made before the
+    counts were kept, reaches its longest prompt as before."""
+    R = activations.RUN_BUCKETS
+    assert activations._bucket_reach([60, 60, 60, 60, 60, 55, 37, 14, 5], 977) == R[8] - 1 == 511
+    assert activations._bucket_reach([272, 272, 272, 271, 271, 263, 226, 128, 25], 1139) == 1139
+    assert activations._bucket_reach([60, 60, 60, 60, 60, 55, 9, 0, 0], 120) == R[6] - 1 == 31
+    assert activations._bucket_reach([8] * 9, 300) == 300  # a small profile: no length singled out
+    counts = prof.filter(pl.col("signal") == "bucket_prompts")
+    n = int(counts["n"][0])
+    assert counts["mean"][0].to_list() == [float(n)] * 5 + counts["mean"][0].to_list()[5:]  # every prompt >= 6 tokens
+    few = prof.with_columns(pl.when(pl.col("signal") == "bucket_prompts")
+                            .then(pl.lit([60.0, 60, 60, 60, 60, 55, 9, 0, 0], pl.List(pl.Float32)))
+                            .otherwise(pl.col("mean")).alias("mean"))
+    assert activations.calibrated_context(few) == min(31, activations.calibrated_context(prof))
+    old = prof.filter(pl.col("signal") != "bucket_prompts")  # made before the counts: its longest prompt
+    assert activations.calibrated_context(old) == 40

@@ -131,6 +131,11 @@ COLUMNS = {"kind": pl.Utf8, "layer": pl.Int32, "head": pl.Int32, "expert": pl.In
 RUN_BUCKETS = (2, 3, 4, 6, 10, 18, 32, 128, 512)
 OLD_BUCKETS = (3, 32, 128, 512)  # profiles made before the 2-token bucket (their run_* lists have 4 entries)
 MIN_RUNS = 5  # calibration prefixes a bucket needs, else it takes the nearest shorter bucket's spread
+# and how many a length bucket needs for the statistics to judge contexts of its length at all: a spread from 5
+# prefixes is no spread (a random 102M DeepSeek-V3 profiled on 60 prompts, 5 of them of 512 tokens or more, judged
+# clean 500-960-token prompts with 15 component rows in 4 runs); past the last bucket that has them the profile's reach
+# ends (``calibrated_context``), as it does past the longest calibration prompt
+REACH_RUNS = 10
 # within a layer, what a part's input passes through first: a part more unusual than this is explained by it
 UPSTREAM = {"kv_latent": ("attn_norm",), "rotary": ("attn_norm",), "head": ("attn_norm", "kv_latent", "rotary"),
             "attn_block": ("attn_norm", "kv_latent", "rotary", "head"),
@@ -619,7 +624,10 @@ def build(a: Adapter, prompts: list[list[int]], seed: int = 0, first_tokens: lis
     known_rows = _known_cells(a, prompts, captured) + _known_end_cells(a)
     check = _held_row("router_check", None, None, None, "disagree", disagree, [])
     reach = _held_row("calibration", None, None, None, "max_context", max(len(p) for p in prompts), [])
-    return pl.DataFrame([*cells.values(), check, reach, *out_rows, *first_rows, *known_rows], schema=COLUMNS)
+    per_bucket = _held_row("calibration", None, None, None, "bucket_prompts", len(prompts),
+                           [float(sum(len(p) >= lo for p in prompts)) for lo in RUN_BUCKETS])
+    return pl.DataFrame([*cells.values(), check, reach, per_bucket, *out_rows, *first_rows, *known_rows],
+                        schema=COLUMNS)
 
 
 def _first_tokens(prompts: list[list[int]]) -> list[int]:
@@ -688,8 +696,12 @@ class _Prepared:
         check = prof.filter(pl.col("kind") == "router_check")
         self.trusted = check.height == 0 or int(check["n"][0]) == 0  # clean routing agreed with RouterMath
         reach = prof.filter((pl.col("kind") == "calibration") & (pl.col("signal") == "max_context"))
-        # the longest context the calibration ran (a profile made before this row: unknown)
+        # the longest context the calibration ran (a profile made before this row: unknown), and no further than the
+        # last length bucket with REACH_RUNS calibration prompts (a profile made before it said: as far as the first)
         self.max_context: int | None = int(reach["n"][0]) if reach.height else None
+        counts = prof.filter((pl.col("kind") == "calibration") & (pl.col("signal") == "bucket_prompts"))
+        if counts.height and self.max_context is not None:
+            self.max_context = min(self.max_context, _bucket_reach(counts["mean"][0].to_list(), self.max_context))
         self.known_inputs = {r["layer"]: r for r in prof.filter(pl.col("kind") == "known_input").iter_rows(named=True)}
         self.known: dict[int, list[dict]] = {}  # layer -> its known-answer cells
         for r in prof.filter(pl.col("signal").str.starts_with("known")).iter_rows(named=True):
@@ -775,6 +787,21 @@ class _Prepared:
 
 
 _PREPARED: dict[int, tuple] = {}  # id(profile) -> (profile, its _Prepared): memo.by_object
+
+
+def _bucket_reach(counts: list[float], longest: int) -> int:
+    """The longest context the statistics judge: the end of the last length bucket (``RUN_BUCKETS``) that it and
+    every shorter one has ``REACH_RUNS`` calibration prompts reaching it (``counts``: per bucket); ``longest`` for
+    the last bucket, and for a calibration of fewer prompts than that (a small profile's spreads are all short of
+    prompts alike: no length is singled out)."""
+    if not counts or counts[0] < REACH_RUNS:
+        return longest
+    reach = longest
+    for b, n in enumerate(counts[: len(RUN_BUCKETS)]):
+        if n < REACH_RUNS:
+            break
+        reach = RUN_BUCKETS[b + 1] - 1 if b + 1 < len(RUN_BUCKETS) else longest
+    return reach
 
 
 def _prepared(prof: pl.DataFrame) -> _Prepared:
