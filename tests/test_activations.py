@@ -735,3 +735,27 @@ def test_the_reach_ends_where_a_length_bucket_has_too_few_calibration_prompts(pr
     assert activations.calibrated_context(few) == min(31, activations.calibrated_context(prof))
     old = prof.filter(pl.col("signal") != "bucket_prompts")  # made before the counts: its longest prompt
     assert activations.calibrated_context(old) == 40
+
+
+def test_known_answers_in_half_precision_against_an_fp32_profile():
+    """bf16 rounds a component's answer on its fixed inputs by about 2% of its RMS (the demo, every component), far
+    under ``KNOWN_TOL_HALF``: a clean bf16 model against the fp32 bundled profile has no known-answer evidence, an
+    expert whose weights were noised has (in fp32 only the profile's own dtype was compared before)."""
+    from workbench.analysis import faults
+    from workbench.capture.adapters import load_adapter
+    from workbench.model import load_tokenizer
+
+    prof = pl.read_parquet(activations.BUNDLED)
+    assert activations._known_tol(prof, torch.float32) == activations.KNOWN_TOL
+    assert activations._known_tol(prof, torch.bfloat16) == activations._known_tol(prof, torch.float16) \
+        == activations.KNOWN_TOL_HALF
+    assert activations._known_tol(prof, torch.float64) is None
+    a = load_adapter(None, dtype=torch.bfloat16)
+    ids = load_tokenizer().encode("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):").ids
+    got = activations.capture(a, ids)[0]
+    assert activations._known_evidence(a, got, prof) == {}
+    idx = got[("route", 3, None, None, "indices")]
+    expert = int(idx.flatten()[0])  # one the context chose
+    with faults.ALL_KINDS["expert_noise"](a.module, 3, index=expert):
+        off = activations._known_evidence(a, activations.capture(a, ids)[0], prof)
+    assert ("expert", 3, None, expert, None) in off

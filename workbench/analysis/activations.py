@@ -819,6 +819,17 @@ def _made_in(prof: pl.DataFrame, dtype: torch.dtype) -> bool:
     return _prepared(prof).made_in == [str(dtype).split(".")[-1]]
 
 
+def _known_tol(prof: pl.DataFrame, dtype: torch.dtype) -> float | None:
+    """How far a known answer may be off in ``dtype``: ``KNOWN_TOL`` in the profile's own dtype, ``KNOWN_TOL_HALF``
+    for a model run in half precision against a profile made in fp32 (it rounds otherwise, by far less), None (not
+    compared) for any other pair."""
+    if _made_in(prof, dtype):
+        return KNOWN_TOL
+    if _prepared(prof).made_in == ["float32"] and dtype in (torch.bfloat16, torch.float16):
+        return KNOWN_TOL_HALF
+    return None
+
+
 def _first_evidence(got: dict, first: int, prof: pl.DataFrame, dtype: torch.dtype) -> dict[tuple, float]:
     """Components whose output at position 0 differs from the clean model's on the context's first token (only
     where the model runs in the dtype the profile was made in: another one rounds otherwise)."""
@@ -862,6 +873,9 @@ def _first_evidence(got: dict, first: int, prof: pl.DataFrame, dtype: torch.dtyp
 KNOWN_INPUTS = 4  # inputs per layer: the MoE or MLP block's input at the middle of the first calibration prompts
 KNOWN_DIMS = 16  # each output is held as its projection on this many fixed random directions (a profile stays small)
 KNOWN_TOL = 0.05  # a projection off by this fraction of the clean one's RMS: the component computes another function
+# a model run in bf16 / fp16 against a profile made in fp32: the same weights round otherwise, by up to 0.019-0.023 of
+# the RMS in bf16 (0.003 in fp16) on the demo and a random 102M DeepSeek-V3, every component: judged past this instead
+KNOWN_TOL_HALF = 0.1
 KNOWN_FULL = 0.5  # off by this fraction or more: ``KNOWN_NATS``; in between, proportionally
 KNOWN_NATS = 60.0  # a component that no longer computes what it did when profiled (its weights or its code changed)
 KNOWN_AFTER = 10.0  # what is unusual after it on the token's path is its consequence: capped at this (under a warning)
@@ -1160,9 +1174,11 @@ def _known_dev(y: torch.Tensor, v: torch.Tensor) -> float:
 
 def _known_evidence(a: Adapter, got: dict, prof: pl.DataFrame) -> dict[tuple, float]:
     """Components of the context's path whose output on their layer's fixed inputs differs from the clean model's
-    (only where the model runs in the dtype the profile was made in): ``KNOWN_NATS`` times how far off, up to all
-    of it. A routed expert counts only where some context position chose it (else it took no part)."""
-    if not _made_in(prof, a.dtype):
+    (in the dtype the profile was made in, or in half precision against an fp32 profile with ``KNOWN_TOL_HALF``:
+    ``_known_tol``): ``KNOWN_NATS`` times how far off, up to all of it. A routed expert counts only where some context
+    position chose it (else it took no part)."""
+    tol = _known_tol(prof, a.dtype)
+    if tol is None:
         return {}
     prep = _prepared(prof)
     fixed = _FIXED.get()
@@ -1182,7 +1198,7 @@ def _known_evidence(a: Adapter, got: dict, prof: pl.DataFrame) -> dict[tuple, fl
         for c in mine:
             k = (c["kind"], layer, c["head"], c["expert"], c["signal"])
             dev = devs.get(k)
-            if dev is None or dev <= KNOWN_TOL:  # None: an expert no position chose (it took no part), or not run
+            if dev is None or dev <= tol:  # None: an expert no position chose (it took no part), or not run
                 continue
             nats = KNOWN_NATS * min(1.0, dev / KNOWN_FULL)
             if c["kind"] == "head":
