@@ -794,8 +794,6 @@ def _bucket_reach(counts: list[float], longest: int) -> int:
     every shorter one has ``REACH_RUNS`` calibration prompts reaching it (``counts``: per bucket); ``longest`` for
     the last bucket, and for a calibration of fewer prompts than that (a small profile's spreads are all short of
     prompts alike: no length is singled out)."""
-    if not counts or counts[0] < REACH_RUNS:
-        return longest
     reach = longest
     for b, n in enumerate(counts[: len(RUN_BUCKETS)]):
         if n < REACH_RUNS:

@@ -263,8 +263,7 @@ class Baseline:
         st = st.with_columns(over((pl.col("_v") - pl.col("_med")).abs().median()).alias("_mad"))
         keep = st["_n"].to_numpy() >= min_positions
         if keep.any():
-            v, med, mad = (st[c].to_numpy()[keep] for c in ("_v", "_med", "_mad"))
-            mad = np.where(st["_nan"].to_numpy()[keep], np.nan, mad)
+            v, med, mad = (st[c].to_numpy()[keep] for c in ("_v", "_med", "_mad"))  # a NaN median: NaN z
             scale = np.maximum(np.maximum(mad / 0.6745, 0.01 * (np.abs(med) + 1e-3)), 1e-6)
             z = (v - med) / scale
             p[keep], side[keep] = _pick(_norm_sf(z), _norm_sf(-z), tail)
@@ -1014,13 +1013,12 @@ def cache_rows(tokens: pl.DataFrame, resid: pl.DataFrame | None, model, dtype: s
         g = gap[judged]
         med = float(np.median(g)) if g.size else 0.0
         n_over = int(np.sum(g > nats))
-        n_med = int(np.sum(g > CACHE_MEDIAN_HALF))
-        if not ((med > CACHE_MEDIAN_HALF and n_med >= CACHE_MIN)
-                or n_over >= max(CACHE_MIN, CACHE_SHARE_HALF * g.size)):
+        by_median = med > CACHE_MEDIAN_HALF and int(np.sum(g > CACHE_MEDIAN_HALF)) >= CACHE_MIN
+        if not (by_median or n_over >= max(CACHE_MIN, CACHE_SHARE_HALF * g.size)):
             meta["cache_check"] = (f"agrees ({what}; the {g.size} {whom} judged a median {med:.3f} nats apart, "
                                    f"{n_over} more than {nats:g}: half precision's rounding)")
             return empty()
-        if med > CACHE_MEDIAN_HALF and n_med >= CACHE_MIN:
+        if by_median:
             nats = CACHE_MEDIAN_HALF
             how = (f" (a median of {med:.2f} nats, where half precision's rounding leaves the median under "
                    f"{CACHE_MEDIAN_HALF:g})")
